@@ -1,0 +1,194 @@
+"""The engine's public vocabulary: what callers submit and what they get back.
+
+Everything here is plain data, safe to create on any thread. The engine thread is the only one that
+turns these into tensors; callers only ever see `numpy` PCM and these dataclasses.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Union
+
+import numpy as np
+
+Variant = Literal["english", "turbo", "multilingual"]
+VARIANTS: tuple[Variant, ...] = ("english", "turbo", "multilingual")
+
+OUTPUT_SAMPLE_RATE_HZ = 24_000  # S3Gen renders 24 kHz mono
+SAMPLES_PER_SPEECH_TOKEN = 960  # 25 speech tokens/s -> 50 mel frames/s -> 960 samples per token at 24 kHz
+HARD_MAX_NEW_TOKENS = 1000  # the reference's own cap (40 s of speech)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-segment sampling and conditioning settings, in the reference's meaning.
+
+    Fields a variant does not use are ignored by it (Turbo has no CFG, min_p or exaggeration;
+    English and Multilingual have no top_k), exactly as chatterbox's own `generate()` ignores them.
+    """
+
+    temperature: float = 0.8
+    top_p: float = 1.0
+    min_p: float = 0.05
+    top_k: int = 1000
+    repetition_penalty: float = 1.2
+    cfg_weight: float = 0.5
+    exaggeration: float = 0.5
+    # None: derived from the text length (see `max_tokens_for_text`), never above HARD_MAX_NEW_TOKENS.
+    max_new_tokens: int | None = None
+    # None: the engine draws one. With a seed, the tokens and the audio do not depend on what else runs.
+    seed: int | None = None
+
+    @staticmethod
+    def defaults(variant: Variant) -> "SamplingParams":
+        if variant == "turbo":
+            return SamplingParams(top_p=0.95, min_p=0.0, cfg_weight=0.0, exaggeration=0.0)
+        if variant == "multilingual":
+            return SamplingParams(repetition_penalty=2.0)
+        return SamplingParams()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not (self.temperature > 0.0):
+            raise ValueError("temperature must be > 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError("min_p must be in [0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not (self.repetition_penalty > 0.0):
+            raise ValueError("repetition_penalty must be > 0")
+        if not (0.0 <= self.cfg_weight <= 10.0):
+            raise ValueError("cfg_weight must be in [0, 10]")
+        if not (0.0 <= self.exaggeration <= 2.0):
+            raise ValueError("exaggeration must be in [0, 2]")
+        if self.max_new_tokens is not None and not (1 <= self.max_new_tokens <= HARD_MAX_NEW_TOKENS):
+            raise ValueError(f"max_new_tokens must be in [1, {HARD_MAX_NEW_TOKENS}]")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError("seed must be in [0, 2**63)")
+
+
+def max_tokens_for_text(text: str) -> int:
+    """Generation bound derived from the text: generous for real speech, always finite.
+
+    Real speech runs at about 12-16 characters per second, i.e. 1.5-2 speech tokens per character; a
+    model that never says EOS (random weights do not) stops at 4 tokens per character plus a margin.
+    """
+    return min(HARD_MAX_NEW_TOKENS, 25 + 4 * len(text))
+
+
+class EventKind(enum.IntEnum):
+    """What happened to a segment. Order matters: everything >= DONE is terminal."""
+
+    STARTED = 0  # admitted into a slot, prefill done
+    GENERATED = 1  # T3 finished (EOS or limit); audio may still be coming
+    DONE = 10  # last audio chunk delivered
+    CANCELLED = 11
+    BUSY = 12  # refused: no free slot and the request asked not to wait (or the wait queue is full)
+    FAILED = 13
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    """A piece of a segment's waveform: float32 mono at OUTPUT_SAMPLE_RATE_HZ."""
+
+    request_id: str
+    seq: int  # 0, 1, 2 ... per segment
+    pcm: np.ndarray  # [samples] float32
+    speech_tokens: int  # valid speech tokens this chunk renders (samples == 960 * speech_tokens)
+    ready_monotonic_s: float  # time.monotonic() when the engine handed it out
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentEvent:
+    request_id: str
+    kind: EventKind
+    at_monotonic_s: float
+    # GENERATED / DONE: number of valid speech tokens (ids < 6561) the segment produced.
+    speech_tokens: int = 0
+    # GENERATED: every id T3 sampled, EOS included (for tests and debugging).
+    token_ids: tuple[int, ...] = ()
+    reason: str = ""  # BUSY / FAILED / CANCELLED / GENERATED: why ("eos", "max_tokens", ...)
+
+
+EngineOutput = Union[AudioChunk, SegmentEvent]
+Sink = Callable[[EngineOutput], None]
+
+
+@dataclass(slots=True)
+class SegmentRequest:
+    """One speakable piece of text to turn into audio. Each is its own T3 generation."""
+
+    request_id: str  # unique among live requests
+    text: str
+    sink: Sink  # called on the engine thread; must not block (e.g. loop.call_soon_threadsafe)
+    voice_id: str = "default"
+    params: SamplingParams = field(default_factory=SamplingParams)
+    language: str | None = None  # multilingual only, e.g. "fr"
+    # Requests of a session that has not heard anything yet are admitted first (that is TTFB).
+    first_audio_pending: bool = True
+    # False: answer BUSY at once when no slot is free. True: wait in the (bounded) admission queue.
+    may_wait: bool = True
+    submitted_monotonic_s: float = 0.0
+
+
+class EngineError(RuntimeError):
+    """Raised to callers for requests the engine cannot take (unknown voice, bad params, stopped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One engine iteration, recorded once per step (for metrics and dashboards)."""
+
+    at_monotonic_s: float
+    decode_rows: int  # T3 rows in the decode batch (CFG sessions count 2)
+    active_segments: int  # segments holding a slot
+    max_slots: int
+    waiting_segments: int  # admitted-later queue depth
+    decode_ms: float
+    prefill_ms: float
+    prefill_segments: int
+    vocoder_ms: float
+    audio_s: float  # seconds of audio emitted this step
+
+
+class EngineLike:
+    """What agent_server relies on. `synth.engine.Engine` implements it; tests may fake it.
+
+    Every method is thread-safe and returns at once (none waits for the GPU).
+    """
+
+    variant: Variant
+    random_weights: bool  # True when the model runs on randomly initialised weights (audio is noise)
+    max_slots: int
+
+    def submit(self, request: SegmentRequest) -> None:
+        """Queue a segment. Raises EngineError (unknown voice, bad params, engine stopped)."""
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a segment: no chunk of it reaches the sink after this returns; its slot is free next step."""
+        raise NotImplementedError
+
+    def voice_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def add_voice(self, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> None:
+        """Compute a voice's conditioning from a reference clip (>= 5 s) on the caller's thread. Slow."""
+        raise NotImplementedError
+
+    def remove_voice(self, voice_id: str) -> None:
+        """Forget a voice; segments already using it keep their own reference."""
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        """Models loaded, warmed up, step loop running."""
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died (the server must turn not-ready)."""
+        raise NotImplementedError
