@@ -183,6 +183,23 @@ class EngineLike:
         """Forget a voice; segments already using it keep their own reference."""
         raise NotImplementedError
 
+    def status(self) -> dict[str, object]:
+        """JSON-able snapshot: variant, random_weights, weights_source, device, dtype, max_slots,
+        slots_in_use, waiting, steps."""
+        raise NotImplementedError
+
+    def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
+        """Called on the engine thread once per step; must be cheap and never block."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start the engine thread and warm up; `ready` turns True when done."""
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; pending segments get a CANCELLED event (reason "shutdown")."""
+        raise NotImplementedError
+
     @property
     def ready(self) -> bool:
         """Models loaded, warmed up, step loop running."""
@@ -192,3 +209,22 @@ class EngineLike:
     def alive(self) -> bool:
         """False once the engine thread has died (the server must turn not-ready)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    variant: Variant = "english"
+    # "auto": a local checkpoint if one is found (AGENT_SERVER_CHECKPOINT dir or the Hugging Face cache), else a hub
+    # download, else random weights (with a loud warning). "random-tiny" / "random-full": random weights of the real
+    # architecture at test / true size. Anything else: a local checkpoint directory in chatterbox's file layout.
+    weights: str = "auto"
+    device: str = "auto"  # "auto" -> cuda if available else cpu
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16" (T3; S3Gen stays float32 on CPU)
+    max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
+    max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
+    max_context_tokens: int = 2048  # KV positions per row (conditioning + text + speech)
+    first_chunk_tokens: int = 12
+    chunk_schedule_tokens: tuple[int, ...] = (24, 48, 96)
+    prefill_budget_segments: int = 4  # prefills per iteration, so decode of running segments keeps its pace
+    alignment_analyzer: bool = False  # multilingual only
+    seed: int | None = None  # seeds segments that bring none (None: from os.urandom)
