@@ -1,0 +1,44 @@
+"""The synthesis engine: Chatterbox models, slot KV cache, scheduler, batched step loop, streaming vocoder.
+
+No asyncio here and no import of agent_server: callers use `build_engine` and the names in `synth.api`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from synth.api import EngineConfig
+
+if TYPE_CHECKING:
+    from synth.engine import Engine
+    from synth.loading import ModelBundle
+    from synth.voices import Voice
+
+DEFAULT_VOICE_ID = "default"
+
+
+def default_voice(bundle: "ModelBundle") -> "Voice":
+    """The checkpoint's built-in voice (conds.pt); with none, a deterministic synthetic reference clip."""
+    from synth.presets import synthetic_reference_wav
+    from synth.voices import make_voice, voice_from_conds
+
+    if bundle.builtin_conds is not None:
+        return voice_from_conds(DEFAULT_VOICE_ID, bundle.builtin_conds, bundle.device)
+    sample_rate_hz = 24_000
+    voice = make_voice(bundle, DEFAULT_VOICE_ID, synthetic_reference_wav(sample_rate_hz), sample_rate_hz)
+    voice.builtin = True
+    return voice
+
+
+def build_engine(config: EngineConfig, *, render_audio: bool = True) -> "Engine":
+    """Load the models (slow) and return an Engine that is not started yet."""
+    from synth.engine import Engine
+    from synth.loading import load_models
+
+    bundle = load_models(config.variant, config.weights, config.device)
+    engine = Engine(bundle, config, render_audio=render_audio)
+    engine.voices.add(default_voice(bundle))
+    return engine
+
+
+__all__ = ["EngineConfig", "build_engine", "default_voice", "DEFAULT_VOICE_ID"]

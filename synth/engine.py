@@ -1,0 +1,511 @@
+"""The engine: one thread owns the models and runs THE step loop over every live segment.
+
+Callers (any thread) talk to it through `submit` / `cancel` (a queue) and hear back through each
+request's sink (called on this thread; sinks must not block). Each iteration:
+
+    drain inbox -> schedule -> prefill + one batched decode + sample (one host sync)
+    -> apply cancels that landed meanwhile -> update -> vocode what is due -> emit -> stats
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from synth.api import (HARD_MAX_NEW_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
+                       EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
+                       SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
+from synth.kv_cache import PrefixKV
+from synth.loading import ModelBundle
+from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
+from synth.sampling import RowParams, sample_gpt2, sample_llama
+from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
+from synth.t3_runner import DecodeBatch, T3Runner
+from synth.text import text_token_ids
+from synth.voices import Voice, VoiceRegistry, make_voice
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD_TOKENS = 3  # S3Gen's encoder looks 3 tokens ahead; a chunk is due once they exist
+IDLE_WAIT_S = 0.05
+PREFIX_CACHE_ENTRIES = 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+S3GEN_SILENCE_TOKENS_TURBO = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+class Engine(EngineLike):
+    def __init__(self, bundle: ModelBundle, config: EngineConfig, *, render_audio: bool = True) -> None:
+        self.bundle = bundle
+        self.config = config
+        self.variant = bundle.variant
+        self.random_weights = bundle.random_weights
+        self.max_slots = config.max_slots
+        self.device = bundle.device
+        self.dtype = DTYPES[config.dtype]
+        self.is_llama = self.variant != "turbo"
+        max_rows = config.max_slots * (2 if self.is_llama else 1)
+        self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=config.max_context_tokens, device=self.device,
+                               dtype=self.dtype)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
+            prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
+            eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama))
+        self.vocoder = self._build_vocoder() if render_audio else None
+        self.voices = VoiceRegistry()
+        vocab = bundle.t3.hp.speech_tokens_dict_size
+        # seen[row]: ids that count for the repetition penalty of the segment whose cond row is `row`
+        self._seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=self.device)
+        self._prefixes: OrderedDict[tuple[int, float], PrefixKV] = OrderedDict()
+        self._vocoder_voices: OrderedDict[int, Any] = OrderedDict()
+        self._inbox: queue.Queue[SegmentState | _Cancel] = queue.Queue()
+        self._live: dict[str, SegmentState] = {}  # request_id -> state, engine thread only
+        self._emit_lock = threading.Lock()
+        self._cancelled: set[str] = set()  # guarded by _emit_lock
+        self._stats_listener: Callable[[StepStats], None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._dead = threading.Event()
+        self._seed_source = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        self.steps = 0
+        self.failure: str = ""
+
+    # --- public API (any thread) -------------------------------------------------------------------------
+
+    def submit(self, request: SegmentRequest) -> None:
+        if self._dead.is_set() or self._stop.is_set():
+            raise EngineError("engine is not running")
+        state = self._new_state(request)
+        self._inbox.put(state)
+
+    def cancel(self, request_id: str) -> None:
+        with self._emit_lock:
+            self._cancelled.add(request_id)
+        self._inbox.put(_Cancel(request_id))
+
+    def voice_ids(self) -> list[str]:
+        return self.voices.ids()
+
+    def add_voice(self, voice_id: str, wav: Any, sample_rate_hz: int) -> None:
+        self.voices.add(make_voice(self.bundle, voice_id, wav, sample_rate_hz))
+
+    def remove_voice(self, voice_id: str) -> None:
+        self.voices.remove(voice_id)
+
+    def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
+        self._stats_listener = listener
+
+    def status(self) -> dict[str, object]:
+        return {
+            "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
+            "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
+            "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
+            "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
+            "failure": self.failure,
+        }
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._dead.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead.is_set()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="synth-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._ready.wait(0.05):
+                return True
+            if self._dead.is_set():
+                return False
+        return False
+
+    # --- the thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            self._warmup()
+            self._ready.set()
+            while not self._stop.is_set():
+                self._step()
+            self._fail_all(Status.CANCELLED, "shutdown")
+        except Exception as exc:  # noqa: BLE001 - the engine must report, never hang
+            log.exception("engine thread died")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._dead.set()
+            self._fail_all(Status.FAILED, f"engine failure: {self.failure}")
+
+    def _step(self) -> None:
+        self._drain_inbox(block=self.scheduler.idle and not self._vocoder_backlog())
+        plan = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        token_ids, prefill_ms = self._execute(plan)  # the one host sync of the step
+        t1 = time.perf_counter()
+        self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
+        ended = self.scheduler.update(plan, StepResult(token_ids))
+        self._after_update(plan, ended)
+        vocoder_ms, audio_s = self._vocode_due()
+        self._record(plan, (t1 - t0) * 1e3 - prefill_ms, prefill_ms, vocoder_ms, audio_s)
+
+    # --- inbox -------------------------------------------------------------------------------------------
+
+    def _drain_inbox(self, block: bool, cancels_only: bool = False) -> None:
+        deferred: list[SegmentState] = []
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            while True:
+                if isinstance(item, _Cancel):
+                    self._apply_cancel(item.request_id)
+                elif cancels_only:
+                    deferred.append(item)
+                else:
+                    self._admit(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        for state in deferred:  # queued (not claimed) only after the cancels, so update() is unaffected
+            self._admit(state)
+
+    def _admit(self, state: SegmentState) -> None:
+        if state.request_id in self._live:
+            self._emit(state, self._event(state, EventKind.FAILED, reason="duplicate request_id"))
+            return
+        with self._emit_lock:
+            if state.request_id in self._cancelled:  # cancelled before the engine saw it
+                self._cancelled.discard(state.request_id)
+                return
+        if not self.scheduler.add(state):
+            self._emit(state, self._event(state, EventKind.BUSY, reason="no free slot"))
+            return
+        self._live[state.request_id] = state
+
+    def _apply_cancel(self, request_id: str) -> None:
+        state = self._live.pop(request_id, None)
+        with self._emit_lock:
+            self._cancelled.discard(request_id)
+        if state is None or state.is_done:
+            return
+        self.scheduler.cancel(state)
+        state.request.sink(self._event(state, EventKind.CANCELLED, reason="cancelled"))
+
+    # --- T3 ----------------------------------------------------------------------------------------------
+
+    def _execute(self, plan: StepPlan) -> tuple[list[int], float]:
+        """Prefill the admitted, decode the running, sample every row. Returns (ids, prefill_ms)."""
+        if plan.is_empty:
+            return [], 0.0
+        t0 = time.perf_counter()
+        prefill_logits = [self._prefill(state) for state in plan.prefill]  # each [1 or 2, V]
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        blocks: list[torch.Tensor] = []
+        cond_index: list[int] = []
+        uncond_index: list[int] = []
+        if plan.decode:
+            blocks.append(self.runner.decode(self._decode_batch(plan.decode)))  # [span, V]
+            for state in plan.decode:
+                cond_index.append(state.rows[0])
+                uncond_index.append(state.rows[1] if len(state.rows) > 1 else state.rows[0])
+        offset = blocks[0].shape[0] if blocks else 0
+        for state, logits in zip(plan.prefill, prefill_logits):
+            blocks.append(logits)
+            cond_index.append(offset)
+            uncond_index.append(offset + 1 if logits.shape[0] > 1 else offset)
+            offset += logits.shape[0]
+        all_logits = torch.cat(blocks).float()
+        cond = all_logits[torch.tensor(cond_index, device=self.device)]
+        uncond = all_logits[torch.tensor(uncond_index, device=self.device)]
+        tokens = self._sample(plan.sampled, cond, uncond)
+        return tokens.tolist(), prefill_ms
+
+    def _prefill(self, state: SegmentState) -> torch.Tensor:
+        prefix = self._prefix_for(state.voice, state.params.exaggeration)
+        rows = list(state.rows)
+        text = self.runner.text_embeds(state.text_ids, with_uncond_row=state.uses_cfg)
+        embeds = torch.cat([text, self.runner.bos_embeds(len(rows))], dim=1)
+        logits = self.runner.prefill(rows, prefix, embeds)
+        state.next_pos = prefix.length + embeds.shape[1]
+        seen = self._seen[rows[0]]
+        seen.zero_()
+        seen[self.runner.start_speech_token] = True  # the reference counts BOS for the first penalty
+        state.admitted_s = time.monotonic()
+        return logits
+
+    def _prefix_for(self, voice: Voice, exaggeration: float) -> PrefixKV:
+        key = (id(voice), float(exaggeration) if self.is_llama else 0.0)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            cond = voice.t3_cond(exaggeration, self.device)
+            prefix = self.runner.compute_prefix(self.runner.cond_embeds(cond))
+            self._prefixes[key] = prefix
+            if len(self._prefixes) > PREFIX_CACHE_ENTRIES:
+                self._prefixes.popitem(last=False)
+        else:
+            self._prefixes.move_to_end(key)
+        return prefix
+
+    def _decode_batch(self, states: list[SegmentState]) -> DecodeBatch:
+        n_rows = self.scheduler.rows_span
+        scratch = self.runner.cache.scratch_pos
+        token_ids = [self.runner.start_speech_token] * n_rows
+        speech_pos = [0] * n_rows
+        write_pos = [scratch] * n_rows
+        attend_len = [1] * n_rows
+        for state in states:
+            assert state.pending_token is not None
+            for row in state.rows:
+                token_ids[row] = state.pending_token
+                speech_pos[row] = len(state.tokens)  # sampled token i is embedded at speech position i+1
+                write_pos[row] = state.next_pos
+                attend_len[row] = state.next_pos + 1
+            state.next_pos += 1
+        dev = self.device
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        return DecodeBatch(n_rows=n_rows, token_ids=as_tensor(token_ids), speech_pos=as_tensor(speech_pos),
+                           write_pos=as_tensor(write_pos), attend_len=as_tensor(attend_len),
+                           span_len=max(attend_len))
+
+    def _sample(self, states: list[SegmentState], cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """cond, uncond: [N, V] fp32 logits in `states` order -> [N] sampled ids (on device)."""
+        params = self._row_params([s.params for s in states])
+        cond_rows = torch.tensor([s.rows[0] for s in states], dtype=torch.long, device=self.device)
+        seen = self._seen[cond_rows]
+        generators = [s.generator for s in states]
+        if self.is_llama:
+            tokens = sample_llama(cond, uncond, seen, params, generators)
+        else:
+            tokens = sample_gpt2(cond, seen, params, generators)
+            # inference_turbo penalises BOS only for its first token; afterwards only generated ids count
+            first = torch.tensor([len(s.tokens) == 0 for s in states], device=self.device)
+            self._seen[cond_rows] = self._seen[cond_rows] & ~first[:, None]
+        self._seen[cond_rows, tokens] = True
+        return tokens
+
+    def _row_params(self, params: list[SamplingParams]) -> RowParams:
+        def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor([[getattr(p, name)] for p in params], dtype=dtype, device=self.device)
+
+        return RowParams(temperature=col("temperature"), top_p=col("top_p"), min_p=col("min_p"),
+                         top_k=col("top_k", torch.long), repetition_penalty=col("repetition_penalty"),
+                         cfg_weight=col("cfg_weight"))
+
+    # --- after sampling ----------------------------------------------------------------------------------
+
+    def _after_update(self, plan: StepPlan, ended: list[SegmentState]) -> None:
+        now = time.monotonic()
+        for state in plan.sampled:
+            if state.status not in (Status.RUNNING, Status.GENERATED):
+                continue
+            token = state.tokens[-1]
+            if len(state.tokens) == 1:
+                state.first_token_s = now
+                self._emit(state, self._event(state, EventKind.STARTED))
+            if token < SPEECH_VOCAB_SIZE:
+                state.valid_tokens.append(token)
+        for state in ended:
+            self._emit(state, self._event(state, EventKind.GENERATED, reason=state.finish_reason,
+                                          token_ids=tuple(state.tokens)))
+            if self.vocoder is None:
+                self._finish(state)
+
+    def _vocoder_backlog(self) -> bool:
+        return any(s.status == Status.GENERATED for s in self._live.values())
+
+    def _chunk_target(self, state: SegmentState) -> int:
+        if state.chunks_emitted == 0:
+            return self.config.first_chunk_tokens
+        schedule = self.config.chunk_schedule_tokens
+        return schedule[min(state.chunks_emitted - 1, len(schedule) - 1)]
+
+    def _vocode_due(self) -> tuple[float, float]:
+        if self.vocoder is None:
+            return 0.0, 0.0
+        due = [s for s in self._live.values() if self._is_due(s)]
+        due.sort(key=lambda s: (s.chunks_emitted > 0, s.admitted_s))  # first chunks first: that is TTFB
+        t0 = time.perf_counter()
+        audio_s = 0.0
+        for state in due:
+            audio_s += self._vocode(state)
+        return (time.perf_counter() - t0) * 1e3, audio_s
+
+    def _is_due(self, state: SegmentState) -> bool:
+        if state.status == Status.GENERATED:
+            return True
+        if state.status != Status.RUNNING:
+            return False
+        return len(state.valid_tokens) - state.vocoded_tokens >= self._chunk_target(state) + LOOKAHEAD_TOKENS
+
+    def _vocode(self, state: SegmentState) -> float:
+        final = state.status == Status.GENERATED
+        try:
+            if state.vocoder_stream is None:
+                state.vocoder_stream = self.vocoder.open(self._vocoder_voice(state.voice),
+                                                         seed=self._vocoder_seed(state))
+            new_tokens = state.valid_tokens[state.pushed_tokens:]
+            state.pushed_tokens = len(state.valid_tokens)
+            pcm, n_tokens = state.vocoder_stream.push(new_tokens, final=final)
+        except Exception as exc:  # noqa: BLE001 - one segment's vocoder failure must not stop the others
+            log.exception("vocoder failed for %s", state.request_id)
+            self._terminate(state, Status.FAILED, f"vocoder failure: {type(exc).__name__}: {exc}")
+            return 0.0
+        assert pcm.size == n_tokens * SAMPLES_PER_SPEECH_TOKEN, (pcm.size, n_tokens)
+        if n_tokens:
+            state.vocoded_tokens += n_tokens
+            chunk = AudioChunk(request_id=state.request_id, seq=state.chunks_emitted, pcm=pcm,
+                               speech_tokens=n_tokens, ready_monotonic_s=time.monotonic())
+            if state.chunks_emitted == 0:
+                state.first_chunk_s = chunk.ready_monotonic_s
+            state.chunks_emitted += 1
+            self._emit(state, chunk)
+        if final:
+            self._finish(state)
+        return pcm.size / OUTPUT_SAMPLE_RATE_HZ
+
+    def _vocoder_voice(self, voice: Voice) -> Any:
+        key = id(voice)
+        prepared = self._vocoder_voices.get(key)
+        if prepared is None:
+            prepared = self.vocoder.prepare_voice(voice.s3gen_ref)
+            self._vocoder_voices[key] = prepared
+            if len(self._vocoder_voices) > PREFIX_CACHE_ENTRIES:
+                self._vocoder_voices.popitem(last=False)
+        return prepared
+
+    @staticmethod
+    def _vocoder_seed(state: SegmentState) -> int:
+        assert state.params.seed is not None
+        return (state.params.seed * 0x9E3779B1 + 0x7F4A7C15) % (2**63)
+
+    def _finish(self, state: SegmentState) -> None:
+        state.status = Status.FINISHED
+        self._live.pop(state.request_id, None)
+        self._emit(state, self._event(state, EventKind.DONE, reason=state.finish_reason))
+
+    def _terminate(self, state: SegmentState, status: Status, reason: str) -> None:
+        if state.status == Status.RUNNING:
+            self.scheduler.cancel(state, reason)
+        state.status = status
+        self._live.pop(state.request_id, None)
+        kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
+        self._emit(state, self._event(state, kind, reason=reason))
+
+    def _fail_all(self, status: Status, reason: str) -> None:
+        for state in list(self._live.values()):
+            try:
+                self._terminate(state, status, reason)
+            except Exception:  # noqa: BLE001
+                log.exception("while failing %s", state.request_id)
+        while True:  # segments still in the inbox hear about it too
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, SegmentState):
+                kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
+                self._emit(item, self._event(item, kind, reason=reason))
+
+    # --- output ------------------------------------------------------------------------------------------
+
+    def _emit(self, state: SegmentState, output: EngineOutput) -> None:
+        """Deliver unless the request was cancelled; a sink that raises ends only its own segment."""
+        with self._emit_lock:
+            if state.request_id in self._cancelled:
+                return
+            try:
+                state.request.sink(output)
+                return
+            except Exception:  # noqa: BLE001
+                log.exception("sink of %s raised; cancelling it", state.request_id)
+                self._cancelled.add(state.request_id)
+        self._inbox.put(_Cancel(state.request_id))
+
+    @staticmethod
+    def _event(state: SegmentState, kind: EventKind, reason: str = "",
+               token_ids: tuple[int, ...] = ()) -> SegmentEvent:
+        return SegmentEvent(request_id=state.request_id, kind=kind, at_monotonic_s=time.monotonic(),
+                            speech_tokens=len(state.valid_tokens), token_ids=token_ids, reason=reason)
+
+    def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float, vocoder_ms: float,
+                audio_s: float) -> None:
+        if plan.is_empty and not vocoder_ms:
+            return
+        self.steps += 1
+        listener = self._stats_listener
+        if listener is None:
+            return
+        listener(StepStats(
+            at_monotonic_s=time.monotonic(), decode_rows=sum(len(s.rows) for s in plan.decode),
+            active_segments=len(self.scheduler.running), max_slots=self.max_slots,
+            waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
+            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s))
+
+    # --- setup -------------------------------------------------------------------------------------------
+
+    def _new_state(self, request: SegmentRequest) -> SegmentState:
+        params = request.params
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        voice = self.voices.get(request.voice_id)
+        text_ids = text_token_ids(self.variant, self.bundle.tokenizer, request.text, request.language)
+        max_new = params.max_new_tokens or max_tokens_for_text(request.text)
+        seed = params.seed if params.seed is not None else self._draw_seed()
+        params = replace(params, seed=seed, max_new_tokens=min(max_new, HARD_MAX_NEW_TOKENS))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        if not request.submitted_monotonic_s:
+            request.submitted_monotonic_s = time.monotonic()
+        return SegmentState(request=request, params=params, voice=voice, text_ids=text_ids,
+                            max_new_tokens=params.max_new_tokens or HARD_MAX_NEW_TOKENS,
+                            uses_cfg=self.is_llama and params.cfg_weight > 0.0, generator=generator)
+
+    def _draw_seed(self) -> int:
+        if self._seed_source is not None:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
+        return int.from_bytes(os.urandom(8), "little") % (2**62)
+
+    def _build_vocoder(self) -> Any:
+        from synth.vocoder import StreamingVocoder
+
+        turbo = self.variant == "turbo"
+        return StreamingVocoder(self.bundle.s3gen, n_cfm_timesteps=2 if turbo else 10, meanflow=turbo,
+                                append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0)
+
+    def _warmup(self) -> None:
+        """Compute the default voice's prefix (and vocoder prompt) before declaring ready."""
+        try:
+            voice = self.voices.get("default")
+        except EngineError:
+            return
+        defaults = SamplingParams.defaults(self.variant)
+        self._prefix_for(voice, defaults.exaggeration)
+        if self.vocoder is not None:
+            self._vocoder_voice(voice)

@@ -1,0 +1,229 @@
+"""Random-weight models of the real Chatterbox architectures, and checkpoint files in chatterbox's layout.
+
+Weights cannot be downloaded on our machines, so tests and benchmarks run on randomly initialised
+instances of the library's own classes: `full` has the true sizes (cost is real), `tiny` shrinks the
+widths and depths (what tests use). `write_checkpoint` lays such a model out exactly the way
+chatterbox's `from_local` reads a downloaded one, so tests exercise the real loading path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from chatterbox.models.s3gen import S3Gen
+from chatterbox.models.t3 import T3
+from chatterbox.models.t3.llama_configs import LLAMA_CONFIGS
+from chatterbox.models.t3.modules.perceiver import Perceiver
+from chatterbox.models.t3.modules.t3_config import T3Config
+from chatterbox.models.voice_encoder import VoiceEncoder
+
+from synth.api import Variant
+
+log = logging.getLogger(__name__)
+
+Size = Literal["tiny", "full"]
+
+TINY_WIDTH = 64
+TINY_LAYERS = 2
+TINY_HEADS = 4
+PERCEIVER_QUERY_TOKENS = 32
+PERCEIVER_HEADS = 4
+
+ENGLISH_TEXT_VOCAB = 704
+MULTILINGUAL_TEXT_VOCAB = 2454
+TURBO_TEXT_VOCAB = 50276
+TURBO_SPEECH_VOCAB = 6563
+TURBO_PROMPT_TOKENS = 375
+
+# File names, exactly as chatterbox's `from_local` reads them.
+CHECKPOINT_FILES: dict[Variant, dict[str, str]] = {
+    "english": {"ve": "ve.safetensors", "t3": "t3_cfg.safetensors", "s3gen": "s3gen.safetensors",
+                "tokenizer": "tokenizer.json"},
+    "turbo": {"ve": "ve.safetensors", "t3": "t3_turbo_v1.safetensors", "s3gen": "s3gen_meanflow.safetensors",
+              "tokenizer": "tokenizer.json"},
+    "multilingual": {"ve": "ve.pt", "t3": "t3_mtl23ls_v2.safetensors", "s3gen": "s3gen.pt",
+                     "tokenizer": "grapheme_mtl_merged_expanded_v1.json"},
+}
+HUB_REPOS: dict[Variant, str] = {
+    "english": "ResembleAI/chatterbox",
+    "turbo": "ResembleAI/chatterbox-turbo",
+    "multilingual": "ResembleAI/chatterbox",
+}
+BUILTIN_VOICE_FILE = "conds.pt"
+
+_TINY_LLAMA = "Llama_tiny_agent_server"
+_TINY_GPT2 = "GPT2_tiny_agent_server"
+
+
+def _register_tiny_configs() -> None:
+    """Add tiny backbones to chatterbox's config table (T3.__init__ looks configs up by name there)."""
+    if _TINY_LLAMA not in LLAMA_CONFIGS:
+        llama = copy.deepcopy(LLAMA_CONFIGS["Llama_520M"])
+        llama.update(hidden_size=TINY_WIDTH, intermediate_size=4 * TINY_WIDTH, num_hidden_layers=TINY_LAYERS,
+                     num_attention_heads=TINY_HEADS, num_key_value_heads=TINY_HEADS,
+                     head_dim=TINY_WIDTH // TINY_HEADS)
+        LLAMA_CONFIGS[_TINY_LLAMA] = llama
+    if _TINY_GPT2 not in LLAMA_CONFIGS:
+        gpt2 = copy.deepcopy(LLAMA_CONFIGS["GPT2_medium"])
+        gpt2.update(n_embd=TINY_WIDTH, hidden_size=TINY_WIDTH, n_layer=TINY_LAYERS, n_head=TINY_HEADS)
+        LLAMA_CONFIGS[_TINY_GPT2] = gpt2
+
+
+def t3_config(variant: Variant, size: Size) -> T3Config:
+    """The T3 hyper-parameters chatterbox uses for `variant` (Turbo's are set inline in tts_turbo.py)."""
+    _register_tiny_configs()
+    if variant == "english":
+        hp = T3Config.english_only()
+    elif variant == "multilingual":
+        hp = T3Config.multilingual()
+    else:
+        hp = T3Config(text_tokens_dict_size=TURBO_TEXT_VOCAB)
+        hp.llama_config_name = "GPT2_medium"
+        hp.speech_tokens_dict_size = TURBO_SPEECH_VOCAB
+        hp.input_pos_emb = None
+        hp.speech_cond_prompt_len = TURBO_PROMPT_TOKENS
+        hp.use_perceiver_resampler = False
+        hp.emotion_adv = False
+    if size == "tiny":
+        hp.llama_config_name = _TINY_GPT2 if variant == "turbo" else _TINY_LLAMA
+    return hp
+
+
+def build_t3(variant: Variant, size: Size) -> T3:
+    """chatterbox's T3 class, random weights. Tiny also swaps in a Perceiver of the tiny width (the
+    library builds it at width 1024 whatever the backbone), so conditioning keeps its 34 positions."""
+    t3 = T3(t3_config(variant, size))
+    if size == "tiny" and t3.cond_enc.perceiver is not None:
+        t3.cond_enc.perceiver = Perceiver(pre_attention_query_token=PERCEIVER_QUERY_TOKENS,
+                                          pre_attention_query_size=TINY_WIDTH, embedding_dim=TINY_WIDTH,
+                                          num_attn_heads=PERCEIVER_HEADS)
+    return t3.eval()
+
+
+def t3_size_of_state(state: dict[str, torch.Tensor]) -> Size:
+    """Which preset a T3 state dict belongs to (a real checkpoint is always `full`)."""
+    width = state["speech_emb.weight"].shape[1]
+    return "full" if width == LLAMA_CONFIGS["Llama_520M"]["hidden_size"] else "tiny"
+
+
+# --- tokenizers --------------------------------------------------------------------------------------------
+
+_GRAPHEME_SPECIALS = ["[STOP]", "[UNK]", "[SPACE]", "[START]", "[PAD]", "[SEP]", "[CLS]", "[MASK]"]
+
+
+def _grapheme_vocab(vocab_size: int, languages: tuple[str, ...]) -> dict[str, int]:
+    """A character-level vocabulary with no holes: specials, language tags, ASCII, Latin-1, then more BMP."""
+    vocab: dict[str, int] = {}
+    for tok in _GRAPHEME_SPECIALS + [f"[{lang}]" for lang in languages]:
+        vocab[tok] = len(vocab)
+    code_point = 0x21
+    while len(vocab) < vocab_size:
+        ch = chr(code_point)
+        if ch.isprintable() and not ch.isspace() and ch not in vocab:
+            vocab[ch] = len(vocab)
+        code_point += 1
+    return vocab
+
+
+def write_grapheme_tokenizer(path: Path, vocab_size: int, languages: tuple[str, ...] = ()) -> None:
+    """A `tokenizers` BPE file with no merges (one token per character), like chatterbox's grapheme files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = _grapheme_vocab(vocab_size, languages)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.add_special_tokens(_GRAPHEME_SPECIALS + [f"[{lang}]" for lang in languages])
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # type: ignore[arg-type]
+    tok.save(str(path))
+
+
+def write_turbo_tokenizer(directory: Path) -> None:
+    """A byte-level BPE (256 byte tokens, no merges) saved the way `AutoTokenizer.from_pretrained` reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    byte_vocab["<|endoftext|>"] = len(byte_vocab)
+    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
+    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.save_pretrained(str(directory))
+
+
+# --- whole checkpoints -------------------------------------------------------------------------------------
+
+def build_random_modules(variant: Variant, size: Size, seed: int = 0) -> tuple[T3, S3Gen, VoiceEncoder]:
+    """Random T3, S3Gen and VoiceEncoder of `variant` at `size`, deterministic in `seed`."""
+    from synth.tiny_s3gen import build_s3gen
+
+    devnull_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        t3 = build_t3(variant, size)
+        s3gen = build_s3gen(size, meanflow=(variant == "turbo"))
+        ve = VoiceEncoder().eval()
+    finally:
+        torch.set_rng_state(devnull_state)
+    return t3, s3gen, ve
+
+
+def write_checkpoint(directory: Path, variant: Variant, size: Size = "tiny", seed: int = 0,
+                     builtin_voice: dict[str, object] | None = None) -> Path:
+    """Write a random-weight checkpoint of `variant` in the file layout chatterbox's `from_local` reads.
+
+    `builtin_voice`, if given, is a `Conditionals`-style dict (`{"t3": {...}, "gen": {...}}`) saved as conds.pt.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    files = CHECKPOINT_FILES[variant]
+    t3, s3gen, ve = build_random_modules(variant, size, seed)
+    t3_state = {k: v.contiguous() for k, v in t3.state_dict().items()}
+    s3_state = {k: v.contiguous() for k, v in s3gen.state_dict().items()}
+    ve_state = {k: v.contiguous() for k, v in ve.state_dict().items()}
+    save_file(t3_state, str(directory / files["t3"]))
+    if variant == "multilingual":
+        torch.save(ve_state, directory / files["ve"])
+        torch.save(s3_state, directory / files["s3gen"])
+        write_grapheme_tokenizer(directory / files["tokenizer"], MULTILINGUAL_TEXT_VOCAB,
+                                 languages=MULTILINGUAL_LANGUAGES)
+    else:
+        save_file(ve_state, str(directory / files["ve"]))
+        save_file(s3_state, str(directory / files["s3gen"]))
+        if variant == "english":
+            write_grapheme_tokenizer(directory / files["tokenizer"], ENGLISH_TEXT_VOCAB)
+        else:
+            write_turbo_tokenizer(directory)
+    if builtin_voice is not None:
+        torch.save(builtin_voice, directory / BUILTIN_VOICE_FILE)
+    log.info("wrote random %s/%s checkpoint to %s", variant, size, directory)
+    return directory
+
+
+MULTILINGUAL_LANGUAGES: tuple[str, ...] = (
+    "ar", "da", "de", "el", "en", "es", "fi", "fr", "he", "hi", "it", "ja", "ko", "ms", "nl", "no", "pl", "pt",
+    "ru", "sv", "sw", "tr", "zh",
+)
+
+
+def synthetic_reference_wav(sample_rate_hz: int, seconds: float = 8.0, seed: int = 1234) -> np.ndarray:
+    """A deterministic voice-like clip (harmonics with a wandering pitch, syllable envelope, breath noise).
+
+    Used as the default voice when weights are random: there is no real voice to clone, but every voice
+    code path (S3 tokenizer, x-vector, voice encoder, T3 prompt) runs on it as on a real clip.
+    """
+    rng = np.random.default_rng(seed)
+    t_s = np.arange(int(seconds * sample_rate_hz)) / sample_rate_hz
+    f0_hz = 140.0 + 25.0 * np.sin(2 * np.pi * 0.7 * t_s) + 10.0 * np.sin(2 * np.pi * 2.3 * t_s)
+    phase = 2 * np.pi * np.cumsum(f0_hz) / sample_rate_hz
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 12))
+    envelope = 0.5 * (1 + np.sin(2 * np.pi * 3.5 * t_s)) ** 2
+    wav = 0.25 * envelope * voiced + 0.01 * rng.standard_normal(t_s.size)
+    return (wav / np.abs(wav).max() * 0.8).astype(np.float32)

@@ -1,0 +1,59 @@
+"""One object per segment: everything the engine thread knows about it. Only the engine thread touches it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from synth.api import SamplingParams, SegmentRequest
+
+SPEECH_VOCAB_SIZE = 6561  # ids >= this (BOS 6561, EOS 6562, ...) are never given to S3Gen
+
+
+class Status(enum.IntEnum):
+    """Lifecycle. Order matters: >= GENERATED means T3 no longer runs; >= FINISHED means terminal."""
+
+    WAITING = 0  # in the admission queue
+    RUNNING = 1  # holds cache rows, decoding
+    GENERATED = 2  # T3 done (EOS / limit), rows released; the vocoder may still owe audio
+    FINISHED = 10
+    CANCELLED = 11
+    REJECTED = 12
+    FAILED = 13
+
+
+@dataclass(slots=True, eq=False)
+class SegmentState:
+    request: SegmentRequest
+    params: SamplingParams  # resolved: every field set, seed included
+    voice: Any  # synth.voices.Voice (kept by reference: a voice deleted meanwhile stays usable here)
+    text_ids: list[int]  # T3 text tokens, SOT/EOT included where the variant uses them
+    max_new_tokens: int
+    uses_cfg: bool  # two cache rows (cond, uncond)
+    status: Status = Status.WAITING
+    gen: int = 0  # claim counter: output is delivered only while this matches the rows' owner
+    rows: tuple[int, ...] = ()  # cache rows: (cond,) or (cond, uncond)
+    next_pos: int = 0  # next cache position to write (= positions filled so far)
+    tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included
+    pending_token: int | None = None  # sampled, not yet fed back
+    finish_reason: str = ""
+    # vocoder bookkeeping
+    valid_tokens: list[int] = field(default_factory=list)  # sampled ids < SPEECH_VOCAB_SIZE, in order
+    pushed_tokens: int = 0  # valid tokens handed to the vocoder stream
+    vocoded_tokens: int = 0  # valid tokens whose audio has been emitted
+    chunks_emitted: int = 0
+    vocoder_stream: Any = None
+    generator: Any = None  # torch.Generator owned by this segment (sampling)
+    # timestamps (time.monotonic seconds)
+    admitted_s: float = 0.0
+    first_token_s: float = 0.0
+    first_chunk_s: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_done(self) -> bool:
+        return self.status >= Status.FINISHED

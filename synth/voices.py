@@ -1,0 +1,122 @@
+"""Voices: the conditioning computed once from a reference clip, then shared read-only by every segment.
+
+`make_voice` follows chatterbox's `prepare_conditionals` (tts.py / tts_turbo.py / mtl_tts.py) step by
+step, using the library's own S3 tokenizer, CAMPPlus x-vector, mel extractor and voice encoder.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import librosa
+import numpy as np
+import torch
+
+from chatterbox.models.s3gen import S3GEN_SR
+from chatterbox.models.s3tokenizer import S3_SR
+from chatterbox.models.t3.modules.cond_enc import T3Cond
+
+from synth.api import EngineError, Variant
+
+MIN_REFERENCE_S = 5.0
+S3GEN_PROMPT_S = 10.0  # DEC_COND_LEN in every variant
+T3_PROMPT_S: dict[Variant, float] = {"english": 6.0, "multilingual": 6.0, "turbo": 15.0}  # ENC_COND_LEN
+TURBO_TARGET_LUFS = -27.0
+
+
+@dataclass(slots=True, eq=False)
+class Voice:
+    voice_id: str
+    speaker_emb: torch.Tensor  # [1, 256] voice-encoder embedding
+    prompt_speech_tokens: torch.Tensor | None  # [1, P] S3 tokens of the reference (T3 conditioning prompt)
+    s3gen_ref: dict[str, Any]  # S3Gen.embed_ref output: prompt_token, prompt_token_len, prompt_feat, ..., embedding
+    builtin: bool = False
+
+    def t3_cond(self, exaggeration: float, device: torch.device) -> T3Cond:
+        """A fresh T3Cond (T3.prepare_conditioning writes into the object it is given)."""
+        return T3Cond(speaker_emb=self.speaker_emb, cond_prompt_speech_tokens=self.prompt_speech_tokens,
+                      emotion_adv=exaggeration * torch.ones(1, 1, 1)).to(device=device)
+
+
+def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device) -> Voice:
+    """A voice from a checkpoint's conds.pt ({"t3": T3Cond fields, "gen": S3Gen ref dict})."""
+    t3 = conds["t3"]
+    gen = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in conds["gen"].items()}
+    return Voice(voice_id=voice_id, speaker_emb=t3["speaker_emb"].to(device),
+                 prompt_speech_tokens=(t3["cond_prompt_speech_tokens"].to(device)
+                                       if t3.get("cond_prompt_speech_tokens") is not None else None),
+                 s3gen_ref=gen, builtin=True)
+
+
+def _norm_loudness(wav: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+    """Turbo normalises the reference to -27 LUFS before anything else (tts_turbo.norm_loudness)."""
+    import pyloudnorm
+
+    try:
+        loudness = pyloudnorm.Meter(sample_rate_hz).integrated_loudness(wav)
+    except ValueError:
+        return wav
+    gain = 10.0 ** ((TURBO_TARGET_LUFS - loudness) / 20.0)
+    return wav * gain if math.isfinite(gain) and gain > 0.0 else wav
+
+
+@torch.inference_mode()
+def make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> Voice:
+    """Conditioning from a reference clip (mono float, >= 5 s). Raises EngineError on a clip it cannot use."""
+    wav = np.asarray(wav, dtype=np.float32)
+    if wav.ndim != 1:
+        raise EngineError("reference clip must be mono")
+    if not np.all(np.isfinite(wav)):
+        raise EngineError("reference clip contains NaN or infinite samples")
+    if wav.size < MIN_REFERENCE_S * sample_rate_hz:
+        raise EngineError(f"reference clip must be at least {MIN_REFERENCE_S:g} s long "
+                          f"(got {wav.size / sample_rate_hz:.2f} s)")
+    device = bundle.device
+    ref_24k = librosa.resample(wav, orig_sr=sample_rate_hz, target_sr=S3GEN_SR) if sample_rate_hz != S3GEN_SR else wav
+    if bundle.variant == "turbo":
+        ref_24k = _norm_loudness(ref_24k.astype(np.float64), S3GEN_SR).astype(np.float32)
+    ref_16k = librosa.resample(ref_24k, orig_sr=S3GEN_SR, target_sr=S3_SR)
+    s3gen_ref = bundle.s3gen.embed_ref(ref_24k[: int(S3GEN_PROMPT_S * S3GEN_SR)], S3GEN_SR, device=device)
+    prompt_tokens = None
+    if plen := bundle.t3.hp.speech_cond_prompt_len:
+        enc_len = int(T3_PROMPT_S[bundle.variant] * S3_SR)
+        prompt_tokens, _ = bundle.s3gen.tokenizer.forward([ref_16k[:enc_len]], max_len=plen)
+        prompt_tokens = torch.atleast_2d(prompt_tokens).to(device)
+    ve_embed = torch.from_numpy(bundle.ve.embeds_from_wavs([ref_16k], sample_rate=S3_SR))
+    ve_embed = ve_embed.mean(axis=0, keepdim=True).to(device)
+    return Voice(voice_id=voice_id, speaker_emb=ve_embed, prompt_speech_tokens=prompt_tokens, s3gen_ref=s3gen_ref)
+
+
+class VoiceRegistry:
+    """Thread-safe id -> Voice map. Removing a voice never affects segments that already hold it."""
+
+    def __init__(self) -> None:
+        self._voices: dict[str, Voice] = {}
+        self._lock = threading.Lock()
+
+    def add(self, voice: Voice) -> None:
+        with self._lock:
+            self._voices[voice.voice_id] = voice
+
+    def remove(self, voice_id: str) -> None:
+        with self._lock:
+            voice = self._voices.get(voice_id)
+            if voice is None:
+                raise EngineError(f"unknown voice {voice_id!r}")
+            if voice.builtin:
+                raise EngineError(f"voice {voice_id!r} is built in and cannot be removed")
+            del self._voices[voice_id]
+
+    def get(self, voice_id: str) -> Voice:
+        with self._lock:
+            voice = self._voices.get(voice_id)
+        if voice is None:
+            raise EngineError(f"unknown voice {voice_id!r}")
+        return voice
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._voices)
