@@ -150,15 +150,40 @@ def _load_tokenizer(directory: Path, variant: Variant) -> Any:
 
         return EnTokenizer(str(directory / CHECKPOINT_FILES[variant]["tokenizer"]))
     if variant == "multilingual":
-        from chatterbox.models.tokenizers import MTLTokenizer
-
-        return MTLTokenizer(str(directory / CHECKPOINT_FILES[variant]["tokenizer"]))
+        return _load_mtl_tokenizer(directory)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(directory))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+CANGJIE_FILE = "Cangjie5_TC.json"
+
+
+def _load_mtl_tokenizer(directory: Path) -> Any:
+    """MTLTokenizer, with its Chinese Cangjie table read from the checkpoint directory.
+
+    The library fetches that table with `hf_hub_download` inside the constructor, which on a machine
+    without network retries for ~25 s before giving up. We hand it the local file when the checkpoint
+    has one (from_pretrained downloads it beside the weights) and otherwise make it fail at once: the
+    tokenizer then works without Chinese Cangjie conversion, as the library does when the hub is away.
+    """
+    import chatterbox.models.tokenizers.tokenizer as tok_module
+
+    def local_only(repo_id: str, filename: str, **_: Any) -> str:
+        candidate = directory / filename
+        if candidate.exists():
+            return str(candidate)
+        raise FileNotFoundError(f"{filename} not in {directory}")
+
+    original = tok_module.hf_hub_download
+    tok_module.hf_hub_download = local_only
+    try:
+        return tok_module.MTLTokenizer(str(directory / CHECKPOINT_FILES["multilingual"]["tokenizer"]))
+    finally:
+        tok_module.hf_hub_download = original
 
 
 def random_bundle(variant: Variant, size: Size, device: torch.device, seed: int = 0) -> ModelBundle:
