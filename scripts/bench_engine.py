@@ -1,0 +1,203 @@
+"""Engine benchmark on full-size random weights: batched step loop vs chatterbox's sequential T3.inference.
+
+For each variant, in one run on the same model:
+  * sequential: chatterbox's own `T3.inference` / `inference_turbo`, one segment after another;
+  * batched: our engine with N segments submitted at once (T3 only, the vocoder off), N in --segments;
+  * time to first audio for one segment alone (engine with the streaming vocoder, after a warm-up);
+  * S3Gen milliseconds per second of audio for that segment.
+Sequential throughput does not depend on how many segments queue behind each other, so it is measured
+once per variant (over --sequential-segments segments) and every speedup is relative to it.
+Prints a table and writes JSON (`speedup`: segments -> aggregate tokens/s relative to sequential).
+
+    python scripts/bench_engine.py --threads 1 --out out/bench_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from synth import default_voice
+from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant
+from synth.engine import Engine
+from synth.loading import ModelBundle, load_models
+from synth.text import text_token_ids
+
+TEXTS = [
+    "Thanks for calling, how can I help you today?",
+    "Your order shipped this morning and should arrive on Friday.",
+    "I can move your appointment to three thirty if that works.",
+    "Let me check that for you, it will only take a moment.",
+]
+
+
+def sequential_reference(bundle: ModelBundle, n_segments: int, n_tokens: int) -> tuple[float, list[list[int]]]:
+    """Aggregate tokens/s of chatterbox's own inference run one segment at a time, and the tokens."""
+    t3 = bundle.t3
+    voice = default_voice(bundle)
+    defaults = SamplingParams.defaults(bundle.variant)
+    outputs: list[list[int]] = []
+    total_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(n_segments):
+        ids = torch.tensor([text_token_ids(bundle.variant, bundle.tokenizer, TEXTS[i % len(TEXTS)], None)])
+        torch.manual_seed(100 + i)
+        cond = voice.t3_cond(defaults.exaggeration, bundle.device)
+        if bundle.variant == "turbo":
+            out = t3.inference_turbo(cond, ids, max_gen_len=n_tokens - 1)[0].tolist()
+        else:
+            out = t3.inference(t3_cond=cond, text_tokens=torch.cat([ids, ids]), max_new_tokens=n_tokens,
+                               cfg_weight=defaults.cfg_weight, top_p=defaults.top_p)[0].tolist()
+        outputs.append(out)
+        total_tokens += len(out)
+    return total_tokens / (time.perf_counter() - t0), outputs
+
+
+def run_batched(engine: Engine, n_segments: int, n_tokens: int, tag: str) -> tuple[float, list[list[int]], float]:
+    """Submit n segments at once; aggregate tokens/s until the last one's T3 finished; and mean step ms."""
+    done = threading.Event()
+    tokens: dict[int, list[int]] = {}
+    lock = threading.Lock()
+    step_ms: list[float] = []
+    engine.set_stats_listener(lambda s: step_ms.append(s.decode_ms) if s.decode_rows else None)
+    defaults = SamplingParams.defaults(engine.variant)
+
+    def sink_for(i: int):  # noqa: ANN202
+        def sink(out: Any) -> None:
+            if isinstance(out, SegmentEvent) and out.kind == EventKind.GENERATED:
+                with lock:
+                    tokens[i] = list(out.token_ids)
+                    if len(tokens) == n_segments:
+                        done.set()
+            elif isinstance(out, SegmentEvent) and out.kind >= EventKind.CANCELLED:
+                raise RuntimeError(f"segment {i} ended with {out.kind.name}: {out.reason}")
+        return sink
+
+    t0 = time.perf_counter()
+    for i in range(n_segments):
+        engine.submit(SegmentRequest(request_id=f"{tag}-{i}", text=TEXTS[i % len(TEXTS)], sink=sink_for(i),
+                                     params=replace(defaults, seed=100 + i, max_new_tokens=n_tokens)))
+    assert done.wait(3600), "batched run did not finish"
+    elapsed = time.perf_counter() - t0
+    engine.set_stats_listener(None)
+    ordered = [tokens[i] for i in range(n_segments)]
+    steady = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
+    return sum(len(t) for t in ordered) / elapsed, ordered, steady
+
+
+def time_to_first_audio(bundle: ModelBundle, n_tokens: int) -> dict[str, float]:
+    """One segment alone through the whole engine (T3 + streaming vocoder), after a warm-up segment."""
+    engine = Engine(bundle, EngineConfig(variant=bundle.variant, max_slots=1, max_context_tokens=1024))
+    engine.voices.add(default_voice(bundle))
+    engine.start()
+    assert engine.wait_ready(600)
+    result: dict[str, float] = {}
+    vocoder_ms: list[float] = []
+    audio_s: list[float] = []
+
+    def stats(s: Any) -> None:
+        vocoder_ms.append(s.vocoder_ms)
+        audio_s.append(s.audio_s)
+
+    for attempt in ("warmup", "measured"):
+        first_chunk = threading.Event()
+        finished = threading.Event()
+        marks: dict[str, float] = {}
+
+        def sink(out: Any) -> None:
+            if isinstance(out, AudioChunk) and "chunk" not in marks:
+                marks["chunk"] = out.ready_monotonic_s
+                marks["chunk_tokens"] = out.speech_tokens
+                first_chunk.set()
+            elif isinstance(out, SegmentEvent) and out.kind == EventKind.STARTED:
+                marks["first_token"] = out.at_monotonic_s
+            elif isinstance(out, SegmentEvent) and out.kind >= EventKind.DONE:
+                finished.set()
+
+        vocoder_ms.clear()
+        audio_s.clear()
+        engine.set_stats_listener(stats)
+        submitted = time.monotonic()
+        engine.submit(SegmentRequest(request_id=attempt, text=TEXTS[0], sink=sink,
+                                     params=replace(SamplingParams.defaults(bundle.variant), seed=7,
+                                                    max_new_tokens=n_tokens)))
+        assert finished.wait(3600)
+        if attempt == "measured":
+            result = {"first_chunk_s": marks["chunk"] - submitted, "first_token_s": marks["first_token"] - submitted,
+                      "first_chunk_tokens": marks["chunk_tokens"],
+                      "s3gen_ms_per_audio_s": sum(vocoder_ms) / max(sum(audio_s), 1e-9),
+                      "audio_s": sum(audio_s)}
+    engine.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["english", "turbo"])
+    parser.add_argument("--segments", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, default=48, help="speech tokens per segment (fixed: random weights)")
+    parser.add_argument("--sequential-segments", type=int, default=3)
+    parser.add_argument("--ttfa-tokens", type=int, default=40, help="segment length for the time-to-first-audio run")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--skip-ttfa", action="store_true")
+    parser.add_argument("--weights", default="random-full", help="random-full (default) or random-tiny for a smoke run")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_engine.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                          "torch": torch.__version__, "threads": args.threads,
+                                          "device": args.device, "dtype": args.dtype},
+                              "tokens_per_segment": args.tokens, "variants": {}}
+    for variant in args.variants:
+        v: Variant = variant
+        print(f"== {v}: loading full-size random weights", flush=True)
+        bundle = load_models(v, args.weights, args.device)
+        seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
+        print(f"   sequential T3.inference: {seq_tps:.2f} tokens/s", flush=True)
+        engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,
+                                             max_context_tokens=512, prefill_budget_segments=4),
+                        render_audio=False)
+        engine.voices.add(default_voice(bundle))
+        engine.start()
+        assert engine.wait_ready(600)
+        rows = []
+        for n in args.segments:
+            tps, tokens, step_ms = run_batched(engine, n, args.tokens, f"{v}-{n}")
+            same = sum(tokens[i] == seq_tokens[i] for i in range(min(n, len(seq_tokens))))
+            rows.append({"segments": n, "tokens_per_s": tps, "speedup": tps / seq_tps, "decode_step_ms": step_ms,
+                         "equal_to_reference": f"{same}/{min(n, len(seq_tokens))}"})
+            print(f"   batched x{n:<3} {tps:8.2f} tokens/s  speedup {tps / seq_tps:5.2f}x  "
+                  f"step {step_ms:7.1f} ms  tokens equal to reference {same}/{min(n, len(seq_tokens))}", flush=True)
+        engine.stop()
+        entry: dict[str, Any] = {"sequential_tokens_per_s": seq_tps, "batched": rows,
+                                 "speedup": {str(r["segments"]): round(r["speedup"], 3) for r in rows}}
+        if not args.skip_ttfa:
+            entry["time_to_first_audio"] = time_to_first_audio(bundle, args.ttfa_tokens)
+            print(f"   time to first audio: {entry['time_to_first_audio']}", flush=True)
+        report["variants"][v] = entry
+        del bundle, engine
+
+    print("\nvariant       segments  tokens/s  speedup  step_ms")
+    for v, entry in report["variants"].items():
+        for r in entry["batched"]:
+            print(f"{v:12s}  {r['segments']:8d}  {r['tokens_per_s']:8.2f}  {r['speedup']:6.2f}x  "
+                  f"{r['decode_step_ms']:7.1f}")
+    report["speedup"] = {v: e["speedup"] for v, e in report["variants"].items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
