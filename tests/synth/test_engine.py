@@ -1,0 +1,168 @@
+"""Engine behaviour with the streaming vocoder on: audio determinism, cancel, isolation, lifecycle."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from synth.api import (SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams,
+                       SegmentRequest)
+from synth.engine import Engine
+from synth.request import SPEECH_VOCAB_SIZE
+
+from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
+
+TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short one.", "A fourth, different text.",
+         "Fifth text here please.", "Number six is on its way.", "Seven, the lucky one.", "Eight and done."]
+
+
+@pytest.fixture(scope="module")
+def engine():  # noqa: ANN201
+    eng = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                      chunk_schedule_tokens=(8, 16))
+    bundle = tiny_bundle("english")
+    from synth import default_voice
+
+    eng.voices.add(default_voice(bundle))
+    eng.voices.add(replace(default_voice(bundle), voice_id="other", builtin=False,
+                           speaker_emb=synthetic_voice(bundle, "x", 3).speaker_emb))
+    eng.start()
+    assert eng.wait_ready(120)
+    yield eng
+    eng.stop()
+
+
+def _request(collector: Collector, rid: str, text: str, seed: int, n_tokens: int = 30,
+             voice: str = "default", **kw: object) -> SegmentRequest:
+    params = replace(SamplingParams.defaults("english"), seed=seed, max_new_tokens=n_tokens)
+    return SegmentRequest(request_id=rid, text=text, voice_id=voice, params=params, sink=collector.sink_for(rid),
+                          **kw)  # type: ignore[arg-type]
+
+
+def _pcm(collector: Collector, rid: str) -> np.ndarray:
+    chunks = collector.chunks(rid)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    return np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.float32)
+
+
+def test_seeded_pcm_identical_alone_and_in_a_batch_of_8(engine: Engine) -> None:
+    alone = Collector()
+    engine.submit(_request(alone, "alone", TEXTS[0], seed=42))
+    alone.wait_done(["alone"])
+    batch = Collector()
+    ids = [f"b{i}" for i in range(8)]
+    for i, rid in enumerate(ids):  # the seeded one sits in the middle of the batch
+        seed = 42 if i == 3 else 500 + i
+        engine.submit(_request(batch, rid, TEXTS[0] if i == 3 else TEXTS[i], seed=seed,
+                               voice="other" if i % 2 else "default"))
+    batch.wait_done(ids)
+    assert batch.tokens("b3") == alone.tokens("alone")
+    a, b = _pcm(alone, "alone"), _pcm(batch, "b3")
+    assert a.size > 0 and a.dtype == np.float32
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, _pcm(batch, "b0")[: a.size])
+
+
+def test_total_samples_are_960_per_valid_token(engine: Engine) -> None:
+    col = Collector()
+    engine.submit(_request(col, "count", TEXTS[1], seed=9, n_tokens=50))
+    col.wait_done(["count"])
+    valid = [t for t in col.tokens("count") if t < SPEECH_VOCAB_SIZE]
+    chunks = col.chunks("count")
+    assert len(chunks) >= 3  # first chunk small, then the schedule
+    assert sum(c.speech_tokens for c in chunks) == len(valid)
+    assert _pcm(col, "count").size == SAMPLES_PER_SPEECH_TOKEN * len(valid)
+    assert col.kinds("count") == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE]
+
+
+def test_cancel_frees_the_slot_and_stops_chunks(engine: Engine) -> None:
+    col = Collector()
+    engine.submit(_request(col, "long", TEXTS[2], seed=5, n_tokens=400))
+    deadline = time.monotonic() + 60
+    while not col.chunks("long"):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    engine.cancel("long")
+    after_cancel = len(col.chunks("long"))
+    col.wait_done(["long"])
+    assert col.kinds("long")[-1] == EventKind.CANCELLED
+    time.sleep(0.2)  # several engine steps
+    assert len(col.chunks("long")) == after_cancel
+    assert all(s.request_id != "long" for s in engine.scheduler.running)
+    assert engine.scheduler.rows_span == 0 or all(s.status < 10 for s in engine.scheduler.running)
+
+
+def test_busy_when_no_slot_and_request_may_not_wait(engine: Engine) -> None:
+    col = Collector()
+    ids = [f"fill{i}" for i in range(8)]
+    for i, rid in enumerate(ids):
+        engine.submit(_request(col, rid, TEXTS[i], seed=i, n_tokens=300))
+    for rid in ids:
+        col.wait_kind(rid, EventKind.STARTED)
+    engine.submit(_request(col, "refused", TEXTS[0], seed=1, may_wait=False))
+    col.wait_done(["refused"])
+    assert col.kinds("refused") == [EventKind.BUSY]
+    for rid in ids:
+        engine.cancel(rid)
+    col.wait_done(ids)
+
+
+def test_bad_requests_raise_at_submit(engine: Engine) -> None:
+    col = Collector()
+    with pytest.raises(EngineError, match="unknown voice"):
+        engine.submit(_request(col, "x", "hi", seed=1, voice="nope"))
+    with pytest.raises(EngineError, match="temperature"):
+        engine.submit(SegmentRequest(request_id="y", text="hi", sink=col.sink_for("y"),
+                                     params=SamplingParams(temperature=0.0)))
+    with pytest.raises(EngineError, match="empty"):
+        engine.submit(_request(col, "z", "   ", seed=1))
+
+
+def test_a_sink_that_raises_ends_only_its_own_segment(engine: Engine) -> None:
+    col = Collector()
+
+    def bad_sink(out: object) -> None:
+        if isinstance(out, AudioChunk):
+            raise RuntimeError("client went away")
+
+    engine.submit(SegmentRequest(request_id="bad", text=TEXTS[3], sink=bad_sink,
+                                 params=replace(SamplingParams(), seed=3, max_new_tokens=200)))
+    engine.submit(_request(col, "good", TEXTS[4], seed=4, n_tokens=40))
+    col.wait_done(["good"])
+    assert col.kinds("good")[-1] == EventKind.DONE
+    deadline = time.monotonic() + 30
+    while any(s.request_id == "bad" for s in engine.scheduler.running):
+        assert time.monotonic() < deadline, "the failing segment kept its slot"
+        time.sleep(0.01)
+    assert engine.alive
+
+
+def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
+    eng = make_engine("english", render_audio=False, max_slots=2)
+    eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))
+    eng.start()
+    assert eng.wait_ready(60)
+    col = Collector()
+    fired = threading.Event()
+    original = eng.runner.decode
+
+    def broken_decode(batch):  # noqa: ANN001, ANN202
+        fired.set()
+        raise RuntimeError("simulated CUDA error")
+
+    eng.runner.decode = broken_decode  # type: ignore[method-assign]
+    try:
+        eng.submit(_request(col, "victim", TEXTS[0], seed=1, n_tokens=50))
+        col.wait_done(["victim"])
+        assert fired.is_set()
+        assert col.kinds("victim")[-1] == EventKind.FAILED
+        assert not eng.alive and not eng.ready and "simulated" in eng.failure
+        with pytest.raises(EngineError):
+            eng.submit(_request(col, "late", TEXTS[0], seed=1))
+    finally:
+        eng.runner.decode = original  # type: ignore[method-assign]
+        eng.stop()
