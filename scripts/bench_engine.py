@@ -48,7 +48,8 @@ def sequential_reference(bundle: ModelBundle, n_segments: int, n_tokens: int) ->
     total_tokens = 0
     t0 = time.perf_counter()
     for i in range(n_segments):
-        ids = torch.tensor([text_token_ids(bundle.variant, bundle.tokenizer, TEXTS[i % len(TEXTS)], None)])
+        ids = torch.tensor([text_token_ids(bundle.variant, bundle.tokenizer, TEXTS[i % len(TEXTS)], None)],
+                           device=bundle.device)
         torch.manual_seed(100 + i)
         cond = voice.t3_cond(defaults.exaggeration, bundle.device)
         if bundle.variant == "turbo":
@@ -163,6 +164,7 @@ def main() -> None:
         v: Variant = variant
         print(f"== {v}: loading full-size random weights", flush=True)
         bundle = load_models(v, args.weights, args.device)
+        bundle.t3.to(dtype=getattr(torch, args.dtype))  # the reference runs in the engine's dtype too
         seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
         print(f"   sequential T3.inference: {seq_tps:.2f} tokens/s", flush=True)
         engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,

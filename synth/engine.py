@@ -34,7 +34,6 @@ from synth.voices import Voice, VoiceRegistry, make_voice
 
 log = logging.getLogger(__name__)
 
-LOOKAHEAD_TOKENS = 3  # S3Gen's encoder looks 3 tokens ahead; a chunk is due once they exist
 IDLE_WAIT_S = 0.05
 PREFIX_CACHE_ENTRIES = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +43,14 @@ S3GEN_SILENCE_TOKENS_TURBO = 3
 @dataclass(frozen=True, slots=True)
 class _Cancel:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _PrepareVoice:
+    """Precompute a new voice's T3 prefix and vocoder prompt cache on the engine thread (S3Gen is not
+    thread-safe), when it is added rather than on its first request."""
+
+    voice: Voice
 
 
 class Engine(EngineLike):
@@ -70,7 +77,7 @@ class Engine(EngineLike):
         self._seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=self.device)
         self._prefixes: OrderedDict[tuple[int, float], PrefixKV] = OrderedDict()
         self._vocoder_voices: OrderedDict[int, Any] = OrderedDict()
-        self._inbox: queue.Queue[SegmentState | _Cancel] = queue.Queue()
+        self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
         self._live: dict[str, SegmentState] = {}  # request_id -> state, engine thread only
         self._emit_lock = threading.Lock()
         self._cancelled: set[str] = set()  # guarded by _emit_lock
@@ -100,7 +107,9 @@ class Engine(EngineLike):
         return self.voices.ids()
 
     def add_voice(self, voice_id: str, wav: Any, sample_rate_hz: int) -> None:
-        self.voices.add(make_voice(self.bundle, voice_id, wav, sample_rate_hz))
+        voice = make_voice(self.bundle, voice_id, wav, sample_rate_hz)
+        self.voices.add(voice)
+        self._inbox.put(_PrepareVoice(voice))
 
     def remove_voice(self, voice_id: str) -> None:
         self.voices.remove(voice_id)
@@ -176,7 +185,7 @@ class Engine(EngineLike):
     # --- inbox -------------------------------------------------------------------------------------------
 
     def _drain_inbox(self, block: bool, cancels_only: bool = False) -> None:
-        deferred: list[SegmentState] = []
+        deferred: list[SegmentState | _PrepareVoice] = []
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
@@ -184,13 +193,18 @@ class Engine(EngineLike):
                     self._apply_cancel(item.request_id)
                 elif cancels_only:
                     deferred.append(item)
+                elif isinstance(item, _PrepareVoice):
+                    self._prepare_voice(item.voice)
                 else:
                     self._admit(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        for state in deferred:  # queued (not claimed) only after the cancels, so update() is unaffected
-            self._admit(state)
+        for deferred_item in deferred:  # after the cancels; admission only queues, so update() is unaffected
+            if isinstance(deferred_item, _PrepareVoice):
+                self._inbox.put(deferred_item)  # heavy: runs at the next full drain, not mid-step
+            else:
+                self._admit(deferred_item)
 
     def _admit(self, state: SegmentState) -> None:
         if state.request_id in self._live:
@@ -361,7 +375,9 @@ class Engine(EngineLike):
             return True
         if state.status != Status.RUNNING:
             return False
-        return len(state.valid_tokens) - state.vocoded_tokens >= self._chunk_target(state) + LOOKAHEAD_TOKENS
+        # the stream holds back its lookahead and crossfade tokens: push enough for a full chunk to come out
+        backlog = len(state.valid_tokens) - state.vocoded_tokens
+        return backlog >= self._chunk_target(state) + self.vocoder.latency_tokens
 
     def _vocode(self, state: SegmentState) -> float:
         final = state.status == Status.GENERATED
@@ -500,12 +516,14 @@ class Engine(EngineLike):
                                 append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0)
 
     def _warmup(self) -> None:
-        """Compute the default voice's prefix (and vocoder prompt) before declaring ready."""
+        """Prepare every voice known at start (the default included) before declaring ready."""
+        for voice_id in self.voices.ids():
+            self._prepare_voice(self.voices.get(voice_id))
+
+    def _prepare_voice(self, voice: Voice) -> None:
         try:
-            voice = self.voices.get("default")
-        except EngineError:
-            return
-        defaults = SamplingParams.defaults(self.variant)
-        self._prefix_for(voice, defaults.exaggeration)
-        if self.vocoder is not None:
-            self._vocoder_voice(voice)
+            self._prefix_for(voice, SamplingParams.defaults(self.variant).exaggeration)
+            if self.vocoder is not None and voice.s3gen_ref:
+                self._vocoder_voice(voice)
+        except Exception:  # noqa: BLE001 - a bad voice fails its own requests later, not the engine
+            log.exception("preparing voice %s failed", voice.voice_id)

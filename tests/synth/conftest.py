@@ -13,13 +13,17 @@ from synth.engine import Engine
 from synth.loading import ModelBundle, random_bundle
 from synth.voices import Voice
 
+import os
+
+# CPU by default; scripts/gpu_check.sh runs the same tests with SYNTH_TEST_DEVICE=cuda.
+TEST_DEVICE = os.environ.get("SYNTH_TEST_DEVICE", "cpu")
 _BUNDLES: dict[Variant, ModelBundle] = {}
 
 
 def tiny_bundle(variant: Variant) -> ModelBundle:
     """One random tiny model per variant per test session (building is cheap, but keep it shared)."""
     if variant not in _BUNDLES:
-        _BUNDLES[variant] = random_bundle(variant, "tiny", torch.device("cpu"))
+        _BUNDLES[variant] = random_bundle(variant, "tiny", torch.device(TEST_DEVICE))
     return _BUNDLES[variant]
 
 
@@ -27,8 +31,8 @@ def synthetic_voice(bundle: ModelBundle, voice_id: str, seed: int) -> Voice:
     """A voice with random conditioning of the right shapes (cheaper than cloning a clip)."""
     g = torch.Generator().manual_seed(seed)
     plen = bundle.t3.hp.speech_cond_prompt_len
-    return Voice(voice_id=voice_id, speaker_emb=torch.randn(1, 256, generator=g),
-                 prompt_speech_tokens=torch.randint(0, 6561, (1, plen), generator=g), s3gen_ref={})
+    return Voice(voice_id=voice_id, speaker_emb=torch.randn(1, 256, generator=g).to(bundle.device),
+                 prompt_speech_tokens=torch.randint(0, 6561, (1, plen), generator=g).to(bundle.device), s3gen_ref={})
 
 
 @dataclass
@@ -82,7 +86,7 @@ class Collector:
 
 
 def make_engine(variant: Variant, *, render_audio: bool, max_slots: int = 4, **overrides: object) -> Engine:
-    config = EngineConfig(variant=variant, weights="random-tiny", device="cpu", max_slots=max_slots,
+    config = EngineConfig(variant=variant, weights="random-tiny", device=TEST_DEVICE, max_slots=max_slots,
                           max_context_tokens=overrides.pop("max_context_tokens", 1024),  # type: ignore[arg-type]
                           **overrides)  # type: ignore[arg-type]
     engine = Engine(tiny_bundle(variant), config, render_audio=render_audio)

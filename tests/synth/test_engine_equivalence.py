@@ -59,7 +59,7 @@ def _reference_tokens(variant: Variant, case: Case, engine: Engine) -> list[int]
     t3 = bundle.t3
     voice = engine.voices.get(case.voice)
     p = case.params
-    ids = torch.tensor([text_token_ids(variant, bundle.tokenizer, case.text, case.language)])
+    ids = torch.tensor([text_token_ids(variant, bundle.tokenizer, case.text, case.language)], device=bundle.device)
     assert p.seed is not None and p.max_new_tokens is not None
     torch.manual_seed(p.seed)
     if variant == "turbo":

@@ -1,0 +1,321 @@
+"""StreamingVocoder on tiny random S3Gens (English: 10 CFM steps + CFG; Turbo: 2 mean-flow steps), CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chatterbox.models.s3gen import S3Gen
+
+from synth.tiny_s3gen import build_s3gen
+from synth.vocoder import (SAMPLES_PER_TOKEN, SILENCE_TOKEN, StreamingVocoder, VocoderStream,
+                           VocoderVoice)
+
+SAMPLE_RATE_HZ = 24_000
+PROMPT_TOKENS = 50  # the 3 s test reference has 75 tokens: prompts are trimmed
+UTTERANCE_TOKENS = 84
+VARIANTS = {"english": (10, False, 0), "turbo": (2, True, 3)}  # steps, meanflow, appended silence tokens
+
+
+def reference_wav(seconds: float = 3.0) -> np.ndarray:
+    t_s = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
+    noise = np.random.default_rng(0).standard_normal(t_s.size)
+    return (0.3 * np.sin(2 * np.pi * 180 * t_s) + 0.05 * noise).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Setup:
+    s3gen: torch.nn.Module
+    ref_dict: dict
+    vocoder: StreamingVocoder
+    voice: VocoderVoice
+    steps: int
+    meanflow: bool
+    silence: int
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request: pytest.FixtureRequest) -> Setup:
+    steps, meanflow, silence = VARIANTS[request.param]
+    torch.manual_seed(0)
+    s3gen = build_s3gen("tiny", meanflow)
+    ref_dict = s3gen.embed_ref(reference_wav(), SAMPLE_RATE_HZ)
+    vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence,
+                               prompt_max_tokens=PROMPT_TOKENS)
+    return Setup(s3gen, ref_dict, vocoder, vocoder.prepare_voice(ref_dict), steps, meanflow, silence)
+
+
+def utterance(n: int = UTTERANCE_TOKENS, seed: int = 3) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def stream(tiny: Setup, tokens: list[int], schedule: list[int], seed: int = 7,
+           vocoder: StreamingVocoder | None = None) -> tuple[VocoderStream, list[np.ndarray]]:
+    """Push `tokens` in pushes of the given sizes (the last push is final); returns the stream and chunks."""
+    assert sum(schedule) == len(tokens)
+    s = (vocoder or tiny.vocoder).open(tiny.voice, seed=seed)
+    chunks, start = [], 0
+    for i, size in enumerate(schedule):
+        pcm, n_tokens = s.push(tokens[start:start + size], final=i == len(schedule) - 1)
+        assert pcm.dtype == np.float32 and pcm.ndim == 1 and pcm.size == SAMPLES_PER_TOKEN * n_tokens
+        chunks.append(pcm)
+        start += size
+    return s, chunks
+
+
+def relative_error(x: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.linalg.norm(x - reference) / np.linalg.norm(reference))
+
+
+SCHEDULES = {
+    "growing": [12, 24, 48],
+    "irregular": [5, 7, 11, 13, 17, 19, 12],
+    "all_at_once": [UTTERANCE_TOKENS],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_total_samples_exact(tiny: Setup, name: str) -> None:
+    tokens = utterance()
+    _, chunks = stream(tiny, tokens, SCHEDULES[name])
+    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * (len(tokens) + tiny.silence)
+
+
+def test_one_token_at_a_time(tiny: Setup) -> None:
+    tokens = utterance(20)
+    s, chunks = stream(tiny, tokens, [1] * len(tokens))
+    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * (len(tokens) + tiny.silence)
+    # Nothing comes out until lookahead (3 tokens) and the held-back crossfade frames (4 tokens) are exceeded.
+    first_audio = next(i for i, c in enumerate(chunks) if c.size)
+    assert first_audio == tiny.vocoder.latency_tokens
+    assert_no_seams(np.concatenate(chunks), chunks)
+
+
+def test_final_push_without_tokens(tiny: Setup) -> None:
+    tokens = utterance(30)
+    s = tiny.vocoder.open(tiny.voice, seed=1)
+    first, n_first = s.push(tokens, final=False)
+    last, n_last = s.push([], final=True)
+    assert n_first == len(tokens) - tiny.vocoder.latency_tokens
+    assert n_first + n_last == len(tokens) + tiny.silence
+    with pytest.raises(RuntimeError):
+        s.push([1], final=True)
+
+
+def test_empty_stream(tiny: Setup) -> None:
+    s = tiny.vocoder.open(tiny.voice, seed=1)
+    pcm, n_tokens = s.push([], final=True)
+    assert n_tokens == tiny.silence and pcm.size == SAMPLES_PER_TOKEN * tiny.silence
+
+
+def test_rejects_control_tokens(tiny: Setup) -> None:
+    s = tiny.vocoder.open(tiny.voice, seed=1)
+    with pytest.raises(ValueError):
+        s.push([6561], final=False)
+    with pytest.raises(ValueError):
+        s.push([-1], final=False)
+
+
+def test_same_seed_same_pcm_other_seed_other_pcm(tiny: Setup) -> None:
+    tokens = utterance()
+    _, a = stream(tiny, tokens, SCHEDULES["growing"], seed=11)
+    _, b = stream(tiny, tokens, SCHEDULES["growing"], seed=11)
+    _, c = stream(tiny, tokens, SCHEDULES["growing"], seed=12)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.allclose(np.concatenate(a), np.concatenate(c))
+
+
+def test_all_at_once_is_bitwise_oneshot(tiny: Setup) -> None:
+    s, chunks = stream(tiny, utterance(), SCHEDULES["all_at_once"])
+    assert np.array_equal(chunks[0], s.oneshot())
+
+
+def test_global_rng_untouched(tiny: Setup) -> None:
+    before = torch.get_rng_state()
+    voice = tiny.vocoder.prepare_voice(tiny.ref_dict)
+    s = tiny.vocoder.open(voice, seed=5)
+    s.push(utterance(30), final=False)
+    s.push(utterance(10, seed=4), final=True)
+    s.oneshot()
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_streamed_agrees_with_oneshot(tiny: Setup) -> None:
+    """Streaming vs one-shot render of the same tokens and noise, waveform and mel.
+
+    Waveform: HiFT draws its sine source's harmonic phases and additive noise from the RNG on every call
+    and restarts the sine phase where the carried-over source ends, so chunked HiFT cannot match a one-shot
+    call sample for sample. The yardstick (floor) is the same one-shot mel vocoded with another HiFT seed.
+    Measured here: streamed vs one-shot 0.093 (English) / 0.069 (Turbo) relative error, floor 0.091 / 0.070
+    (full-size models, 90 tokens: 0.150 vs 0.149 and 0.237 vs 0.238): the flow's windowing adds ~nothing
+    on top of HiFT's own randomness. A wrong or misaligned frame gives errors of order 1 (the signal is
+    noise-like: its sample-to-sample steps are as large as the signal), so the bound is 1.25 x floor.
+
+    Mel: with full attention inside the window every frame depends on every other, and with random weights
+    that dependence is spread evenly; a window sees 3 tokens ahead and 25 behind, the one-shot render sees
+    everything. Measured: 0.141 (English) / 0.124 (Turbo) relative error; 0.3-0.5 per frame in the first,
+    smallest window. Bound: 0.25.
+    """
+    vocoder, voice = tiny.vocoder, tiny.voice
+    tokens = utterance()
+    rendered: list[torch.Tensor] = []
+    original = vocoder.render_mel
+
+    def capture(*args: object, **kwargs: object) -> torch.Tensor:
+        mel = original(*args, **kwargs)  # type: ignore[arg-type]
+        rendered.append(mel)
+        return mel
+
+    vocoder.render_mel = capture  # type: ignore[method-assign]
+    try:
+        s, chunks = stream(tiny, tokens, SCHEDULES["growing"])
+        streamed_mel = torch.cat(rendered, dim=2)
+        oneshot = s.oneshot()
+        oneshot_mel = rendered[-1]
+    finally:
+        del vocoder.render_mel
+    streamed = np.concatenate(chunks)
+    with torch.inference_mode():
+        other_seed, _ = vocoder.vocode(oneshot_mel, torch.zeros(1, 1, 0), rng_seed=999)
+    other_seed = other_seed.numpy().copy()
+    other_seed[:tiny.s3gen.trim_fade.numel()] *= tiny.s3gen.trim_fade.numpy()
+    floor = relative_error(other_seed, oneshot)
+    assert streamed.size == oneshot.size
+    assert relative_error(streamed, oneshot) <= 1.25 * floor
+    assert float((streamed_mel - oneshot_mel).norm() / oneshot_mel.norm()) <= 0.25
+
+
+def test_other_schedule_same_length_and_same_bound(tiny: Setup) -> None:
+    """Across schedules: equal sample counts and agreement at HiFT's noise level (measured 0.066-0.093
+    relative error between the two schedules and against one-shot), not bitwise equality."""
+    tokens = utterance()
+    s, growing = stream(tiny, tokens, SCHEDULES["growing"])
+    _, irregular = stream(tiny, tokens, SCHEDULES["irregular"])
+    a, b, oneshot = np.concatenate(growing), np.concatenate(irregular), s.oneshot()
+    assert a.size == b.size == oneshot.size
+    assert relative_error(b, oneshot) < 0.15 and relative_error(a, b) < 0.15
+
+
+def assert_no_seams(pcm: np.ndarray, chunks: list[np.ndarray]) -> None:
+    """Every join's sample step stays within the signal's own step distribution (its 99.9th percentile).
+
+    Measured (tiny): the largest join step is 0.5-0.9 x the median step, the 99.9th percentile 1.5-2.4 x;
+    full-size: 2.3-2.4 x against 3.5 x (English), 0.6-0.7 x against 2.5 x (Turbo).
+    """
+    steps = np.abs(np.diff(pcm))
+    joins = np.cumsum([c.size for c in chunks])[:-1]
+    joins = joins[(joins > 0) & (joins < pcm.size)]
+    assert joins.size > 0
+    assert np.all(np.abs(pcm[joins] - pcm[joins - 1]) <= np.percentile(steps, 99.9))
+
+
+@pytest.mark.parametrize("name", ["growing", "irregular"])
+def test_no_seams(tiny: Setup, name: str) -> None:
+    _, chunks = stream(tiny, utterance(), SCHEDULES[name])
+    assert_no_seams(np.concatenate(chunks), chunks)
+
+
+def test_start_fade_on_first_chunk_only(tiny: Setup) -> None:
+    s, chunks = stream(tiny, utterance(), SCHEDULES["growing"])
+    silence_samples = tiny.s3gen.trim_fade.numel() // 2  # trim_fade: 20 ms of zeros, then a 20 ms rise
+    assert np.all(chunks[0][:silence_samples] == 0.0)
+    for chunk in chunks[1:]:
+        assert np.abs(chunk[:silence_samples]).max() > 0.0
+
+
+def test_silence_appended_on_final(tiny: Setup) -> None:
+    tokens = utterance(40)
+    s, chunks = stream(tiny, tokens, [20, 20])
+    assert s.tokens == tokens + [SILENCE_TOKEN] * tiny.silence
+    assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * (40 + tiny.silence)
+    assert s.oneshot().size == SAMPLES_PER_TOKEN * (40 + tiny.silence)
+
+
+def test_prompt_is_standardised(tiny: Setup) -> None:
+    voice = tiny.voice
+    tokens = tiny.ref_dict["prompt_token"]  # [1, 75]
+    assert voice.prompt_token_count == PROMPT_TOKENS
+    assert torch.equal(voice.prompt_tokens, tokens[:, -PROMPT_TOKENS:])  # the end of the reference
+    feats = tiny.ref_dict["prompt_feat"]  # [1, 150, 80]
+    assert torch.equal(voice.prompt_mels, feats[:, -2 * PROMPT_TOKENS:].transpose(1, 2))
+    roomy = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                             prompt_max_tokens=500, cache_prompt=False)
+    assert roomy.prepare_voice(tiny.ref_dict).prompt_token_count == tokens.shape[1]
+
+
+def test_uncached_render_is_the_library_flow(tiny: Setup) -> None:
+    """cache_prompt=False renders exactly what `flow.inference(finalize=True)` renders with the same noise."""
+    vocoder = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                               prompt_max_tokens=PROMPT_TOKENS, cache_prompt=False)
+    voice = vocoder.prepare_voice(tiny.ref_dict)
+    tokens = torch.tensor([utterance(30)])  # [1, 30]
+    noise = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(5))
+    with torch.random.fork_rng():  # the library redraws the prompt region's noise from the global RNG
+        torch.manual_seed(123)
+        library, _ = tiny.s3gen.flow.inference(
+            token=tokens, token_len=torch.tensor([30]), prompt_token=voice.prompt_tokens,
+            prompt_token_len=torch.tensor([voice.prompt_token_count]), prompt_feat=voice.prompt_mels.transpose(1, 2),
+            prompt_feat_len=None, embedding=tiny.ref_dict["embedding"], finalize=True, n_timesteps=tiny.steps,
+            noised_mels=noise, meanflow=tiny.meanflow)
+        torch.manual_seed(123)
+        prompt_noise = torch.randn(1, 80, voice.prompt_frames + 60)[:, :, :voice.prompt_frames]
+    same_noise = dataclasses.replace(voice, prompt_noise=prompt_noise)
+    ours = vocoder.render_mel(same_noise, tokens[0].tolist(), noise, 0, final=True)
+    torch.testing.assert_close(ours, library, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_cache_is_exact(tiny: Setup) -> None:
+    """The cached render equals a render of [prompt | window] in which prompt frames see only the prompt.
+
+    With the estimator's static_chunk_size set to the prompt length, the library's own chunk mask is exactly
+    that prefix mask (for a window no longer than the prompt), and its causal convs see the prompt's tail.
+    """
+    vocoder, voice = tiny.vocoder, tiny.voice
+    window = utterance(30)
+    noise = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(6))
+    cached = vocoder.render_mel(voice, window, noise, 0, final=True)
+    estimator = tiny.s3gen.flow.decoder.estimator
+    with torch.inference_mode():
+        prompt_mu = vocoder._encode(voice.prompt_tokens)
+        window_mu = vocoder._encode(torch.cat([voice.prompt_tokens, torch.tensor([window])], dim=1))
+        mu = torch.cat([prompt_mu, window_mu[:, :, voice.prompt_frames:]], dim=2)
+        x = torch.cat([voice.prompt_noise, noise], dim=2)
+        cond = F.pad(voice.prompt_mels, (0, 60))
+        estimator.static_chunk_size = voice.prompt_frames
+        try:
+            reference = vocoder._solve(x, mu, cond, voice.speaker)[:, :, voice.prompt_frames:]
+        finally:
+            estimator.static_chunk_size = 0
+    torch.testing.assert_close(cached, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_cache_lru_rebuilds_identically(tiny: Setup) -> None:
+    small = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                             append_silence_tokens=tiny.silence, prompt_max_tokens=PROMPT_TOKENS,
+                             prompt_cache_bytes=1)
+    first = small.prepare_voice(tiny.ref_dict)
+    one_voice_bytes = small.prompt_cache_nbytes
+    second = small.prepare_voice(tiny.ref_dict)  # evicts the first voice's cache
+    assert small.prompt_cache_nbytes == one_voice_bytes > 0
+    tokens = utterance(30)
+    a = small.open(first, seed=3).push(tokens, final=True)[0]  # rebuilt on demand
+    b = small.open(second, seed=3).push(tokens, final=True)[0]
+    assert np.array_equal(a, b)
+
+
+def test_tiny_s3gen_is_the_library_class_deterministic_and_works(tiny: Setup) -> None:
+    s3gen = tiny.s3gen
+    assert type(s3gen) is S3Gen and not s3gen.training and s3gen.meanflow == tiny.meanflow
+    torch.manual_seed(0)
+    again = build_s3gen("tiny", tiny.meanflow)
+    assert all(torch.equal(a, b) for a, b in zip(s3gen.state_dict().values(), again.state_dict().values()))
+    tokens = torch.tensor([utterance(25)])
+    wav, _ = s3gen.inference(tokens, ref_dict=tiny.ref_dict, n_cfm_timesteps=tiny.steps)
+    assert wav.shape == (1, 25 * SAMPLES_PER_TOKEN) and torch.isfinite(wav).all()
+    mel = s3gen.flow_inference(tokens, ref_dict=tiny.ref_dict, finalize=True)
+    assert mel.shape == (1, 80, 50)
+    assert s3gen.hift_inference(mel)[0].shape == (1, 25 * SAMPLES_PER_TOKEN)
