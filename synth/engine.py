@@ -57,6 +57,10 @@ class Engine(EngineLike):
     def __init__(self, bundle: ModelBundle, config: EngineConfig, *, render_audio: bool = True) -> None:
         self.bundle = bundle
         self.config = config
+        if config.alignment_analyzer:
+            # The reference hooks three attention heads (layers 9, 12, 13) and edits logits before sampling;
+            # the batched runner does not compute those per-row attention maps yet. Refuse rather than ignore.
+            raise EngineError("alignment_analyzer is not implemented in the batched engine yet")
         self.variant = bundle.variant
         self.random_weights = bundle.random_weights
         self.max_slots = config.max_slots
