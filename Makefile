@@ -1,12 +1,16 @@
 # The two commands a newcomer needs (see README): `make serve` and `make test`. Both install first.
 ARGS ?=
-.PHONY: install serve test
+.PHONY: install browser-deps serve test
 
 install:
 	@bash scripts/install.sh
 
+# Debian chromium for tests/browser (needs root for apt-get; without it those tests skip, or fail under CI=true)
+browser-deps: install
+	@bash scripts/ci_browser_deps.sh || echo "warning: could not install chromium; browser tests will not run" >&2
+
 serve: install
 	.venv/bin/agent-server $(ARGS)
 
-test: install
+test: browser-deps
 	.venv/bin/python -m pytest -q

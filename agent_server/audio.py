@@ -155,6 +155,7 @@ class AudioEncoder:
         self._pending = bytearray()  # encoded output short of a whole frame
         self.samples_in = 0  # engine samples pushed
         self.samples_fed = 0  # engine samples given to the resampler: samples_in plus drain() silence
+        self._fed_at_last_push = 0  # samples_fed right after the last push(): where real input ends
         self.samples_resampled = 0  # output-rate samples the resampler has produced
         self.samples_out = 0  # output-rate samples in the frames returned so far
         self.finished = False
@@ -164,7 +165,9 @@ class AudioEncoder:
         self._require_open("push")
         x = _as_mono_float32(pcm_24k)
         self.samples_in += len(x)
-        return self._frames(self._resample(x, last=False))
+        frames = self._frames(self._resample(x, last=False))
+        self._fed_at_last_push = self.samples_fed
+        return frames
 
     def drain(self) -> list[bytes]:
         """Release everything held back, as if the input went on in silence; the stream stays open.
@@ -176,7 +179,9 @@ class AudioEncoder:
         self._require_open("drain")
         frames: list[bytes] = []
         if self._resampler is not None:
-            target = self.samples_in * self.fmt.sample_rate_hz // ENGINE_SAMPLE_RATE_HZ
+            # the output determined by everything fed up to the last real sample (earlier drains' silence
+            # included, since it sits before that sample in the resampler's input)
+            target = self._fed_at_last_push * self.fmt.sample_rate_hz // ENGINE_SAMPLE_RATE_HZ
             silence = np.zeros(DRAIN_BLOCK_SAMPLES, dtype=np.float32)
             fed = 0
             while self.samples_resampled < target and fed < MAX_DRAIN_SAMPLES:

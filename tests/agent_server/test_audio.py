@@ -364,3 +364,14 @@ def test_mulaw_wav_header() -> None:
     assert struct.unpack_from("<4sII", header, 38) == (b"fact", 4, 800)
     assert struct.unpack_from("<4sI", header, 50) == (b"data", 800)
     assert struct.unpack_from("<I", header, 4)[0] == len(header) - 8 + 800
+
+
+def test_drain_releases_everything_each_time_it_is_called() -> None:
+    """Two segments separated by idle drains: after each drain all output of the real input is out."""
+    enc = AudioEncoder(OutputFormat.parse("pcm_s16le", 16_000))
+    out_samples = 0
+    for _ in range(2):
+        frames = enc.push(np.full(24_000, 0.25, dtype=np.float32))  # 1 s of input
+        frames += enc.drain()
+        out_samples += sum(len(f) for f in frames) // 2
+        assert out_samples >= enc.samples_in * 16_000 // 24_000

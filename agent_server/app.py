@@ -1,0 +1,109 @@
+"""The Starlette application: routes and a lifespan that loads the engine without blocking the loop.
+
+    app = create_app(engine)              # an EngineLike instance (tests: FakeEngine); started here
+    app = create_app(factory, settings)   # Settings -> EngineLike, called on a loader thread
+    app = create_app(settings=settings)   # settings.engine_factory, else synth.build_engine (lazy import)
+
+/healthz answers from the first moment; /readyz turns 200 once the model is loaded, warmed up and the
+stored voices are back.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from agent_server import compat, metrics, voices
+from agent_server.hub import EngineFactory, Hub, SegmenterFactory
+from agent_server.session import NativeSession, SocketControlMiddleware
+from agent_server.settings import Settings
+from synth.api import EngineLike
+
+NATIVE_PATH = "/v1/stream"
+
+
+def create_app(
+    engine: EngineLike | EngineFactory | None = None,
+    settings: Settings | None = None,
+    *,
+    segmenter_factory: SegmenterFactory | None = None,
+) -> Starlette:
+    settings = settings or Settings()
+    if engine is None:
+        hub = Hub(settings, engine_factory=default_engine_factory, segmenter_factory=segmenter_factory)
+    elif isinstance(engine, EngineLike):
+        hub = Hub(settings, engine=engine, segmenter_factory=segmenter_factory)
+    else:
+        hub = Hub(settings, engine_factory=engine, segmenter_factory=segmenter_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await hub.start()
+        try:
+            yield
+        finally:
+            await hub.drain(settings.shutdown_grace_s)  # at once when the server already drained
+            await hub.stop()
+
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
+        WebSocketRoute(NATIVE_PATH, native_stream),
+        *voices.routes,
+        *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
+        *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
+    ]
+    middleware = [Middleware(SocketControlMiddleware, send_buffer_bytes=settings.socket_send_buffer_bytes)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    app.state.hub = hub
+    app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
+    metrics.install(app)
+    return app
+
+
+def default_engine_factory(settings: Settings) -> EngineLike:
+    """settings.engine_factory ("module:callable") if set, else the real engine (imported only now)."""
+    if settings.engine_factory:
+        module_name, _, attr = settings.engine_factory.partition(":")
+        factory: EngineFactory = getattr(importlib.import_module(module_name), attr)
+        return factory(settings)
+    from synth import build_engine
+
+    engine: EngineLike = build_engine(settings.engine_config())
+    return engine
+
+
+def _hub(request: Request | WebSocket) -> Hub:
+    hub: Hub = request.app.state.hub
+    return hub
+
+
+async def healthz(request: Request) -> Response:
+    """Liveness: the process serves; 503 once the engine failed (restart me)."""
+    hub = _hub(request)
+    body = {"status": hub.status.name.lower(), "detail": hub.detail}
+    return JSONResponse(body, status_code=200 if hub.alive else 503)
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: the model is loaded and warmed up and the server is not shutting down."""
+    hub = _hub(request)
+    body = {"status": hub.status.name.lower(), "detail": hub.detail}
+    return JSONResponse(body, status_code=200 if hub.ready else 503)
+
+
+async def status(request: Request) -> Response:
+    return JSONResponse(_hub(request).status_json())
+
+
+async def native_stream(websocket: WebSocket) -> None:
+    await NativeSession(_hub(websocket), websocket).serve()

@@ -1,0 +1,121 @@
+"""Server settings: one frozen dataclass, filled from defaults < environment < command line (see cli.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from synth.api import VARIANTS, EngineConfig, Variant
+
+MIB = 1024 * 1024
+WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
+DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # ---- start-up (each has a command-line flag and an environment variable, see cli.py) ----
+    host: str = "127.0.0.1"
+    port: int = 8000
+    variant: Variant = "english"
+    weights: str = "auto"  # auto | random-tiny | random-full | PATH (a checkpoint directory)
+    device: str = "auto"
+    dtype: str = "float32"
+    max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
+    max_slots: int = 16  # engine: segments generating at once
+    # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
+    # agent can fall back) unless this is set: then it waits in the engine's bounded admission queue,
+    # ahead of other waiting segments. Later segments of a context always wait (never fail mid-turn).
+    queue_when_full: bool = False
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    log_level: str = "info"
+    data_dir: Path = Path("data")  # uploaded voices live under data_dir/voices
+    # "module:callable" taking Settings and returning an unstarted EngineLike (tests, load tests, development).
+    engine_factory: str | None = None
+    # Serve /metrics and /dashboard on this port too, from their own thread and event loop, so a flood of
+    # WebSocket sessions cannot starve a scrape (0: only on the main port).
+    metrics_port: int = 0
+    shutdown_grace_s: float = 20.0  # SIGTERM: in-flight speech may finish for this long, then close 1001
+
+    # ---- protocol limits ----
+    max_contexts_per_session: int = 8  # contexts open at once on one socket
+    max_text_piece_chars: int = 4096  # one `text` message
+    max_context_text_chars: int = 100_000  # everything pushed into one context
+    max_message_bytes: int = 1 * MIB  # a bigger WebSocket message is closed with 1009 by the server
+    max_protocol_errors: int = 32  # per session; then close 1008
+
+    # ---- flow control ----
+    outbox_max_items: int = 8192  # per session: frames + events waiting for the socket (overflow: close 1008)
+    slow_client_stall_s: float = 3.0  # one send blocked this long: the client stopped reading (close 1008)
+    max_audio_ahead_s: float = 20.0  # per context: unsent audio beyond which the next segment waits
+    # SO_SNDBUF of each WebSocket (0: the OS default, which Linux lets grow to megabytes and so hides a
+    # client that stopped reading). 256 KiB holds ~2.7 s of 24 kHz PCM16 and is far more than any
+    # real-time audio stream needs in flight.
+    socket_send_buffer_bytes: int = 256 * 1024
+    tick_s: float = 0.025  # segmenter poll and slow-client watchdog period
+    close_timeout_s: float = 1.0  # how long a close frame may take before the connection is dropped
+
+    # ---- WebSocket keepalive ----
+    ws_ping_interval_s: float = 20.0
+    ws_ping_timeout_s: float = 20.0
+
+    # ---- voices ----
+    min_voice_clip_s: float = 5.0
+    max_voice_clip_s: float = 60.0
+    max_voice_upload_bytes: int = 32 * MIB
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if not (0 < self.port < 65536):
+            raise ValueError("port must be in 1..65535")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together")
+        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def replace(self, **changes: object) -> "Settings":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            variant=self.variant,
+            weights=self.weights,
+            device=self.device,
+            dtype=self.dtype,
+            max_slots=self.max_slots,
+        )
+
+    @property
+    def voices_dir(self) -> Path:
+        return self.data_dir / "voices"
+
+
+# setting name -> environment variables that set it (first one found wins)
+ENV_VARS: Mapping[str, tuple[str, ...]] = {
+    "host": ("AGENT_SERVER_HOST",),
+    "port": ("AGENT_SERVER_PORT", "PORT"),
+    "variant": ("AGENT_SERVER_VARIANT",),
+    "weights": ("AGENT_SERVER_WEIGHTS",),
+    "device": ("AGENT_SERVER_DEVICE",),
+    "dtype": ("AGENT_SERVER_DTYPE",),
+    "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
+    "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
+    "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),
+    "tls_certfile": ("AGENT_SERVER_TLS_CERT",),
+    "tls_keyfile": ("AGENT_SERVER_TLS_KEY",),
+    "log_level": ("AGENT_SERVER_LOG_LEVEL",),
+    "data_dir": ("AGENT_SERVER_DATA_DIR",),
+    "engine_factory": ("AGENT_SERVER_ENGINE_FACTORY",),
+    "metrics_port": ("AGENT_SERVER_METRICS_PORT",),
+    "shutdown_grace_s": ("AGENT_SERVER_SHUTDOWN_GRACE_S",),
+}

@@ -1,0 +1,536 @@
+"""SpeechStream: one context (a turn) from text pieces to ordered, encoded audio. Protocol-neutral.
+
+This is the one place where the server talks to the engine. Every wire protocol (the native one in
+session.py, and vendor-compatible ones) drives the same five verbs and renders the same events:
+
+    stream = SpeechStream(key, spec, engine=..., segmenter=..., post=..., emit=...)
+    stream.open()
+    stream.push_text("Hel", now_s) ; stream.flush(now_s) ; stream.end(now_s) ; stream.cancel()
+    stream.poll(now_s)           # let the segmenter release text on its own clock
+    stream.on_frame_sent(now_s)  # the socket writer reports each audio frame it got out
+
+and `emit(stream, event)` receives, in order: `StreamStarted`, then per segment `SegmentStarted`,
+its `AudioOut` frames and `SegmentDone`, then exactly one `StreamDone`.
+
+Threading: every method runs on the event loop thread. The engine calls its sink on its own thread; the
+sink only hands the output to `post` (loop.call_soon_threadsafe), so the engine never blocks on us.
+
+Ordering: segment N+1 is submitted when segment N has finished generating (GENERATED), so T3 of the next
+segment overlaps the vocoder tail of the current one; audio that arrives for a segment whose turn has not
+come is held until every earlier segment has played. One encoder per context keeps the output stream
+continuous across segments (a frame may straddle two segments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence, Union
+
+import numpy as np
+import structlog
+
+from agent_server.audio import AudioEncoder, OutputFormat
+from synth.api import (
+    OUTPUT_SAMPLE_RATE_HZ,
+    AudioChunk,
+    EngineError,
+    EngineLike,
+    EngineOutput,
+    EventKind,
+    SamplingParams,
+    SegmentEvent,
+    SegmentRequest,
+)
+
+log = structlog.get_logger("agent_server.speech")
+
+SAMPLES_PER_MS_24K = OUTPUT_SAMPLE_RATE_HZ / 1000.0
+SEED_MODULUS = 2**63
+# Relative share of a segment's duration per character for the approximate alignment.
+CHAR_WEIGHT_SPACE = 0.5
+CHAR_WEIGHT_PUNCT = 1.5
+CHAR_WEIGHT_OTHER = 1.0
+
+
+# ---- what a stream is opened with ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    voice_id: str
+    params: SamplingParams  # seed: the context's seed (segment i uses seed + i), or None
+    output_format: OutputFormat
+    language: str | None = None
+    # False: the first segment is refused (BUSY) when the engine has no free slot, instead of queueing.
+    may_wait: bool = True
+    max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
+
+
+class SpecError(ValueError):
+    """An open request the server cannot honour; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def build_params(
+    variant: str, overrides: Sequence[tuple[str, float | int]], seed: int | None
+) -> SamplingParams:
+    """The variant's defaults with the client's overrides and seed. Raises SpecError("sampling.x", ...)."""
+    base = SamplingParams.defaults(variant)  # type: ignore[arg-type]
+    params = dataclasses.replace(base, **dict(overrides), seed=seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        first = str(exc).split(" ", 1)[0]
+        name = "seed" if first == "seed" else f"sampling.{first}"
+        raise SpecError(name, str(exc)) from exc
+    return params
+
+
+# ---- what a stream emits ------------------------------------------------------------------------
+
+
+class DoneReason(enum.StrEnum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"  # by the client
+    BUSY = "busy"  # the engine refused a segment
+    FAILED = "failed"  # the engine failed a segment or refused a submit
+    SHUTDOWN = "shutdown"  # the server or the session closed under it
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStarted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStarted:
+    index: int
+    text: str
+    start_char: int
+    end_char: int
+    audio_offset_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class AudioOut:
+    segment_index: int
+    seq: int  # 0, 1, 2 ... per stream
+    payload: bytes  # one encoded frame of `output_format`
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDone:
+    index: int
+    text: str
+    start_char: int
+    audio_offset_ms: float
+    audio_ms: float
+    speech_tokens: int
+    char_start_ms: list[int]  # per character of `text`, from the start of the stream's audio
+    char_duration_ms: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDone:
+    reason: DoneReason
+    detail: str = ""
+
+
+StreamEvent = Union[StreamStarted, SegmentStarted, AudioOut, SegmentDone, StreamDone]
+Emit = Callable[["SpeechStream", StreamEvent], None]
+Post = Callable[..., object]  # loop.call_soon_threadsafe
+
+
+class SegmentLike(Protocol):
+    index: int
+    text: str
+    start_char: int
+    end_char: int
+
+
+class SegmenterLike(Protocol):
+    @property
+    def pending_chars(self) -> int: ...  # received, not yet in a segment
+    def push(self, text: str, now_s: float) -> Sequence[SegmentLike]: ...
+    def poll(self, now_s: float) -> Sequence[SegmentLike]: ...
+    def flush(self, now_s: float) -> Sequence[SegmentLike]: ...
+    def end(self, now_s: float) -> Sequence[SegmentLike]: ...
+
+
+# ---- state --------------------------------------------------------------------------------------
+
+
+class StreamStatus(enum.IntEnum):
+    """Order matters: everything >= DONE is terminal."""
+
+    OPEN = 0  # taking text
+    ENDED = 1  # input ended; audio still coming
+    DONE = 10
+    CANCELLED = 11
+    BUSY = 12
+    FAILED = 13
+
+
+class SegmentStatus(enum.IntEnum):
+    PENDING = 0  # cut by the segmenter, not submitted yet
+    SUBMITTED = 1
+    STARTED = 2
+    GENERATED = 3  # T3 finished: the next segment may go
+    DONE = 10  # all of its audio arrived
+    DROPPED = 11  # cancelled or failed
+
+
+@dataclass(slots=True)
+class SegmentState:
+    index: int
+    text: str
+    start_char: int
+    end_char: int
+    request_id: str = ""
+    status: SegmentStatus = SegmentStatus.PENDING
+    held: list[np.ndarray] = field(default_factory=list)  # chunks that came before their turn to play
+    speech_tokens: int = 0
+    samples_24k: int = 0  # audio received so far
+    audio_offset_ms: float = 0.0
+    announced: bool = False  # SegmentStarted emitted
+
+
+class StreamStateError(RuntimeError):
+    """A verb that the stream's state does not allow (e.g. text after end)."""
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    """time.monotonic() readings for the first audio of the stream."""
+
+    opened_s: float
+    first_text_s: float | None = None
+    first_submit_s: float | None = None
+    first_chunk_ready_s: float | None = None  # AudioChunk.ready_monotonic_s of the stream's first chunk
+    first_frame_sent_s: float | None = None
+
+    @property
+    def ttfa_s(self) -> float | None:
+        if self.first_frame_sent_s is None or self.first_text_s is None:
+            return None
+        return self.first_frame_sent_s - self.first_text_s
+
+    @property
+    def server_overhead_s(self) -> float | None:
+        if self.first_frame_sent_s is None or self.first_chunk_ready_s is None:
+            return None
+        return self.first_frame_sent_s - self.first_chunk_ready_s
+
+
+class SpeechStream:
+    def __init__(
+        self,
+        key: str,
+        spec: StreamSpec,
+        *,
+        engine: EngineLike,
+        segmenter: SegmenterLike,
+        post: Post,
+        emit: Emit,
+    ) -> None:
+        self.key = key  # unique among the server's live streams; engine request ids are f"{key}/{index}"
+        self.spec = spec
+        self.status = StreamStatus.OPEN
+        self.times = StreamTimes(opened_s=time.monotonic())
+        self.text_chars = 0
+        self.frames_out = 0  # frames emitted (seq of the next frame)
+        self.frames_sent = 0  # frames the writer reported sent
+        self._engine = engine
+        self._segmenter = segmenter
+        self._post = post
+        self._emit = emit
+        self._encoder = AudioEncoder(spec.output_format)
+        self._rate_hz = spec.output_format.sample_rate_hz
+        self._padding_out_samples = 0  # silence the encoder added to complete frames (drain)
+        self._segments: list[SegmentState] = []
+        self._playing = 0  # index of the segment whose audio goes out now
+        self._next_submit = 0
+        self._waiting_for_backlog = False
+
+    # ---- the verbs -----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Announce the stream (emits StreamStarted); call once, before anything else."""
+        self._emit(self, StreamStarted())
+
+    def push_text(self, text: str, now_s: float) -> None:
+        self._require_open("text")
+        if self.times.first_text_s is None and text:
+            self.times.first_text_s = now_s
+        self.text_chars += len(text)
+        self._add_segments(self._segmenter.push(text, now_s))
+
+    def flush(self, now_s: float) -> None:
+        self._require_open("flush")
+        self._add_segments(self._segmenter.flush(now_s))
+
+    def end(self, now_s: float) -> None:
+        self._require_open("end")
+        self.status = StreamStatus.ENDED
+        self._add_segments(self._segmenter.end(now_s))
+        self._maybe_complete()
+
+    def poll(self, now_s: float) -> None:
+        if self.status == StreamStatus.OPEN:
+            self._add_segments(self._segmenter.poll(now_s))
+
+    def cancel(self, reason: DoneReason = DoneReason.CANCELLED, detail: str = "") -> bool:
+        """Stop at once: no audio of this stream is emitted afterwards. False if it had already ended."""
+        if self.status >= StreamStatus.DONE:
+            return False
+        self._terminate(StreamStatus.CANCELLED, reason, detail)
+        return True
+
+    # ---- writer feedback -----------------------------------------------------------------------
+
+    def on_frame_sent(self, now_s: float) -> None:
+        self.frames_sent += 1
+        if self.times.first_frame_sent_s is None:
+            self.times.first_frame_sent_s = now_s
+        if self._waiting_for_backlog and self._backlog_s() <= self.spec.max_audio_ahead_s:
+            self._submit_ready()
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    @property
+    def output_ms(self) -> float:
+        """Audio in the frames emitted so far (speech plus the silence of idle gaps between segments)."""
+        return self._encoder.samples_out * 1000.0 / self._rate_hz
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    @property
+    def has_unsegmented_text(self) -> bool:
+        return self.status == StreamStatus.OPEN and self._segmenter.pending_chars > 0
+
+    # ---- segments in -----------------------------------------------------------------------------
+
+    def _require_open(self, verb: str) -> None:
+        if self.status != StreamStatus.OPEN:
+            raise StreamStateError(f"{verb!r} on a context that is {self.status.name.lower()}")
+
+    def _add_segments(self, cut: Sequence[SegmentLike]) -> None:
+        for seg in cut:
+            if not seg.text.strip():
+                continue
+            index = len(self._segments)
+            self._segments.append(SegmentState(index, seg.text, seg.start_char, seg.end_char))
+        if cut:
+            self._submit_ready()
+
+    def _submit_ready(self) -> None:
+        self._waiting_for_backlog = False
+        while self._next_submit < len(self._segments) and self.status < StreamStatus.DONE:
+            if self._next_submit > 0 and self._segments[self._next_submit - 1].status < SegmentStatus.GENERATED:
+                return
+            if self._next_submit > 0 and self._backlog_s() > self.spec.max_audio_ahead_s:
+                self._waiting_for_backlog = True
+                return
+            seg = self._segments[self._next_submit]
+            self._next_submit += 1
+            self._submit(seg)
+
+    def _submit(self, seg: SegmentState) -> None:
+        now_s = time.monotonic()
+        seed = self.spec.params.seed
+        params = self.spec.params if seed is None else dataclasses.replace(
+            self.spec.params, seed=(seed + seg.index) % SEED_MODULUS
+        )
+        seg.request_id = f"{self.key}/{seg.index}"
+        seg.status = SegmentStatus.SUBMITTED
+        request = SegmentRequest(
+            request_id=seg.request_id,
+            text=seg.text,
+            sink=self._sink_for(seg),
+            voice_id=self.spec.voice_id,
+            params=params,
+            language=self.spec.language,
+            first_audio_pending=self.times.first_chunk_ready_s is None,
+            may_wait=self.spec.may_wait or seg.index > 0,
+            submitted_monotonic_s=now_s,
+        )
+        if self.times.first_submit_s is None:
+            self.times.first_submit_s = now_s
+        try:
+            self._engine.submit(request)
+        except Exception as exc:  # EngineError (unknown voice, stopped), or a bug: fail the stream, not the socket
+            seg.status = SegmentStatus.DROPPED
+            if not isinstance(exc, EngineError):
+                log.exception("submit_failed", request_id=seg.request_id)
+            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, str(exc) or type(exc).__name__)
+
+    def _sink_for(self, seg: SegmentState) -> Callable[[EngineOutput], None]:
+        post = self._post
+        on_output = self._on_output
+
+        def sink(out: EngineOutput) -> None:  # engine thread: hand over, never block
+            try:
+                post(on_output, seg, out)
+            except RuntimeError:  # the loop is closed: the server is gone
+                pass
+
+        return sink
+
+    # ---- engine output (loop thread) -------------------------------------------------------------
+
+    def _on_output(self, seg: SegmentState, out: EngineOutput) -> None:
+        if self.status >= StreamStatus.DONE or seg.status >= SegmentStatus.DONE:
+            return  # late output of a cancelled or failed stream
+        try:
+            if isinstance(out, AudioChunk):
+                self._on_chunk(seg, out)
+            else:
+                self._on_event(seg, out)
+        except Exception as exc:  # a loop callback: an escaping error would leave the stream hanging
+            log.exception("engine_output_failed", request_id=seg.request_id)
+            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, f"server error: {type(exc).__name__}")
+
+    def _on_chunk(self, seg: SegmentState, chunk: AudioChunk) -> None:
+        seg.speech_tokens += chunk.speech_tokens
+        seg.samples_24k += len(chunk.pcm)
+        if seg.index == self._playing:
+            if self.times.first_chunk_ready_s is None:
+                self.times.first_chunk_ready_s = chunk.ready_monotonic_s
+            self._play(seg, chunk.pcm)
+        else:
+            seg.held.append(chunk.pcm)
+
+    def _on_event(self, seg: SegmentState, event: SegmentEvent) -> None:
+        kind = event.kind
+        if kind == EventKind.STARTED:
+            seg.status = max(seg.status, SegmentStatus.STARTED)
+        elif kind == EventKind.GENERATED:
+            seg.status = SegmentStatus.GENERATED
+            self._submit_ready()
+        elif kind == EventKind.DONE:
+            seg.status = SegmentStatus.DONE
+            self._submit_ready()
+            self._advance()
+        elif kind == EventKind.BUSY:
+            self._terminate(StreamStatus.BUSY, DoneReason.BUSY, event.reason or "no free slot")
+        elif kind == EventKind.CANCELLED:
+            self._terminate(StreamStatus.CANCELLED, DoneReason.SHUTDOWN, event.reason or "cancelled by the engine")
+        else:
+            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, event.reason or "engine failure")
+
+    # ---- audio out -----------------------------------------------------------------------------
+
+    def _announce(self, seg: SegmentState) -> None:
+        seg.announced = True
+        seg.audio_offset_ms = self._timeline_ms()
+        self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms))
+
+    def _play(self, seg: SegmentState, pcm: np.ndarray) -> None:
+        if not seg.announced:
+            self._announce(seg)
+        self._send_frames(seg.index, self._encoder.push(pcm))
+
+    def _send_frames(self, segment_index: int, frames: list[bytes]) -> None:
+        for payload in frames:
+            self._emit(self, AudioOut(segment_index, self.frames_out, payload))
+            self.frames_out += 1
+
+    def _advance(self) -> None:
+        """Play on: finish every leading DONE segment and start the next one's held audio."""
+        while self._playing < len(self._segments) and self.status < StreamStatus.DONE:
+            seg = self._segments[self._playing]
+            if seg.held and self.times.first_chunk_ready_s is None:
+                self.times.first_chunk_ready_s = time.monotonic()  # held audio becomes playable now
+            for pcm in seg.held:
+                self._play(seg, pcm)
+            seg.held.clear()
+            if seg.status != SegmentStatus.DONE:
+                return
+            if not seg.announced:  # a segment without audio still gets its boundary events
+                self._announce(seg)
+            self._playing += 1
+            self._release_tail(seg.index)
+            self._emit(self, self._segment_done(seg))
+        self._maybe_complete()
+
+    def _release_tail(self, segment_index: int) -> None:
+        """A segment's audio is all in: if nothing follows right away, get its last samples out now
+        (the resampler and the framer hold some back; `drain` pads with a few ms of silence)."""
+        if self._playing < len(self._segments):
+            following = self._segments[self._playing]
+            if following.held or following.status == SegmentStatus.DONE:
+                return  # the next segment's audio pushes it out
+        elif self.status == StreamStatus.ENDED:
+            self._send_frames(segment_index, self._encoder.finish())  # the very end
+            return
+        self._send_frames(segment_index, self._encoder.drain())
+        self._padding_out_samples = self._encoder.samples_out - self._encoder.samples_resampled
+
+    def _timeline_ms(self) -> float:
+        """Where the next sample pushed into the encoder will sit in the stream's output, in ms."""
+        return (
+            self._encoder.samples_fed / SAMPLES_PER_MS_24K + self._padding_out_samples * 1000.0 / self._rate_hz
+        )
+
+    def _segment_done(self, seg: SegmentState) -> SegmentDone:
+        audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K
+        starts, durations = char_alignment(seg.text, seg.audio_offset_ms, audio_ms)
+        return SegmentDone(
+            seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations
+        )
+
+    def _maybe_complete(self) -> None:
+        if self.status != StreamStatus.ENDED or self._playing < len(self._segments):
+            return
+        if not self._encoder.finished:
+            self._send_frames(max(0, len(self._segments) - 1), self._encoder.finish())
+        self.status = StreamStatus.DONE
+        self._emit(self, StreamDone(DoneReason.COMPLETED))
+
+    def _backlog_s(self) -> float:
+        """Audio emitted but not yet taken by the socket (frames are of equal length but the last)."""
+        if self.frames_out == 0:
+            return 0.0
+        return (self.frames_out - self.frames_sent) * self.output_ms / self.frames_out / 1000.0
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def _terminate(self, status: StreamStatus, reason: DoneReason, detail: str) -> None:
+        if self.status >= StreamStatus.DONE:
+            return
+        self.status = status
+        for seg in self._segments:
+            if SegmentStatus.SUBMITTED <= seg.status < SegmentStatus.DONE:
+                self._engine.cancel(seg.request_id)
+            if seg.status < SegmentStatus.DONE:
+                seg.status = SegmentStatus.DROPPED
+            seg.held.clear()
+        self._emit(self, StreamDone(reason, detail))
+
+
+def char_alignment(text: str, offset_ms: float, duration_ms: float) -> tuple[list[int], list[int]]:
+    """Approximate per-character (start, duration) in ms: the duration shared out by character weight."""
+    if not text:
+        return [], []
+    weights = np.array([_char_weight(c) for c in text], dtype=np.float64)
+    edges_ms = offset_ms + duration_ms * np.concatenate(([0.0], np.cumsum(weights) / weights.sum()))
+    starts = np.rint(edges_ms[:-1]).astype(np.int64)
+    ends = np.rint(edges_ms[1:]).astype(np.int64)
+    return starts.tolist(), (ends - starts).tolist()
+
+
+def _char_weight(char: str) -> float:
+    if char.isspace():
+        return CHAR_WEIGHT_SPACE
+    if char in ",.;:!?":
+        return CHAR_WEIGHT_PUNCT
+    return CHAR_WEIGHT_OTHER

@@ -1,0 +1,358 @@
+"""Voices: the engine's built-in ones plus reference clips uploaded over HTTP, kept on disk.
+
+Layout: `<data_dir>/voices/<voice_id>.wav` (mono 16-bit PCM at the clip's own rate) and
+`<voice_id>.json` (metadata). At start-up every stored clip is handed to the engine again.
+
+A context holds a lease on its voice for its whole life. DELETE removes the files at once (so the voice
+does not come back after a restart) and hides the voice from new contexts; the engine forgets it when the
+last lease goes. `engine.add_voice` is slow (it computes the conditioning) and runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import io
+import secrets
+import wave
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from synth.api import EngineError, EngineLike
+
+log = structlog.get_logger("agent_server.voices")
+
+VOICE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_VOICE_ID_CHARS = 64
+MAX_NAME_CHARS = 200
+PCM16_FULL_SCALE = 32767.0
+
+
+class VoiceStatus(enum.IntEnum):
+    LOADING = 0  # conditioning being computed
+    READY = 1
+    DELETING = 2  # deleted; the engine forgets it when the last context using it ends
+
+
+@dataclass(slots=True)
+class Voice:
+    voice_id: str
+    builtin: bool
+    status: VoiceStatus
+    name: str = ""
+    duration_s: float = 0.0
+    sample_rate_hz: int = 0
+    created_at: str = ""
+    leases: int = 0  # contexts using it now
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "voice_id": self.voice_id,
+            "name": self.name,
+            "builtin": self.builtin,
+            "status": self.status.name.lower(),
+            "duration_s": round(self.duration_s, 3),
+            "sample_rate_hz": self.sample_rate_hz,
+            "created_at": self.created_at,
+            "in_use": self.leases,
+        }
+
+
+class VoiceError(Exception):
+    def __init__(self, status_code: int, field: str, message: str, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.field = field
+        self.message = message
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"field": self.field, "message": self.message, "code": self.code}}
+        return JSONResponse(body, status_code=self.status_code)
+
+
+class VoiceStore:
+    def __init__(self, voices_dir: Path, *, min_clip_s: float = 5.0, max_clip_s: float = 60.0) -> None:
+        self.voices_dir = voices_dir
+        self.min_clip_s = min_clip_s
+        self.max_clip_s = max_clip_s
+        self._voices: dict[str, Voice] = {}
+        self._engine: EngineLike | None = None
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    async def attach(self, engine: EngineLike) -> None:
+        """Register the engine's built-in voices, then hand every stored clip to the engine again."""
+        self._engine = engine
+        for voice_id in engine.voice_ids():
+            self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY)
+        if not self.voices_dir.is_dir():
+            return
+        for meta_path in sorted(self.voices_dir.glob("*.json")):
+            voice_id = meta_path.stem
+            try:
+                meta = orjson.loads(meta_path.read_bytes())
+                wav, sample_rate_hz = decode_wav(self._wav_path(voice_id).read_bytes())
+                voice = Voice(
+                    voice_id,
+                    builtin=False,
+                    status=VoiceStatus.LOADING,
+                    name=str(meta.get("name", "")),
+                    duration_s=len(wav) / sample_rate_hz,
+                    sample_rate_hz=sample_rate_hz,
+                    created_at=str(meta.get("created_at", "")),
+                )
+                self._voices[voice_id] = voice
+                await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
+                voice.status = VoiceStatus.READY
+                log.info("voice_restored", voice_id=voice_id, duration_s=round(voice.duration_s, 2))
+            except (OSError, ValueError, EngineError) as exc:  # one bad file must not stop the server
+                self._voices.pop(voice_id, None)
+                log.error("voice_restore_failed", voice_id=voice_id, error=str(exc))
+
+    # ---- leases (contexts) -----------------------------------------------------------------------
+
+    def acquire(self, voice_id: str) -> Voice:
+        voice = self._voices.get(voice_id)
+        if voice is None or voice.status == VoiceStatus.DELETING:
+            raise VoiceError(404, "voice", f"unknown voice {voice_id!r}", code="unknown_voice")
+        if voice.status == VoiceStatus.LOADING:
+            raise VoiceError(409, "voice", f"voice {voice_id!r} is still being prepared", code="voice_not_ready")
+        voice.leases += 1
+        return voice
+
+    def release(self, voice: Voice) -> None:
+        voice.leases -= 1
+        if voice.leases == 0 and voice.status == VoiceStatus.DELETING:
+            self._forget(voice)
+
+    # ---- HTTP operations -------------------------------------------------------------------------
+
+    def list(self) -> list[Voice]:
+        return [v for v in self._voices.values() if v.status != VoiceStatus.DELETING]
+
+    def get(self, voice_id: str) -> Voice:
+        voice = self._voices.get(voice_id)
+        if voice is None or voice.status == VoiceStatus.DELETING:
+            raise VoiceError(404, "voice_id", f"unknown voice {voice_id!r}", code="unknown_voice")
+        return voice
+
+    async def create(self, clip: bytes, name: str = "", voice_id: str | None = None) -> Voice:
+        engine = self._require_engine()
+        if voice_id is None:
+            voice_id = "v_" + secrets.token_hex(6)
+        elif not (1 <= len(voice_id) <= MAX_VOICE_ID_CHARS) or not set(voice_id) <= VOICE_ID_CHARS:
+            raise VoiceError(400, "voice_id", f"must be 1-{MAX_VOICE_ID_CHARS} characters of [A-Za-z0-9_-]")
+        if voice_id in self._voices:
+            raise VoiceError(409, "voice_id", f"voice {voice_id!r} already exists", code="conflict")
+        if len(name) > MAX_NAME_CHARS:
+            raise VoiceError(400, "name", f"at most {MAX_NAME_CHARS} characters")
+        try:
+            wav, sample_rate_hz = decode_wav(clip)
+        except ValueError as exc:
+            raise VoiceError(400, "file", str(exc)) from exc
+        duration_s = len(wav) / sample_rate_hz
+        if duration_s < self.min_clip_s:
+            raise VoiceError(
+                422, "file", f"reference clip too short: {duration_s:.2f} s, need at least {self.min_clip_s:g} s"
+            )
+        if duration_s > self.max_clip_s:
+            raise VoiceError(422, "file", f"reference clip too long: {duration_s:.1f} s, at most {self.max_clip_s:g} s")
+        created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        voice = Voice(voice_id, False, VoiceStatus.LOADING, name, duration_s, sample_rate_hz, created_at)
+        self._voices[voice_id] = voice
+        try:
+            await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
+        except (EngineError, ValueError) as exc:
+            self._voices.pop(voice_id, None)
+            raise VoiceError(422, "file", f"the engine refused the clip: {exc}") from exc
+        except BaseException:
+            self._voices.pop(voice_id, None)
+            raise
+        try:
+            await asyncio.to_thread(self._write, voice, wav)
+        except BaseException:
+            self._voices.pop(voice_id, None)
+            engine.remove_voice(voice_id)
+            raise
+        voice.status = VoiceStatus.READY
+        log.info("voice_added", voice_id=voice_id, duration_s=round(duration_s, 2), sample_rate_hz=sample_rate_hz)
+        return voice
+
+    async def delete(self, voice_id: str) -> Voice:
+        voice = self.get(voice_id)
+        if voice.builtin:
+            raise VoiceError(409, "voice_id", f"{voice_id!r} is a built-in voice and cannot be deleted", "conflict")
+        if voice.status == VoiceStatus.LOADING:
+            raise VoiceError(409, "voice_id", f"voice {voice_id!r} is still being prepared", "voice_not_ready")
+        await asyncio.to_thread(self._unlink, voice_id)
+        voice.status = VoiceStatus.DELETING
+        if voice.leases == 0:
+            self._forget(voice)
+        log.info("voice_deleted", voice_id=voice_id, in_use=voice.leases)
+        return voice
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _require_engine(self) -> EngineLike:
+        if self._engine is None:
+            raise VoiceError(503, "engine", "the model is still loading", code="not_ready")
+        return self._engine
+
+    def _forget(self, voice: Voice) -> None:
+        self._voices.pop(voice.voice_id, None)
+        if self._engine is not None:
+            self._engine.remove_voice(voice.voice_id)
+
+    def _wav_path(self, voice_id: str) -> Path:
+        return self.voices_dir / f"{voice_id}.wav"
+
+    def _write(self, voice: Voice, wav: np.ndarray) -> None:
+        self.voices_dir.mkdir(parents=True, exist_ok=True)
+        wav_tmp = self.voices_dir / f".{voice.voice_id}.wav.tmp"
+        wav_tmp.write_bytes(encode_wav_pcm16(wav, voice.sample_rate_hz))
+        wav_tmp.replace(self._wav_path(voice.voice_id))
+        meta = {"voice_id": voice.voice_id, "name": voice.name, "created_at": voice.created_at}
+        meta_tmp = self.voices_dir / f".{voice.voice_id}.json.tmp"
+        meta_tmp.write_bytes(orjson.dumps(meta))
+        meta_tmp.replace(self.voices_dir / f"{voice.voice_id}.json")  # last: a voice exists once this does
+
+    def _unlink(self, voice_id: str) -> None:
+        (self.voices_dir / f"{voice_id}.json").unlink(missing_ok=True)
+        self._wav_path(voice_id).unlink(missing_ok=True)
+
+
+def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """WAV bytes -> (mono float32 in [-1, 1], sample rate). PCM 8/16/24/32-bit via the stdlib; float and
+    other formats through soundfile when it is installed. Raises ValueError with a readable message."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as reader:
+            channels = reader.getnchannels()
+            width_bytes = reader.getsampwidth()
+            sample_rate_hz = reader.getframerate()
+            raw = reader.readframes(reader.getnframes())
+    except (wave.Error, EOFError) as exc:
+        return _decode_with_soundfile(data, exc)
+    if sample_rate_hz <= 0 or channels <= 0:
+        raise ValueError("a WAV file with a sample rate and at least one channel is expected")
+    if width_bytes == 1:
+        samples = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width_bytes == 2:
+        samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    elif width_bytes == 3:
+        triples = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        ints = (triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)) << 8 >> 8
+        samples = ints.astype(np.float32) / 8388608.0
+    else:
+        samples = np.frombuffer(raw, dtype="<i4").astype(np.float32) / 2147483648.0
+    frames = len(samples) // channels
+    mono = samples[: frames * channels].reshape(frames, channels).mean(axis=1, dtype=np.float32)
+    return mono, sample_rate_hz
+
+
+def _decode_with_soundfile(data: bytes, first_error: Exception) -> tuple[np.ndarray, int]:
+    try:
+        import soundfile  # optional
+    except ImportError:
+        raise ValueError(f"not a PCM WAV file ({first_error}); upload 8/16/24/32-bit PCM WAV") from None
+    try:
+        samples, sample_rate_hz = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises its own LibsndfileError (a RuntimeError)
+        raise ValueError(f"unreadable audio file: {exc}") from None
+    return samples.mean(axis=1, dtype=np.float32), int(sample_rate_hz)
+
+
+def encode_wav_pcm16(wav: np.ndarray, sample_rate_hz: int) -> bytes:
+    pcm = (np.clip(wav, -1.0, 1.0) * PCM16_FULL_SCALE).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(sample_rate_hz)
+        writer.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+# ---- HTTP handlers ------------------------------------------------------------------------------
+
+
+def _store(request: Request) -> VoiceStore:
+    store: VoiceStore = request.app.state.hub.voices
+    return store
+
+
+async def list_voices(request: Request) -> Response:
+    return JSONResponse({"voices": [v.to_json() for v in _store(request).list()]})
+
+
+async def get_voice(request: Request) -> Response:
+    try:
+        return JSONResponse(_store(request).get(request.path_params["voice_id"]).to_json())
+    except VoiceError as exc:
+        return exc.response()
+
+
+async def create_voice(request: Request) -> Response:
+    """multipart/form-data with `file` (a WAV clip, >= 5 s) and optional `name`, `voice_id`;
+    or the WAV itself as the body (Content-Type audio/wav) with optional ?name=&voice_id= query."""
+    hub = request.app.state.hub
+    max_bytes: int = hub.settings.max_voice_upload_bytes
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        declared = 0
+    if declared > max_bytes:
+        return VoiceError(413, "file", f"upload too large: at most {max_bytes} bytes", "too_large").response()
+    try:
+        clip, name, voice_id = await _read_upload(request, max_bytes)
+        voice = await _store(request).create(clip, name=name, voice_id=voice_id)
+    except VoiceError as exc:
+        return exc.response()
+    return JSONResponse(voice.to_json(), status_code=201)
+
+
+async def _read_upload(request: Request, max_bytes: int) -> tuple[bytes, str, str | None]:
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        async with request.form(max_files=1, max_fields=8) as form:
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                raise VoiceError(400, "file", "a multipart field `file` holding a WAV clip is required")
+            clip = await upload.read()
+            name = form.get("name", "")
+            voice_id = form.get("voice_id")
+            return clip, str(name), (str(voice_id) if voice_id else None)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > max_bytes:
+            raise VoiceError(413, "file", f"upload too large: at most {max_bytes} bytes", "too_large")
+    if not body:
+        raise VoiceError(400, "file", "empty body: send a WAV clip (multipart field `file` or the raw body)")
+    return bytes(body), request.query_params.get("name", ""), request.query_params.get("voice_id")
+
+
+async def delete_voice(request: Request) -> Response:
+    try:
+        voice = await _store(request).delete(request.path_params["voice_id"])
+    except VoiceError as exc:
+        return exc.response()
+    status = "deleted" if voice.leases == 0 else "deleting"
+    return JSONResponse({"voice_id": voice.voice_id, "status": status, "in_use": voice.leases})
+
+
+routes = [
+    Route("/v1/voices", list_voices, methods=["GET"]),
+    Route("/v1/voices", create_voice, methods=["POST"]),
+    Route("/v1/voices/{voice_id}", get_voice, methods=["GET"]),
+    Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
+]

@@ -1,0 +1,72 @@
+"""LiveKit Agents' TTS plugins, unmodified, through their stream API (OpenAI's: synthesize), pointed at our server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+import pytest
+
+pytest.importorskip("livekit.agents")
+
+import aiohttp  # noqa: E402
+from livekit.plugins import cartesia, deepgram, elevenlabs  # noqa: E402
+from livekit.plugins import openai as lk_openai  # noqa: E402
+
+from tests.agent_server.compat.conftest import Served, assert_length  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+PIECES = ["Sure, I ", "can help ", "with that. ", "Your flight ", "leaves at ", "nine ", "tomorrow."]
+
+PLUGINS: dict[str, tuple[Callable[[Served, aiohttp.ClientSession], Any], int]] = {
+    "elevenlabs": (lambda s, h: elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", encoding="pcm_16000",
+                                               http_session=h), 16_000),
+    "cartesia": (lambda s, h: cartesia.TTS(api_key="sk", base_url=s.http, sample_rate=16_000, http_session=h), 16_000),
+    "deepgram": (lambda s, h: deepgram.TTS(api_key="dg", base_url=s.http + "/v1/speak", sample_rate=16_000,
+                                           http_session=h), 16_000),
+    "openai": (lambda s, h: lk_openai.TTS(api_key="sk", base_url=s.http + "/v1", response_format="pcm"), 24_000),
+}
+
+
+async def _speak(served: Served, name: str, interrupt: bool) -> tuple[int, set[int]]:
+    factory, _ = PLUGINS[name]
+    async with aiohttp.ClientSession() as http:
+        tts = factory(served, http)
+        pieces = PIECES * (6 if interrupt else 1)
+        if tts.capabilities.streaming:
+            stream = tts.stream()
+            for piece in pieces:
+                stream.push_text(piece)
+            stream.end_input()
+        else:  # OpenAI's plugin has no stream(): agents wrap synthesize() in a StreamAdapter per sentence
+            stream = tts.synthesize("".join(pieces))
+        n_bytes, rates = 0, set()
+        async for event in stream:
+            frame = event.frame
+            n_bytes += len(frame.data.tobytes())
+            rates.add(frame.sample_rate)
+            if interrupt:
+                break  # barge-in: the agent drops the stream
+        await stream.aclose()
+        await tts.aclose()
+    return n_bytes, rates
+
+
+@pytest.mark.parametrize("name", sorted(PLUGINS))
+def test_stream(served: Served, name: str) -> None:
+    n_bytes, rates = asyncio.run(_speak(served, name, interrupt=False))
+    rate_hz = PLUGINS[name][1]
+    assert rates == {rate_hz}
+    assert_length(served, n_bytes, rate_hz)
+
+
+@pytest.mark.parametrize("name", sorted(PLUGINS))
+def test_stream_closed_early_is_a_barge_in(served_realtime: Served, name: str) -> None:
+    engine = served_realtime.engine
+    asyncio.run(_speak(served_realtime, name, interrupt=True))
+    stop = time.monotonic() + 5
+    while not engine.cancels and time.monotonic() < stop:
+        time.sleep(0.02)
+    assert engine.cancels, "closing the stream cancelled the engine work"

@@ -1,0 +1,350 @@
+"""A deterministic stand-in for `synth.Engine`: same contract (`synth.api.EngineLike`), no model.
+
+It runs its own thread like the real engine, so the server's thread hops are exercised for real:
+- audio is a pure function of (text, seed): `FakeEngine.expected_tokens` / `expected_pcm` recompute it;
+- a segment yields `tokens_per_char * len(text)` speech tokens (at least one), emitted in chunks of
+  `first_chunk_tokens` then `chunk_schedule_tokens` (12 / 24 / 48 by default), at `realtime_factor` pace
+  (0: as fast as possible; 1.0: 25 tokens per second, like speech) after `first_chunk_delay_s`;
+- `cancel` returns only once no further chunk of that request can reach the sink;
+- at most `max_slots` segments generate at once, `max_waiting` more wait; beyond that (or with
+  `may_wait=False` and no free slot) the sink gets a BUSY event;
+- every submit and cancel is recorded (`submits`, `cancels`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from synth.api import (
+    OUTPUT_SAMPLE_RATE_HZ,
+    SAMPLES_PER_SPEECH_TOKEN,
+    AudioChunk,
+    EngineError,
+    EngineLike,
+    EventKind,
+    SegmentEvent,
+    SegmentRequest,
+    StepStats,
+    Variant,
+)
+
+EOS_TOKEN = 6562
+SPEECH_VOCAB = 6561  # valid speech token ids are < 6561
+TOKENS_PER_SECOND = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # 25
+MIN_VOICE_CLIP_S = 5.0
+IDLE_WAIT_S = 0.05
+PITCHES = 512
+
+
+def _token_waveforms() -> np.ndarray:
+    freq_hz = 110.0 + np.arange(PITCHES, dtype=np.float64)[:, None] * 2.0
+    t_s = np.arange(SAMPLES_PER_SPEECH_TOKEN, dtype=np.float64)[None, :] / OUTPUT_SAMPLE_RATE_HZ
+    table = (0.5 * np.sin(2 * np.pi * freq_hz * t_s)).astype(np.float32)  # [PITCHES, 960]
+    table.setflags(write=False)
+    return table
+
+
+_TOKEN_PCM = _token_waveforms()  # computed once: the fake must cost the server under test nothing
+
+
+class FakeStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    GENERATED = 2
+    DONE = 10
+    CANCELLED = 11
+
+
+@dataclass(slots=True)
+class FakeSegment:
+    request: SegmentRequest
+    seed: int
+    tokens: list[int]  # valid speech tokens, in order
+    status: FakeStatus = FakeStatus.WAITING
+    emitted_tokens: int = 0
+    chunks_sent: int = 0
+    next_due_s: float = 0.0
+    started_s: float = 0.0
+
+
+@dataclass
+class FakeEngine(EngineLike):
+    variant: Variant = "english"
+    max_slots: int = 8
+    max_waiting: int = 64
+    tokens_per_char: float = 1.5
+    first_chunk_tokens: int = 12
+    chunk_schedule_tokens: tuple[int, ...] = (24, 48)
+    realtime_factor: float = 0.0  # seconds of wall time per second of audio; 0 = as fast as possible
+    first_chunk_delay_s: float = 0.0
+    ready_delay_s: float = 0.0
+    add_voice_delay_s: float = 0.0
+    random_weights: bool = True
+    voices: set[str] = field(default_factory=lambda: {"default"})
+
+    submits: list[SegmentRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._lock = threading.Lock()  # held while emitting; cancel takes it, so no chunk follows a cancel
+        self._segments: dict[str, FakeSegment] = {}
+        self._waiting: deque[FakeSegment] = deque()
+        self._running: list[FakeSegment] = []
+        self._cancelled: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._seed_counter = 1_000_000
+        self._stats_listener: Callable[[StepStats], None] | None = None
+        self.steps = 0
+
+    # ---- deterministic audio -------------------------------------------------------------------
+
+    @staticmethod
+    def expected_tokens(text: str, seed: int, tokens_per_char: float = 1.5) -> list[int]:
+        n_tokens = max(1, round(tokens_per_char * len(text)))
+        digest = hashlib.blake2b(f"{seed}\x00{text}".encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        return [int(t) for t in rng.integers(0, SPEECH_VOCAB, size=n_tokens)]
+
+    @staticmethod
+    def token_pcm(token_id: int) -> np.ndarray:
+        """960 samples of a sine whose pitch encodes the token: float32 in [-0.5, 0.5]. Read-only."""
+        return _TOKEN_PCM[token_id % PITCHES]
+
+    @classmethod
+    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> np.ndarray:
+        tokens = cls.expected_tokens(text, seed, tokens_per_char)
+        return np.concatenate([cls.token_pcm(t) for t in tokens])
+
+    def seed_of(self, request_id: str) -> int:
+        with self._lock:
+            return self._segments[request_id].seed
+
+    # ---- EngineLike ----------------------------------------------------------------------------
+
+    def submit(self, request: SegmentRequest) -> None:
+        if not self.alive:
+            raise EngineError("engine stopped")
+        if request.voice_id not in self.voices:
+            raise EngineError(f"unknown voice {request.voice_id!r}")
+        try:
+            request.params.validate()
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        self.submits.append(request)
+        self._inbox.put(("submit", request))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self.cancels.append(request_id)
+            self._cancelled.add(request_id)
+        self._inbox.put(("cancel", request_id))
+
+    def voice_ids(self) -> list[str]:
+        return sorted(self.voices)
+
+    def add_voice(self, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> None:
+        if len(wav) < MIN_VOICE_CLIP_S * sample_rate_hz:
+            raise EngineError(f"reference clip too short: need at least {MIN_VOICE_CLIP_S:g} s")
+        if self.add_voice_delay_s:
+            time.sleep(self.add_voice_delay_s)
+        self.voices.add(voice_id)
+
+    def remove_voice(self, voice_id: str) -> None:
+        self.voices.discard(voice_id)
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "variant": self.variant,
+                "random_weights": self.random_weights,
+                "weights_source": "fake",
+                "device": "cpu",
+                "dtype": "float32",
+                "max_slots": self.max_slots,
+                "slots_in_use": len(self._running),
+                "waiting": len(self._waiting),
+                "steps": self.steps,
+            }
+
+    def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
+        self._stats_listener = listener
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.ready_delay_s:
+            time.sleep(self.ready_delay_s)
+        self._ready.set()
+        while not self._stop.is_set():
+            self._drain_inbox(timeout_s=self._next_wait_s())
+            self._admit()
+            self._emit_due()
+            self.steps += 1
+        for seg in list(self._running) + list(self._waiting):
+            self._finish(seg, EventKind.CANCELLED, reason="shutdown")
+
+    def _next_wait_s(self) -> float:
+        if not self._running:
+            return IDLE_WAIT_S
+        soonest_s = min(seg.next_due_s for seg in self._running)
+        return max(0.0, soonest_s - time.monotonic())
+
+    def _drain_inbox(self, timeout_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: object) -> None:
+        if kind == "submit":
+            assert isinstance(payload, SegmentRequest)
+            self._accept(payload)
+        elif kind == "cancel":
+            assert isinstance(payload, str)
+            seg = self._segments.get(payload)
+            if seg is not None and seg.status < FakeStatus.DONE:
+                if seg in self._waiting:
+                    self._waiting.remove(seg)
+                if seg in self._running:
+                    self._running.remove(seg)
+                self._finish(seg, EventKind.CANCELLED, reason="cancelled")
+
+    def _accept(self, request: SegmentRequest) -> None:
+        seed = request.params.seed
+        if seed is None:
+            self._seed_counter += 1
+            seed = self._seed_counter
+        seg = FakeSegment(request, seed, self.expected_tokens(request.text, seed, self.tokens_per_char))
+        with self._lock:
+            self._segments[request.request_id] = seg
+        free = len(self._running) < self.max_slots
+        if request.request_id in self._cancelled:
+            self._finish(seg, EventKind.CANCELLED, reason="cancelled")
+        elif not free and (not request.may_wait or len(self._waiting) >= self.max_waiting):
+            self._finish(seg, EventKind.BUSY, reason="no free slot")
+        else:
+            self._waiting.append(seg)
+
+    def _admit(self) -> None:
+        # segments whose session has heard nothing yet go first (that is TTFB)
+        while self._waiting and len(self._running) < self.max_slots:
+            seg = next((s for s in self._waiting if s.request.first_audio_pending), self._waiting[0])
+            self._waiting.remove(seg)
+            now_s = time.monotonic()
+            seg.status = FakeStatus.RUNNING
+            seg.started_s = now_s
+            seg.next_due_s = now_s + self.first_chunk_delay_s + self._pace_s(self._chunk_tokens(seg))
+            self._running.append(seg)
+            self._deliver(seg, SegmentEvent(seg.request.request_id, EventKind.STARTED, now_s))
+
+    def _chunk_tokens(self, seg: FakeSegment) -> int:
+        if seg.chunks_sent == 0:
+            size = self.first_chunk_tokens
+        else:
+            schedule = self.chunk_schedule_tokens
+            size = schedule[min(seg.chunks_sent - 1, len(schedule) - 1)]
+        return min(size, len(seg.tokens) - seg.emitted_tokens)
+
+    def _pace_s(self, n_tokens: int) -> float:
+        return self.realtime_factor * n_tokens / TOKENS_PER_SECOND
+
+    def _emit_due(self) -> None:
+        now_s = time.monotonic()
+        for seg in list(self._running):
+            if seg.next_due_s > now_s:
+                continue
+            n_tokens = self._chunk_tokens(seg)
+            tokens = seg.tokens[seg.emitted_tokens : seg.emitted_tokens + n_tokens]
+            last = seg.emitted_tokens + n_tokens >= len(seg.tokens)
+            rid = seg.request.request_id
+            if last:
+                # T3 is done: the slot frees now, the last audio follows (as in the real engine)
+                self._running.remove(seg)
+                seg.status = FakeStatus.GENERATED
+                self._deliver(
+                    seg,
+                    SegmentEvent(
+                        rid,
+                        EventKind.GENERATED,
+                        time.monotonic(),
+                        speech_tokens=len(seg.tokens),
+                        token_ids=tuple(seg.tokens) + (EOS_TOKEN,),
+                        reason="eos",
+                    ),
+                )
+            pcm = np.concatenate([self.token_pcm(t) for t in tokens])
+            with self._lock:
+                if rid in self._cancelled:
+                    continue
+                seg.request.sink(AudioChunk(rid, seg.chunks_sent, pcm, n_tokens, time.monotonic()))
+            seg.emitted_tokens += n_tokens
+            seg.chunks_sent += 1
+            if last:
+                self._finish(seg, EventKind.DONE, reason="eos")
+            else:
+                seg.next_due_s = now_s + self._pace_s(self._chunk_tokens(seg))
+
+    def _deliver(self, seg: FakeSegment, event: SegmentEvent) -> None:
+        with self._lock:
+            if seg.request.request_id in self._cancelled and event.kind < EventKind.DONE:
+                return
+            seg.request.sink(event)
+
+    def _finish(self, seg: FakeSegment, kind: EventKind, reason: str) -> None:
+        seg.status = FakeStatus.CANCELLED if kind != EventKind.DONE else FakeStatus.DONE
+        tokens = len(seg.tokens) if kind == EventKind.DONE else seg.emitted_tokens
+        event = SegmentEvent(seg.request.request_id, kind, time.monotonic(), speech_tokens=tokens, reason=reason)
+        with self._lock:
+            seg.request.sink(event)
+
+
+def make_engine(settings: object) -> FakeEngine:
+    """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.fake_engine:make_engine` (the load test's server).
+
+    Options come from the JSON object in FAKE_ENGINE_OPTIONS (field names of FakeEngine).
+    """
+    options = json.loads(os.environ.get("FAKE_ENGINE_OPTIONS", "{}"))
+    if "chunk_schedule_tokens" in options:
+        options["chunk_schedule_tokens"] = tuple(options["chunk_schedule_tokens"])
+    options.setdefault("variant", getattr(settings, "variant", "english"))
+    return FakeEngine(**options)

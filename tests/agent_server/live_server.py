@@ -1,0 +1,89 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a background thread, for tests and the load test."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import httpx
+from starlette.routing import BaseRoute
+
+from agent_server.app import create_app
+from agent_server.cli import GracefulServer, build_server
+from agent_server.settings import Settings
+from synth.api import EngineLike
+
+STARTUP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class LiveServer:
+    server: GracefulServer
+    thread: threading.Thread
+    port: int
+
+    tls: bool = False
+
+    @property
+    def http_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def hub(self):  # type: ignore[no-untyped-def]
+        return self.server.config.app.state.hub
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(self.http_url + "/readyz", timeout=1.0, verify=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline_s:
+                raise TimeoutError("server not ready")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True  # what SIGTERM does
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+@contextlib.contextmanager
+def live_server(
+    engine: EngineLike, settings: Settings, *, wait_ready: bool = True, extra_routes: Sequence[BaseRoute] = ()
+) -> Iterator[LiveServer]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = settings.replace(host="127.0.0.1", port=port)
+    app = create_app(engine, settings)
+    served = {getattr(route, "path", None) for route in app.router.routes}
+    app.router.routes.extend(r for r in extra_routes if getattr(r, "path", None) not in served)
+    server = build_server(app, settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    live = LiveServer(server, thread, port, tls=settings.tls_certfile is not None)
+    try:
+        deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline_s:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        if wait_ready:
+            live.wait_ready()
+        yield live
+    finally:
+        if thread.is_alive():
+            live.stop()
+        sock.close()

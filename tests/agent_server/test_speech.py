@@ -1,0 +1,273 @@
+"""SpeechStream, the protocol-neutral context: segment order, held audio, cancel, busy, backlog.
+
+The stream is driven by hand through a `ManualEngine` whose sinks the test calls, with a synchronous
+`post`, so every ordering case is exact.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent_server.audio import OutputFormat
+from agent_server.segmenter import Segmenter
+from agent_server.speech import (
+    AudioOut,
+    DoneReason,
+    SegmentDone,
+    SegmentStarted,
+    SpeechStream,
+    StreamDone,
+    StreamEvent,
+    StreamSpec,
+    StreamStarted,
+    StreamStateError,
+    StreamStatus,
+)
+from synth.api import (
+    SAMPLES_PER_SPEECH_TOKEN,
+    AudioChunk,
+    EngineError,
+    EngineLike,
+    EventKind,
+    SamplingParams,
+    SegmentEvent,
+    SegmentRequest,
+)
+
+from tests.agent_server.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+PCM24 = OutputFormat.parse("pcm_s16le", 24000, 20)
+
+
+@dataclass
+class ManualEngine(EngineLike):
+    """Records submits and cancels; the test plays the engine thread by calling `chunk` / `event`."""
+
+    variant: str = "english"
+    random_weights: bool = True
+    max_slots: int = 4
+    refuse: bool = False
+    submitted: list[SegmentRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    def submit(self, request: SegmentRequest) -> None:
+        if self.refuse:
+            raise EngineError("unknown voice 'x'")
+        self.submitted.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def chunk(self, index: int, tokens: int, value: float = 0.25) -> None:
+        request = self.submitted[index]
+        pcm = np.full(tokens * SAMPLES_PER_SPEECH_TOKEN, value, dtype=np.float32)
+        request.sink(AudioChunk(request.request_id, 0, pcm, tokens, time.monotonic()))
+
+    def event(self, index: int, kind: EventKind, reason: str = "") -> None:
+        request = self.submitted[index]
+        request.sink(SegmentEvent(request.request_id, kind, time.monotonic(), reason=reason))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[StreamEvent] = []
+
+    def __call__(self, stream: SpeechStream, event: StreamEvent) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def kinds(self) -> list[str]:
+        return [type(e).__name__ for e in self.events]
+
+
+def sync_post(fn: Any, *args: Any) -> None:
+    fn(*args)
+
+
+def make_stream(
+    engine: EngineLike, *, seed: int | None = None, max_ahead_s: float = 20.0, fmt: OutputFormat = PCM24
+) -> tuple[SpeechStream, Recorder]:
+    recorder = Recorder()
+    spec = StreamSpec(
+        voice_id="default", params=SamplingParams(seed=seed), output_format=fmt, max_audio_ahead_s=max_ahead_s
+    )
+    stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(), post=sync_post, emit=recorder)
+    stream.open()
+    return stream, recorder
+
+
+def test_segments_go_one_at_a_time_and_play_in_order() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, seed=10)
+    stream.push_text("Well hello there, this is the first sentence. And this is the second one. ", 0.0)
+    stream.end(0.01)
+    assert [r.text for r in engine.submitted] == ["Well hello there,"]  # only the first goes out
+    assert engine.submitted[0].first_audio_pending and engine.submitted[0].params.seed == 10
+    engine.event(0, EventKind.STARTED)
+    engine.chunk(0, 2, 0.1)
+    assert len(rec.of(AudioOut)) == 4  # 2 tokens = 1920 samples = 4 frames of 20 ms
+    engine.event(0, EventKind.GENERATED)
+    assert len(engine.submitted) == 2  # the next segment goes once T3 is done with this one
+    assert not engine.submitted[1].first_audio_pending and engine.submitted[1].params.seed == 11
+    engine.chunk(1, 1, 0.3)  # arrives before segment 0 finished playing: held
+    assert len(rec.of(AudioOut)) == 4
+    engine.chunk(0, 1, 0.1)
+    engine.event(0, EventKind.DONE)
+    # segment 0 done, then segment 1's held audio played
+    kinds = rec.kinds()
+    assert kinds.index("SegmentDone") < len(kinds) - 1
+    assert len(rec.of(SegmentStarted)) == 2
+    engine.event(1, EventKind.GENERATED)
+    assert len(engine.submitted) == 3
+    engine.event(1, EventKind.DONE)
+    engine.chunk(2, 1, 0.5)
+    engine.event(2, EventKind.GENERATED)
+    engine.event(2, EventKind.DONE)
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].reason == DoneReason.COMPLETED
+    assert stream.status == StreamStatus.DONE
+    frames = rec.of(AudioOut)
+    assert [f.seq for f in frames] == list(range(len(frames)))
+    pcm = np.frombuffer(b"".join(f.payload for f in frames), dtype="<i2")
+    assert len(pcm) == 5 * SAMPLES_PER_SPEECH_TOKEN
+    expected = np.concatenate(
+        [np.full(3 * 960, 0.1), np.full(960, 0.3), np.full(960, 0.5)]
+    )  # segment order, not arrival order
+    assert np.abs(pcm / 32767.0 - expected).max() < 1e-3
+    done = rec.of(SegmentDone)
+    assert [d.index for d in done] == [0, 1, 2]
+    assert [d.audio_ms for d in done] == [120.0, 40.0, 40.0]
+    assert done[1].audio_offset_ms == 120.0
+    assert rec.events[0] == StreamStarted()
+
+
+def test_cancel_stops_audio_at_once_and_cancels_engine_work() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.push_text("One two three four five six seven eight nine ten. ", 0.0)
+    stream.flush(0.0)
+    engine.chunk(0, 2)
+    n_frames = len(rec.of(AudioOut))
+    assert stream.cancel()
+    assert engine.cancelled == [engine.submitted[0].request_id]
+    engine.chunk(0, 2)  # late output already on its way: dropped
+    engine.event(0, EventKind.CANCELLED)
+    assert len(rec.of(AudioOut)) == n_frames
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].reason == DoneReason.CANCELLED
+    assert not stream.cancel()  # idempotent
+    with pytest.raises(StreamStateError):
+        stream.push_text("more", 1.0)
+
+
+def test_busy_and_failures_end_the_stream() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    engine.event(0, EventKind.BUSY, "no free slot")
+    assert stream.status == StreamStatus.BUSY
+    assert rec.events[-1] == StreamDone(DoneReason.BUSY, "no free slot")
+
+    refusing = ManualEngine(refuse=True)
+    stream, rec = make_stream(refusing)
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    assert stream.status == StreamStatus.FAILED
+    assert isinstance(rec.events[-1], StreamDone) and "unknown voice" in rec.events[-1].detail
+
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    engine.event(0, EventKind.FAILED, "cuda oom")
+    assert rec.events[-1] == StreamDone(DoneReason.FAILED, "cuda oom")
+
+
+def test_text_after_end_is_refused_and_empty_context_completes() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.end(0.0)
+    assert rec.events[-1] == StreamDone(DoneReason.COMPLETED)
+    with pytest.raises(StreamStateError):
+        stream.push_text("late", 0.1)
+    assert engine.submitted == []
+
+
+def test_backlog_holds_the_next_segment_until_frames_go_out() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, max_ahead_s=0.1)
+    stream.push_text("Well hello there, this is the first sentence. And this is the second one. ", 0.0)
+    stream.end(0.0)
+    engine.chunk(0, 10)  # 400 ms unsent
+    engine.event(0, EventKind.GENERATED)
+    assert len(engine.submitted) == 1  # too much audio waiting for the socket
+    assert len(rec.of(AudioOut)) == 20
+    for _ in range(14):  # 6 frames (120 ms) still unsent
+        stream.on_frame_sent(time.monotonic())
+    assert len(engine.submitted) == 1
+    stream.on_frame_sent(time.monotonic())  # 100 ms unsent: under the bound
+    assert len(engine.submitted) == 2
+
+
+def test_first_segment_timeout_via_poll() -> None:
+    engine = ManualEngine()
+    stream, _ = make_stream(engine)
+    stream.push_text("Well I", 0.0)
+    assert engine.submitted == [] and stream.has_unsegmented_text
+    stream.poll(0.05)
+    assert engine.submitted == []
+    stream.poll(1.0)  # the LLM went quiet: speak the complete words so far
+    assert [r.text for r in engine.submitted] == ["Well"]
+
+
+def test_fake_engine_round_trip() -> None:
+    """The FakeEngine's audio is what expected_pcm says, in order, through its own thread."""
+    engine = FakeEngine(max_slots=2)
+    engine.start()
+    try:
+        done: list[Any] = []
+        request = SegmentRequest("r1", "Hello world.", sink=done.append, params=SamplingParams(seed=5))
+        engine.submit(request)
+        deadline = time.monotonic() + 5
+        while not any(isinstance(o, SegmentEvent) and o.kind == EventKind.DONE for o in done):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        chunks = [o for o in done if isinstance(o, AudioChunk)]
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        pcm = np.concatenate([c.pcm for c in chunks])
+        assert np.array_equal(pcm, FakeEngine.expected_pcm("Hello world.", 5))
+        assert [c.speech_tokens for c in chunks][:2] == [12, 6]
+        with pytest.raises(EngineError):
+            engine.submit(SegmentRequest("r2", "x", sink=done.append, voice_id="nope"))
+    finally:
+        engine.stop()
+
+
+
+
+def test_a_bug_fails_the_stream_instead_of_hanging_it() -> None:
+    class Exploding(ManualEngine):
+        def submit(self, request: SegmentRequest) -> None:
+            raise ValueError("boom")
+
+    stream, rec = make_stream(Exploding())
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    assert stream.status == StreamStatus.FAILED and rec.events[-1] == StreamDone(DoneReason.FAILED, "boom")
+
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    request = engine.submitted[0]
+    request.sink(AudioChunk(request.request_id, 0, np.zeros((2, 2), dtype=np.float32), 1, time.monotonic()))
+    assert stream.status == StreamStatus.FAILED  # the encoder refused a malformed chunk
+    assert isinstance(rec.events[-1], StreamDone) and "server error" in rec.events[-1].detail
