@@ -367,6 +367,8 @@ class Engine(EngineLike):
         if self.vocoder is None:
             return 0.0, 0.0
         due = [s for s in self._live.values() if self._is_due(s)]
+        if not due:
+            return 0.0, 0.0
         due.sort(key=lambda s: (s.chunks_emitted > 0, s.admitted_s))  # first chunks first: that is TTFB
         t0 = time.perf_counter()
         audio_s = 0.0
