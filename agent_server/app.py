@@ -22,6 +22,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from agent_server import compat, metrics, voices
+from agent_server.auth import TOKEN_PATH, AuthMiddleware, issue_token
 from agent_server.hub import EngineFactory, Hub, SegmenterFactory
 from agent_server.session import NativeSession, SocketControlMiddleware
 from agent_server.settings import Settings
@@ -57,12 +58,16 @@ def create_app(
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/v1/status", status, methods=["GET"]),
+        Route(TOKEN_PATH, issue_token, methods=["POST"]),
         WebSocketRoute(NATIVE_PATH, native_stream),
         *voices.routes,
         *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
     ]
-    middleware = [Middleware(SocketControlMiddleware, send_buffer_bytes=settings.socket_send_buffer_bytes)]
+    middleware = [
+        Middleware(AuthMiddleware, auth=hub.auth),  # every route but the probes and static pages (auth.py)
+        Middleware(SocketControlMiddleware, send_buffer_bytes=settings.socket_send_buffer_bytes),
+    ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.hub = hub
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)

@@ -2,11 +2,15 @@
 
 SIGTERM / Ctrl-C: stop accepting connections, let in-flight speech finish for --shutdown-grace-s, close
 the remaining sessions with 1001, then stop the engine. A second signal skips the wait.
+
+The engine failing (to load, or its thread dying) fails every context with `engine_failed`, closes the
+sessions with 1001, and exits with EXIT_ENGINE_FAILED so that a supervisor restarts the process.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import socket
@@ -14,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import structlog
 import uvicorn
 
 from agent_server import metrics
@@ -24,6 +29,8 @@ from agent_server.settings import DTYPES, ENV_VARS, LOG_LEVELS, Settings
 from synth.api import VARIANTS
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5.0  # after our own drain, for whatever uvicorn still waits on
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
+ENGINE_FAILED_GRACE_S = 2.0  # after an engine failure: time for the sessions' error messages to go out
 GIL_SWITCH_INTERVAL_S = 0.001
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -67,7 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("--metrics-port", "metrics_port", "also serve /metrics and /dashboard on this port (0: off)", type=int)
     add("--shutdown-grace-s", "shutdown_grace_s", "on SIGTERM, how long in-flight speech may finish", type=float)
     add("--engine-factory", "engine_factory", "module:callable building the engine (tests and development)")
+    add("--inactivity-timeout-s", "inactivity_timeout_s",
+        "close a native session idle this long with no open context (1..180 s)", type=float)
+    add("--handshake-timeout-s", "handshake_timeout_s",
+        "drop a connection that has not sent its request head (or WebSocket handshake) by then (0: never)", type=float)
+    add("--auth", "auth", "on, off, or auto (on when API keys are configured)", choices=("auto", "on", "off"))
+    add("--api-keys-file", "api_keys_file", "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
+    add("--allowed-origins", "allowed_origins", "comma list of browser Origins allowed (empty: any)", type=comma_list)
+    add("--token-ttl-s", "token_ttl_s", "the longest life of a POST /v1/tokens token", type=float)
+    add("--metrics-auth", "metrics_auth", "require credentials for /metrics and /dashboard/stream too",
+        action="store_const", const=True)
+    add("--max-sessions-per-key", "max_sessions_per_key", "concurrent sessions per API key (0: no limit)", type=int)
+    add("--max-text-chars-per-minute-per-key", "max_text_chars_per_minute_per_key",
+        "text characters per minute per API key (0: no limit)", type=int)
     return parser
+
+
+def comma_list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
 
 
 def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Settings:
@@ -77,13 +101,13 @@ def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Set
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     for name, env_names in ENV_VARS.items():
-        value = getattr(args, name)
+        value = getattr(args, name, None)  # api_keys and token_secret have no flag: environment only
         if value is None:
             raw = next((environ[e] for e in env_names if environ.get(e)), None)
             if raw is None:
                 continue
             value = _convert(name, raw, fields[name].type, parser)
-        values[name] = Path(value) if name == "data_dir" else value
+        values[name] = Path(value) if name in ("data_dir", "api_keys_file") else value
     try:
         return Settings(**values)
     except ValueError as exc:
@@ -93,6 +117,8 @@ def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Set
 
 def _convert(name: str, raw: str, annotation: object, parser: argparse.ArgumentParser) -> Any:
     kind = str(annotation)
+    if kind.startswith("tuple"):
+        return comma_list(raw)
     if kind == "bool":
         if raw.lower() not in BOOL_WORDS:
             parser.error(f"{'/'.join(ENV_VARS[name])}={raw!r}: not one of {', '.join(BOOL_WORDS)}")
@@ -124,7 +150,61 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+def handshake_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with a deadline on each request head (a WebSocket handshake
+    included): a connection that opens and then sends nothing, or dribbles its headers (slowloris), is
+    closed `timeout_s` after it opened (or after its previous response). uvicorn has none: its
+    keep-alive timeout only runs between requests. None without httptools (then use a proxy's
+    client_header_timeout, see docs/operations.md)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+        return None
+
+    class HandshakeDeadlineProtocol(HttpToolsProtocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm_head_deadline()
+
+        def on_headers_complete(self) -> None:
+            self._disarm_head_deadline()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_deadline()
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            if self._head_deadline is None:
+                self._head_deadline = self.loop.call_later(timeout_s, self._head_timed_out)
+
+        def _disarm_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_timed_out(self) -> None:
+            self._head_deadline = None
+            if not self.transport.is_closing():
+                structlog.get_logger("agent_server.cli").info(
+                    "handshake_timeout", client="%s:%d" % self.client if self.client else "", timeout_s=timeout_s
+                )
+                self.transport.close()
+
+    return HandshakeDeadlineProtocol
+
+
 def build_server(app: Any, settings: Settings, **config_overrides: Any) -> GracefulServer:
+    if settings.handshake_timeout_s > 0 and "http" not in config_overrides:
+        protocol = handshake_deadline_protocol(settings.handshake_timeout_s)
+        if protocol is not None:
+            config_overrides["http"] = protocol
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -151,17 +231,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The event loop shares the GIL with the engine thread; by default a thread holding it keeps it for
     # 5 ms, which would show up in every first frame's latency. 1 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    app = create_app(settings=settings)
+    try:
+        app = create_app(settings=settings)
+    except ValueError as exc:  # unusable auth settings (auth=on without keys, an unreadable keys file)
+        build_parser().error(str(exc))
+    server = build_server(app, settings)
+    failures: list[str] = []
+
+    def on_engine_failed(detail: str) -> None:
+        failures.append(detail)
+        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail, exit_code=EXIT_ENGINE_FAILED)
+        server.grace_s = min(server.grace_s, ENGINE_FAILED_GRACE_S)
+        server.should_exit = True
+
+    app.state.hub.on_engine_failed = on_engine_failed
     metrics_server = None
     if settings.metrics_port:
         metrics_server, metrics_thread = metrics.serve_in_thread(app, settings.host, settings.metrics_port,
                                                                  log_level=settings.log_level)
     try:
-        build_server(app, settings).run()
+        server.run()
     finally:
         if metrics_server is not None:
             metrics_server.should_exit = True
             metrics_thread.join(5)
+    if failures:
+        sys.exit(EXIT_ENGINE_FAILED)
 
 
 if __name__ == "__main__":

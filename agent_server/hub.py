@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 import structlog
 
+from agent_server.auth import AUTH_OFF_WARNING, Auth
 from agent_server.observers import Observers
 from agent_server.settings import Settings
 from agent_server.speech import Emit, SegmenterLike, SpeechStream, StreamDone, StreamEvent, StreamSpec
@@ -82,6 +83,7 @@ class Hub:
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine, engine_factory")
         self.settings = settings
+        self.auth = Auth.from_settings(settings)  # raises AuthConfigError (a ValueError) on unusable settings
         self.observers = Observers()
         self.voices = VoiceStore(
             settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s
@@ -98,11 +100,16 @@ class Hub:
         self._session_numbers = itertools.count(1)
         self._instance = secrets.token_hex(3)
         self._started_monotonic_s = time.monotonic()
+        # Called once when the engine fails to load or its thread dies, after the sessions were failed.
+        # The CLI sets it to shut the server down and exit non-zero, so that a supervisor restarts it
+        # (a dead engine cannot be revived in-process); without it the server stays up, not ready.
+        self.on_engine_failed: Callable[[str], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.auth.announce()
         self._tasks = [
             asyncio.create_task(self._load(), name="hub-load"),
             asyncio.create_task(self._tick(), name="hub-tick"),
@@ -160,11 +167,16 @@ class Hub:
             }[self.status]
         if len(self.sessions) >= self.settings.max_sessions:
             return f"too many sessions (at most {self.settings.max_sessions})"
+        refusal = self.auth.acquire_session(getattr(session, "principal", None))
+        if refusal is not None:
+            return refusal
         self.sessions.add(session)
         return None
 
     def remove(self, session: Session) -> None:
-        self.sessions.discard(session)
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self.auth.release_session(getattr(session, "principal", None))
 
     def open_stream(self, key: str, spec: StreamSpec, emit: Emit) -> SpeechStream:
         """A SpeechStream on the engine (not opened yet: call `.open()`). Its voice is leased until the
@@ -203,6 +215,8 @@ class Hub:
         engine_status: dict[str, Any] = engine.status() if engine is not None else {}
         random_weights = engine.random_weights if engine is not None else None
         warnings = [RANDOM_WEIGHTS_WARNING] if random_weights else []
+        if not self.auth.enabled:
+            warnings.append(AUTH_OFF_WARNING)
         return {
             "status": self.status.name.lower(),
             "detail": self.detail,
@@ -216,6 +230,7 @@ class Hub:
             "contexts": sum(s.live_streams for s in self.sessions),
             "max_sessions": self.settings.max_sessions,
             "uptime_s": round(time.monotonic() - self._started_monotonic_s, 3),
+            "auth": self.auth.status_json(),
             "warnings": warnings,
         }
 
@@ -244,6 +259,7 @@ class Hub:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
             log.exception("engine_load_failed")
+            self._report_failure()
             return
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
@@ -279,7 +295,11 @@ class Hub:
             await asyncio.sleep(period_s)
             now_s = time.monotonic()
             for session in list(self.sessions):
-                session.tick(now_s)
+                try:
+                    session.tick(now_s)
+                except Exception:  # one session's bug must not stop the ticker (and its watchdog) for all
+                    log.exception("session_tick_failed", session_id=session.session_id)
+                    self._end_session(session)
             if now_s >= next_alive_check_s:
                 next_alive_check_s = now_s + ENGINE_ALIVE_CHECK_S
                 self._check_engine()
@@ -289,10 +309,29 @@ class Hub:
         if engine is None or self.status != ServerStatus.READY or engine.alive:
             return
         self.status = ServerStatus.FAILED
-        self.detail = "the engine thread died"
-        log.error("engine_died")
+        try:
+            failure = engine.status().get("failure")
+        except Exception:  # a dead engine may not even answer that
+            failure = None
+        self.detail = f"the engine thread died: {failure}" if failure else "the engine thread died"
+        log.error("engine_died", failure=failure or "", sessions=len(self.sessions))
         for session in list(self.sessions):
-            session.fail_streams("the engine stopped")
+            try:
+                session.fail_streams("the engine stopped")
+            except Exception:
+                log.exception("session_fail_failed", session_id=session.session_id)
+        self._report_failure()
+
+    def _end_session(self, session: Session) -> None:
+        try:
+            session.close_now(1011, "internal error")
+        except Exception:
+            log.exception("session_close_failed", session_id=session.session_id)
+            self.remove(session)
+
+    def _report_failure(self) -> None:
+        if self.on_engine_failed is not None:
+            self.on_engine_failed(self.detail)
 
 
 def _settle(future: asyncio.Future[EngineLike], result: EngineLike | BaseException) -> None:

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from agent_server import protocol as wire
+from agent_server.auth import principal_of
 from agent_server.hub import Hub, OpenRefused
 from agent_server.observers import (
     BusyRejected,
@@ -103,6 +104,7 @@ class Connection:
         self.settings = hub.settings
         self.websocket = websocket
         self.session_id = hub.new_session_id()
+        self.principal = principal_of(websocket.scope)  # the API key it came with (None: auth off)
         self.state = ConnectionState.OPEN
         self.contexts: dict[str, Context] = {}
         self.log = log.bind(session_id=self.session_id, protocol=self.protocol_name)
@@ -160,6 +162,10 @@ class Connection:
         self.contexts[context_id] = ctx
         ctx.stream.open()
         return ctx
+
+    def charge_text(self, chars: int) -> str | None:
+        """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
+        return self.hub.auth.charge_text(self.principal, chars)
 
     def request_close(self, code: int, reason: str) -> None:
         """Close after the output already queued has gone out."""
@@ -405,6 +411,7 @@ class NativeSession(Connection):
         super().__init__(hub, websocket)
         self._limits = wire.Limits(max_text_piece_chars=self.settings.max_text_piece_chars)
         self._errors = 0
+        self._last_active_s = time.monotonic()  # the last client message, or the last open context
 
     def on_open(self) -> None:
         engine = self.hub.engine
@@ -426,7 +433,16 @@ class NativeSession(Connection):
 
     # ---- client messages -------------------------------------------------------------------------
 
+    def tick(self, now_s: float) -> None:
+        super().tick(now_s)
+        if self.contexts:
+            self._last_active_s = now_s
+        elif self.state == ConnectionState.OPEN and now_s - self._last_active_s > self.settings.inactivity_timeout_s:
+            self.log.info("inactivity_timeout", idle_s=round(now_s - self._last_active_s, 1))
+            self.request_close(CLOSE_NORMAL, "inactivity timeout")
+
     def handle_message(self, raw: str | bytes, now_s: float) -> None:
+        self._last_active_s = now_s  # any message is a keep-alive
         message = wire.parse(raw, self._limits)
         if isinstance(message, wire.ProtocolError):
             self._reject(message)
@@ -497,12 +513,16 @@ class NativeSession(Connection):
 
     def _text_fits(self, ctx: Context, text: str) -> bool:
         limit = self.settings.max_context_text_chars
-        if ctx.stream.text_chars + len(text) <= limit:
-            return True
-        self._reject(
-            wire.ProtocolError("text", f"the context would exceed {limit} characters of text", ctx.context_id)
-        )
-        return False
+        if ctx.stream.text_chars + len(text) > limit:
+            self._reject(
+                wire.ProtocolError("text", f"the context would exceed {limit} characters of text", ctx.context_id)
+            )
+            return False
+        refusal = self.charge_text(len(text))
+        if refusal is not None:
+            self._reject(wire.ProtocolError("text", refusal, ctx.context_id, "rate_limited"))
+            return False
+        return True
 
     def _reject(self, error: wire.ProtocolError) -> None:
         self._errors += 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -13,6 +13,8 @@ MIB = 1024 * 1024
 WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+AUTH_MODES = ("auto", "on", "off")
+MAX_INACTIVITY_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,26 @@ class Settings:
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
 
+    # ---- deadlines (docs/operations.md) ----
+    # A native session with no open context that sends nothing for this long is closed (1000). Any
+    # client message resets it; `{"type": "cancel", "context_id": "keepalive"}` is the no-op keep-alive.
+    inactivity_timeout_s: float = 20.0
+    # A connection must complete its HTTP request head (a WebSocket handshake included) this soon after
+    # it opens, or it is dropped (cli.HandshakeDeadlineProtocol; uvicorn itself has no such deadline).
+    handshake_timeout_s: float = 10.0
+
+    # ---- access (agent_server/auth.py, docs/operations.md) ----
+    # on | off | auto: on when API keys are configured, else off with a loud warning ("auth_off").
+    auth: str = "auto"
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never logged
+    api_keys_file: Path | None = None  # one key per line
+    token_secret: str = field(default="", repr=False)  # HMAC secret of /v1/tokens tokens ("": random per process)
+    token_ttl_s: float = 300.0  # the longest a token lives
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed (empty: any)
+    metrics_auth: bool = False  # /metrics and /dashboard/stream need credentials too
+    max_sessions_per_key: int = 0  # concurrent sessions (all protocols) per API key; 0: no limit
+    max_text_chars_per_minute_per_key: int = 0  # text characters per minute per API key; 0: no limit
+
     # ---- voices ----
     min_voice_clip_s: float = 5.0
     max_voice_clip_s: float = 60.0
@@ -79,6 +101,17 @@ class Settings:
             raise ValueError("port must be in 1..65535")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
+        if not 1.0 <= self.inactivity_timeout_s <= MAX_INACTIVITY_TIMEOUT_S:
+            raise ValueError(f"inactivity_timeout_s must be in [1, {MAX_INACTIVITY_TIMEOUT_S:g}]")
+        if self.handshake_timeout_s < 0:
+            raise ValueError("handshake_timeout_s must be >= 0 (0: no deadline)")
+        if self.auth not in AUTH_MODES:
+            raise ValueError(f"auth must be one of {', '.join(AUTH_MODES)}")
+        if self.token_ttl_s <= 0:
+            raise ValueError("token_ttl_s must be > 0")
+        for name in ("max_sessions_per_key", "max_text_chars_per_minute_per_key"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit)")
         for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -118,4 +151,15 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "engine_factory": ("AGENT_SERVER_ENGINE_FACTORY",),
     "metrics_port": ("AGENT_SERVER_METRICS_PORT",),
     "shutdown_grace_s": ("AGENT_SERVER_SHUTDOWN_GRACE_S",),
+    "inactivity_timeout_s": ("AGENT_SERVER_INACTIVITY_TIMEOUT_S",),
+    "handshake_timeout_s": ("AGENT_SERVER_HANDSHAKE_TIMEOUT_S",),
+    "auth": ("AGENT_SERVER_AUTH",),
+    "api_keys": ("AGENT_SERVER_API_KEYS",),  # comma list; no flag (a flag would show in `ps`)
+    "api_keys_file": ("AGENT_SERVER_API_KEYS_FILE",),
+    "token_secret": ("AGENT_SERVER_TOKEN_SECRET",),  # no flag, for the same reason
+    "token_ttl_s": ("AGENT_SERVER_TOKEN_TTL_S",),
+    "allowed_origins": ("AGENT_SERVER_ALLOWED_ORIGINS",),  # comma list
+    "metrics_auth": ("AGENT_SERVER_METRICS_AUTH",),
+    "max_sessions_per_key": ("AGENT_SERVER_MAX_SESSIONS_PER_KEY",),
+    "max_text_chars_per_minute_per_key": ("AGENT_SERVER_MAX_TEXT_CHARS_PER_MINUTE_PER_KEY",),
 }

@@ -8,7 +8,7 @@
 - out: {"type": "chunk", "data": base64, ...}, {"type": "timestamps", "word_timestamps": {"words", "start",
   "end"}} (seconds from the context's start), {"type": "flush_done", "flush_id"}, {"type": "done"},
   {"type": "error", "title", "message", "status_code", "done": true}.
-- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: accepted, not checked.
+- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by auth.AuthMiddleware when auth is on.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _output_format(value: object) -> tuple[str, int]:
     if value.get("container", "raw") != "raw":
         raise CompatError("output_format.container", f"container {value.get('container')!r} is not served; use raw")
     encoding = value.get("encoding", "pcm_s16le")
-    if encoding not in ENCODINGS:
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:  # a list or object is not hashable
         raise CompatError("output_format.encoding", f"encoding {encoding!r} is not served ({', '.join(ENCODINGS)})")
     rate = value.get("sample_rate", 24_000)
     if not isinstance(rate, int) or isinstance(rate, bool):
@@ -222,7 +222,10 @@ class CartesiaSession(Connection):
                     return
             self._apply(ctx, self._states[cid], request, now_s)
         except CompatError as exc:
-            self.send_message(error_event(exc.message, cid))
+            if exc.code == "rate_limited":
+                self.send_message(error_event(exc.message, cid, 429, "Rate limited"))
+            else:
+                self.send_message(error_event(exc.message, cid))
         except StreamStateError:
             self.send_message(error_event(f"context {cid!r} has already ended (continue: false)", cid))
 
@@ -255,6 +258,9 @@ class CartesiaSession(Connection):
         if request.transcript:
             if stream.text_chars + len(request.transcript) > self.settings.max_context_text_chars:
                 raise CompatError("transcript", "the context has too much text")
+            refusal = self.charge_text(len(request.transcript))
+            if refusal is not None:
+                raise CompatError("transcript", refusal, "rate_limited")
             stream.push_text(request.transcript, now_s)
         if request.flush:
             stream.flush(now_s)

@@ -2,7 +2,7 @@
 
 - query: model (aura-*), encoding (linear16 | mulaw | alaw), sample_rate, container (none), seed (our
   extension), mip_opt_out / bit_rate / speed / tag (accepted, ignored); auth `Authorization: Token ...`
-  (or Bearer), accepted, not checked.
+  (or Bearer), checked by auth.AuthMiddleware when auth is on.
 - in: {"type": "Speak", "text"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Close"}.
 - out: {"type": "Metadata"} on connect, binary audio, {"type": "Flushed", "sequence_id"} once the audio
   of everything before a Flush is out, {"type": "Cleared", "sequence_id"}, {"type": "Warning"}; Close
@@ -146,6 +146,10 @@ class DeepgramSession(Connection):
                     return
             if ctx.stream.text_chars + len(text) > self.settings.max_context_text_chars:
                 self._warn("TEXT_TOO_LONG", "too much text on this connection since the last Clear")
+                return
+            refusal = self.charge_text(len(text))
+            if refusal is not None:
+                self._warn("RATE_LIMITED", refusal)
                 return
             ctx.stream.push_text(text, now_s)
         elif kind == "Flush":

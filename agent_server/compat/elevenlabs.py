@@ -295,6 +295,10 @@ class ElevenLabsSession(Connection):
             if stream.text_chars + len(text) > self.settings.max_context_text_chars:
                 self._fail("max_character_limit_exceeded", "the context has too much text", context_id=ctx.context_id if self.multi else None)
                 return
+            refusal = self.charge_text(len(text))
+            if refusal is not None:
+                self._fail("rate_limited", refusal, context_id=ctx.context_id if self.multi else None)
+                return
             stream.push_text(text, now_s)
             if text.strip():
                 state.unflushed = True

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agent_server.audio import OutputFormat
 from agent_server.compat.common import CompatError, b64, check_model, make_spec, parse_seed, resolve_voice
+from agent_server.auth import Principal, principal_of
 from agent_server.hub import Hub
 from agent_server.observers import ContextFinished, SessionClosed, SessionOpened
 from agent_server.speech import AudioOut, DoneReason, SpeechStream, StreamDone, StreamEvent, StreamStatus
@@ -100,9 +101,10 @@ class HttpSpeechSession:
 
     protocol_name: ClassVar[str] = "openai"
 
-    def __init__(self, hub: Hub) -> None:
+    def __init__(self, hub: Hub, principal: Principal | None = None) -> None:
         self.hub = hub
         self.session_id = hub.new_session_id()
+        self.principal = principal  # the API key it came with (per-key limits)
         self.stream: SpeechStream | None = None
         self.queue: asyncio.Queue[object] = asyncio.Queue(maxsize=hub.settings.outbox_max_items)
         self.done: StreamDone | None = None
@@ -214,10 +216,14 @@ async def speech(request: Request) -> Response:
         speech_request = parse_request(body, engine.variant)
     except CompatError as exc:
         return error_response(400, exc.message, exc.field)
-    session = HttpSpeechSession(hub)
+    session = HttpSpeechSession(hub, principal_of(request.scope))
     refusal = hub.admit(session)
     if refusal is not None:
         return error_response(429, refusal, None, "rate_limit_exceeded", "busy")
+    refusal = hub.auth.charge_text(session.principal, len(speech_request.input))
+    if refusal is not None:
+        hub.remove(session)
+        return error_response(429, refusal, "input", "rate_limit_exceeded", "rate_limited")
     hub.observers.emit(SessionOpened(session.protocol_name, session.session_id))
     try:
         session.start(speech_request)

@@ -1,0 +1,413 @@
+"""Who may use the server: API keys, short-lived signed tokens, an origin allowlist, per-key limits.
+
+One check for every endpoint (`AuthMiddleware`, outermost ASGI layer): an HTTP request or a WebSocket
+handshake without valid credentials is answered 401 (403 for a forbidden browser origin, or a token
+used where only a key will do) before any route runs, so a refused WebSocket is never upgraded.
+
+- keys: `Settings.api_keys` (env AGENT_SERVER_API_KEYS, comma list) and `Settings.api_keys_file` (one
+  key per line, `#` comments). A key is never logged: logs, metrics and /v1/status name it by its
+  fingerprint (`k_` + 12 hex digits of its SHA-256).
+- where a credential is read, first found wins: `Authorization: Bearer K` (or `Token K`, Deepgram's
+  form), `X-API-Key`, `xi-api-key` (ElevenLabs) headers; `token`, `access_token`, `api_key`,
+  `xi_api_key` query parameters (browsers cannot set WebSocket headers).
+- tokens: `POST /v1/tokens` with a key answers `{"token", "expires_at", "expires_in_s"}`; the token
+  (`v1.<payload>.<HMAC-SHA256>`) stands for that key until it expires and is what a browser puts in the
+  WebSocket URL (`?token=...`). The secret is `Settings.token_secret` (AGENT_SERVER_TOKEN_SECRET; set it
+  when several server processes must accept each other's tokens) or a random one per process.
+- mode: `on`, `off` or `auto` (on when keys are configured, else off). Off is logged loudly at start
+  (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning).
+- per-key limits: concurrent sessions (checked by `Hub.admit`, so a refusal is the protocol's own
+  `busy` + close 1013, or 429 over HTTP) and text characters per minute (a token bucket charged by the
+  sessions through `Auth.charge_text`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+from urllib.parse import parse_qsl
+
+import orjson
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agent_server.settings import AUTH_MODES, Settings
+
+log = structlog.get_logger("agent_server.auth")
+
+PRINCIPAL_KEY = "agent_server.principal"  # scope key: the Principal of an authenticated request
+TOKEN_PREFIX = "v1"
+TOKEN_SECRET_BYTES = 32
+MAX_TOKEN_CHARS = 512
+MAX_KEY_CHARS = 256
+FINGERPRINT_HEX = 12
+ANONYMOUS = "anonymous"  # the principal when auth is off
+AUTH_OFF_WARNING = (
+    "AUTHENTICATION IS OFF: anyone who can reach this port can use it. Configure API keys "
+    "(AGENT_SERVER_API_KEYS or --api-keys-file) to turn it on."
+)
+# Paths open to everyone: probes, and the static pages (they hold no data; their WebSocket is checked).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/", "/dashboard"})
+PUBLIC_PREFIXES = ("/static/",)
+# Open unless Settings.metrics_auth: a Prometheus scraper usually has no key.
+METRICS_PATHS = frozenset({"/metrics", "/dashboard/stream"})
+HEADER_NAMES = (b"authorization", b"x-api-key", b"xi-api-key")
+QUERY_NAMES = ("token", "access_token", "api_key", "xi_api_key")
+TOKEN_PATH = "/v1/tokens"
+SECONDS_PER_MINUTE = 60.0
+
+
+class AuthConfigError(ValueError):
+    """The auth settings cannot work (e.g. `auth=on` and no keys)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request is: the key's fingerprint (never the key itself)."""
+
+    key_id: str
+    via_token: bool = False
+
+
+@dataclass(slots=True)
+class KeyUsage:
+    """One key's live usage: open sessions and its text token bucket."""
+
+    sessions: int = 0
+    text_budget_chars: float = 0.0
+    text_budget_at_s: float = 0.0
+
+
+class Denied(Exception):
+    def __init__(self, status_code: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.message = message
+
+
+def fingerprint(key: str) -> str:
+    return "k_" + hashlib.sha256(key.encode()).hexdigest()[:FINGERPRINT_HEX]
+
+
+def read_keys_file(path: Path) -> list[str]:
+    """One key per line; blank lines and `#` comments are skipped."""
+    keys = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line)
+    return keys
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class Auth:
+    """The server's access policy; one per app (`hub.auth`). Every method is called on the event loop."""
+
+    def __init__(
+        self,
+        *,
+        mode: str = "auto",
+        keys: Iterable[str] = (),
+        token_secret: bytes | None = None,
+        token_ttl_s: float = 300.0,
+        allowed_origins: Iterable[str] = (),
+        metrics_auth: bool = False,
+        max_sessions_per_key: int = 0,
+        max_text_chars_per_minute_per_key: int = 0,
+    ) -> None:
+        if mode not in AUTH_MODES:
+            raise AuthConfigError(f"auth must be one of {', '.join(AUTH_MODES)} (got {mode!r})")
+        self._keys: dict[str, str] = {}  # fingerprint -> key
+        for key in keys:
+            key = key.strip()
+            if not key:
+                continue
+            if len(key) > MAX_KEY_CHARS or any(c.isspace() for c in key):
+                raise AuthConfigError(f"an API key must be 1-{MAX_KEY_CHARS} characters without spaces")
+            self._keys[fingerprint(key)] = key
+        if mode == "on" and not self._keys:
+            raise AuthConfigError("auth is on but no API keys are configured (AGENT_SERVER_API_KEYS or --api-keys-file)")
+        self.mode = mode
+        self.enabled = mode == "on" or (mode == "auto" and bool(self._keys))
+        self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
+        self.token_ttl_s = token_ttl_s
+        self.allowed_origins = frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip())
+        self.metrics_auth = metrics_auth
+        self.max_sessions_per_key = max_sessions_per_key
+        self.max_text_chars_per_minute_per_key = max_text_chars_per_minute_per_key
+        self._usage: dict[str, KeyUsage] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Auth":
+        keys = list(settings.api_keys)
+        keys_file = settings.api_keys_file
+        if keys_file is not None:
+            try:
+                keys += read_keys_file(Path(keys_file))
+            except OSError as exc:
+                raise AuthConfigError(f"cannot read the API keys file {keys_file}: {exc.strerror}") from None
+        return cls(
+            mode=settings.auth,
+            keys=keys,
+            token_secret=settings.token_secret.encode() if settings.token_secret else None,
+            token_ttl_s=settings.token_ttl_s,
+            allowed_origins=settings.allowed_origins,
+            metrics_auth=settings.metrics_auth,
+            max_sessions_per_key=settings.max_sessions_per_key,
+            max_text_chars_per_minute_per_key=settings.max_text_chars_per_minute_per_key,
+        )
+
+    @property
+    def key_count(self) -> int:
+        return len(self._keys)
+
+    def announce(self) -> None:
+        """The start-up log line: loud when auth is off."""
+        if self.enabled:
+            log.info("auth_on", keys=self.key_count, origins=sorted(self.allowed_origins) or "any",
+                     max_sessions_per_key=self.max_sessions_per_key,
+                     max_text_chars_per_minute_per_key=self.max_text_chars_per_minute_per_key)
+        else:
+            log.warning("auth_off", mode=self.mode, message=AUTH_OFF_WARNING)
+
+    def status_json(self) -> dict[str, object]:
+        return {
+            "enabled": self.enabled,
+            "mode": self.mode,
+            "keys": self.key_count,
+            "allowed_origins": sorted(self.allowed_origins),
+            "metrics_auth": self.metrics_auth,
+            "max_sessions_per_key": self.max_sessions_per_key,
+            "max_text_chars_per_minute_per_key": self.max_text_chars_per_minute_per_key,
+        }
+
+    # ---- credentials -----------------------------------------------------------------------------
+
+    def check(self, scope: Scope) -> Principal | None:
+        """The principal of a request to a protected path (None: auth is off). Raises Denied."""
+        origin = _header(scope, b"origin")
+        if origin is not None and self.allowed_origins and origin.rstrip("/") not in self.allowed_origins:
+            raise Denied(403, "origin_not_allowed", f"origin {origin[:100]!r} is not allowed")
+        if not self.enabled:
+            return None
+        credential = find_credential(scope)
+        if credential is None:
+            raise Denied(401, "missing_credentials", "an API key or token is required "
+                         "(Authorization: Bearer, X-API-Key, or ?token= in the URL)")
+        return self.verify(credential)
+
+    def verify(self, credential: str) -> Principal:
+        """A key or a token -> its Principal. Raises Denied (401)."""
+        if credential.startswith(TOKEN_PREFIX + ".") and credential.count(".") == 2:
+            return self._verify_token(credential)
+        key_id = fingerprint(credential)
+        key = self._keys.get(key_id)
+        if key is None or not hmac.compare_digest(key.encode(), credential.encode()):
+            raise Denied(401, "invalid_credentials", "invalid API key")
+        return Principal(key_id)
+
+    def issue_token(self, principal: Principal | None, ttl_s: float | None = None, now_s: float | None = None) -> tuple[str, int]:
+        """(token, expires_at unix seconds) standing for the principal's key."""
+        ttl_s = self.token_ttl_s if ttl_s is None else min(ttl_s, self.token_ttl_s)
+        expires_at = int((time.time() if now_s is None else now_s) + ttl_s)
+        key_id = principal.key_id if principal is not None else ANONYMOUS
+        payload = _b64(orjson.dumps({"kid": key_id, "exp": expires_at}))
+        return f"{TOKEN_PREFIX}.{payload}.{self._sign(payload)}", expires_at
+
+    def _sign(self, payload: str) -> str:
+        return _b64(hmac.new(self._secret, f"{TOKEN_PREFIX}.{payload}".encode(), hashlib.sha256).digest())
+
+    def _verify_token(self, token: str) -> Principal:
+        if len(token) > MAX_TOKEN_CHARS:
+            raise Denied(401, "invalid_token", "invalid token")
+        _, payload, signature = token.split(".")
+        if not hmac.compare_digest(self._sign(payload).encode(), signature.encode()):
+            raise Denied(401, "invalid_token", "invalid token")
+        try:
+            claims = orjson.loads(_unb64(payload))
+            key_id, expires_at = claims["kid"], claims["exp"]
+        except (ValueError, TypeError, KeyError):
+            raise Denied(401, "invalid_token", "invalid token") from None
+        if not isinstance(expires_at, int) or expires_at <= time.time():
+            raise Denied(401, "expired_token", "the token has expired: get a new one from POST /v1/tokens")
+        if key_id not in self._keys and not (key_id == ANONYMOUS and not self.enabled):
+            raise Denied(401, "invalid_token", "the token's key is no longer valid")
+        return Principal(key_id, via_token=True)
+
+    # ---- per-key limits --------------------------------------------------------------------------
+
+    def acquire_session(self, principal: Principal | None) -> str | None:
+        """Count a session against its key; a refusal reason when the key is at its limit."""
+        if principal is None:
+            return None
+        usage = self._usage.setdefault(principal.key_id, KeyUsage())
+        limit = self.max_sessions_per_key
+        if limit and usage.sessions >= limit:
+            return f"too many sessions for this API key (at most {limit})"
+        usage.sessions += 1
+        return None
+
+    def release_session(self, principal: Principal | None) -> None:
+        if principal is None:
+            return
+        usage = self._usage.get(principal.key_id)
+        if usage is not None and usage.sessions > 0:
+            usage.sessions -= 1
+
+    def charge_text(self, principal: Principal | None, chars: int, now_s: float | None = None) -> str | None:
+        """Take `chars` from the key's per-minute text budget; a refusal reason when it is short
+        (then nothing is taken: the text is refused whole)."""
+        limit = self.max_text_chars_per_minute_per_key
+        if principal is None or not limit or chars <= 0:
+            return None
+        now_s = time.monotonic() if now_s is None else now_s
+        usage = self._usage.setdefault(principal.key_id, KeyUsage())
+        if usage.text_budget_at_s == 0.0:
+            usage.text_budget_chars = float(limit)
+        else:
+            refill = (now_s - usage.text_budget_at_s) * limit / SECONDS_PER_MINUTE
+            usage.text_budget_chars = min(float(limit), usage.text_budget_chars + refill)
+        usage.text_budget_at_s = now_s
+        if chars > usage.text_budget_chars:
+            return f"text rate limit: at most {limit} characters per minute for this API key"
+        usage.text_budget_chars -= chars
+        return None
+
+    def usage_of(self, principal: Principal | None) -> KeyUsage | None:
+        return None if principal is None else self._usage.get(principal.key_id)
+
+
+def find_credential(scope: Scope) -> str | None:
+    """The first credential the request carries (see the module docstring for where)."""
+    headers: list[tuple[bytes, bytes]] = scope.get("headers") or []
+    found: dict[bytes, str] = {}
+    for name, value in headers:
+        if name in HEADER_NAMES and name not in found:
+            found[name] = value.decode("latin-1").strip()
+    authorization = found.get(b"authorization")
+    if authorization:
+        scheme, _, rest = authorization.partition(" ")
+        if rest and scheme.lower() in ("bearer", "token"):
+            return rest.strip()
+        if not rest:
+            return authorization
+    for name in HEADER_NAMES[1:]:
+        if found.get(name):
+            return found[name]
+    query = _query(scope)
+    for name in QUERY_NAMES:
+        if query.get(name):
+            return query[name]
+    return None
+
+
+def _query(scope: Scope) -> Mapping[str, str]:
+    raw = scope.get("query_string") or b""
+    if not raw:
+        return {}
+    return dict(parse_qsl(raw.decode("latin-1"), keep_blank_values=False))
+
+
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    for name, value in scope.get("headers") or []:
+        if name == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+def principal_of(scope: Scope) -> Principal | None:
+    principal: Principal | None = scope.get(PRINCIPAL_KEY)
+    return principal
+
+
+class AuthMiddleware:
+    """Checks every HTTP request and WebSocket handshake (but PUBLIC_PATHS, and METRICS_PATHS unless
+    metrics_auth) and answers a refusal itself: JSON `{"error": {"code", "message"}}` with 401 or 403;
+    for a WebSocket, as the HTTP response to the handshake (no upgrade), or a close before accept
+    (uvicorn turns that into 403) where the server lacks the denial-response extension."""
+
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or self._is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        try:
+            scope[PRINCIPAL_KEY] = self.auth.check(scope)
+        except Denied as denied:
+            log.info("auth_denied", path=scope["path"], code=denied.code, status=denied.status_code,
+                     client=_client(scope), websocket=scope["type"] == "websocket")
+            await _deny(scope, receive, send, denied)
+            return
+        await self.app(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return True
+        return path in METRICS_PATHS and not self.auth.metrics_auth
+
+
+async def _deny(scope: Scope, receive: Receive, send: Send, denied: Denied) -> None:
+    response = JSONResponse({"error": {"code": denied.code, "message": denied.message}}, status_code=denied.status_code)
+    if denied.status_code == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    if scope["type"] == "http" or "websocket.http.response" in (scope.get("extensions") or {}):
+        await response(scope, receive, send)
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": denied.code})
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""
+
+
+# ---- POST /v1/tokens -------------------------------------------------------------------------------
+
+
+async def issue_token(request: Request) -> Response:
+    """A short-lived token for a browser, minted with an API key (not with another token)."""
+    auth: Auth = request.app.state.hub.auth
+    principal = principal_of(request.scope)
+    if principal is not None and principal.via_token:
+        return _error(403, "key_required", "a token cannot mint tokens: use an API key")
+    ttl_s: float | None = None
+    body = await request.body()
+    if body.strip():
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return _error(400, "bad_request", "the body must be JSON (or empty)")
+        raw_ttl = obj.get("ttl_s") if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and set(obj) - {"ttl_s"}:
+            return _error(400, "bad_request", "the body takes only ttl_s")
+        if raw_ttl is not None:
+            if isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float)) or not 1 <= raw_ttl <= auth.token_ttl_s:
+                return _error(400, "bad_request", f"ttl_s must be a number in [1, {auth.token_ttl_s:g}]")
+            ttl_s = float(raw_ttl)
+    now_s = time.time()
+    token, expires_at = auth.issue_token(principal, ttl_s, now_s)
+    return JSONResponse({"token": token, "expires_at": expires_at, "expires_in_s": expires_at - int(now_s)},
+                        headers={"Cache-Control": "no-store"})
+
+
+def _error(status_code: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status_code)
