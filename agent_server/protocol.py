@@ -101,7 +101,12 @@ class Cancel:
     context_id: str
 
 
-Message = Union[Open, Text, Flush, End, Cancel]
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Keeps an idle socket from the inactivity timeout; no context, no answer."""
+
+
+Message = Union[Open, Text, Flush, End, Cancel, KeepAlive]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +145,7 @@ MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "flush": frozenset({"type", "context_id"}),
     "end": frozenset({"type", "context_id"}),
     "cancel": frozenset({"type", "context_id"}),
+    "keepalive": frozenset({"type"}),
 }
 FORMAT_FIELDS = frozenset({"encoding", "sample_rate_hz", "frame_ms"})
 
@@ -172,6 +178,8 @@ def parse(raw: str | bytes, limits: Limits = Limits()) -> Message | ProtocolErro
         unknown = sorted(set(obj) - allowed)
         if unknown:
             raise _Invalid(unknown[0], f"unknown field in a {kind!r} message")
+        if kind == "keepalive":
+            return KeepAlive()
         context_id = _context_id(obj)
         if kind == "open":
             return _open(obj, context_id, limits)

@@ -447,6 +447,8 @@ class NativeSession(Connection):
         if isinstance(message, wire.ProtocolError):
             self._reject(message)
             return
+        if isinstance(message, wire.KeepAlive):
+            return
         if isinstance(message, wire.Open):
             self._open(message, now_s)
             return

@@ -67,7 +67,7 @@ class Settings:
 
     # ---- deadlines (docs/operations.md) ----
     # A native session with no open context that sends nothing for this long is closed (1000). Any
-    # client message resets it; `{"type": "cancel", "context_id": "keepalive"}` is the no-op keep-alive.
+    # client message resets it; `{"type": "keepalive"}` is the explicit keep-alive.
     inactivity_timeout_s: float = 20.0
     # A connection must complete its HTTP request head (a WebSocket handshake included) this soon after
     # it opens, or it is dropped (cli.HandshakeDeadlineProtocol; uvicorn itself has no such deadline).

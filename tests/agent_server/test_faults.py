@@ -369,7 +369,7 @@ def test_inactivity_timeout_and_keepalive(tmp_path: Path) -> None:
             async def keep_alive() -> None:
                 for _ in range(6):
                     await asyncio.sleep(0.35)
-                    await kept.cancel("keepalive")  # the no-op keep-alive
+                    await kept.send({"type": "keepalive"})
 
             pinging = asyncio.create_task(keep_alive())
             code = await asyncio.wait_for(idle.wait_closed(), 5)

@@ -268,3 +268,9 @@ def test_char_alignment_covers_the_segment() -> None:
     assert all(b == a + d for a, b, d in zip(starts, starts[1:], durations))
     assert durations[2] > durations[3]  # a comma takes longer than a space
     assert char_alignment("", 0.0, 100.0) == ([], [])
+
+
+def test_keepalive_needs_no_context_and_takes_no_fields() -> None:
+    assert wire.parse('{"type": "keepalive"}') == wire.KeepAlive()
+    err = wire.parse('{"type": "keepalive", "context_id": "x"}')
+    assert isinstance(err, wire.ProtocolError) and err.field == "context_id"
