@@ -24,6 +24,7 @@ from starlette.websockets import WebSocket
 from agent_server.audio import OutputFormat
 from agent_server.compat.common import (
     CompatError,
+    load_object,
     b64,
     check_model,
     make_spec,
@@ -95,15 +96,7 @@ class Request:
 
 
 def parse_request(raw: str | bytes) -> Request:
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise CompatError("message", "messages must be JSON objects") from None
-    if not isinstance(obj, dict):
-        raise CompatError("message", "messages must be JSON objects")
-    unknown = sorted(set(obj) - REQUEST_FIELDS)
-    if unknown:
-        raise CompatError(unknown[0], f"unknown field {unknown[0]!r}")
+    obj = load_object(raw, REQUEST_FIELDS)
     cid = obj.get("context_id")
     if not isinstance(cid, str) or not 0 < len(cid) <= MAX_CONTEXT_ID_CHARS:
         raise CompatError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")

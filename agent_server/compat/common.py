@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
+
+import orjson
 
 from agent_server.audio import OutputFormat
 from agent_server.hub import Hub
@@ -37,6 +39,23 @@ class CompatError(ValueError):
         self.field = field
         self.message = message
         self.code = code
+
+
+def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *, what: str = "message",
+                unknown_message: str = "unknown field {name!r}") -> dict[str, Any]:
+    """A client's JSON object with only `allowed` keys, else CompatError naming the field at fault.
+    `raw` may be already-decoded JSON (an HTTP body)."""
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise CompatError(what, f"{what}s must be JSON objects") from None
+    if not isinstance(raw, dict):
+        raise CompatError(what, f"{what}s must be JSON objects")
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise CompatError(unknown[0], unknown_message.format(name=unknown[0]))
+    return raw
 
 
 def check_model(field: str, requested: str | None, variant: str) -> None:

@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket
 from agent_server.audio import PCM_SAMPLE_RATES_HZ, OutputFormat
 from agent_server.compat.common import (
     CompatError,
+    load_object,
     b64,
     check_model,
     make_spec,
@@ -159,15 +160,7 @@ class Message:
 def parse_message(raw: str | bytes) -> Message:
     if isinstance(raw, bytes) and not raw:
         raise CompatError("message", "empty message")
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise CompatError("message", "messages must be JSON objects") from None
-    if not isinstance(obj, dict):
-        raise CompatError("message", "messages must be JSON objects")
-    unknown = sorted(set(obj) - MESSAGE_FIELDS)
-    if unknown:
-        raise CompatError(unknown[0], f"unknown field {unknown[0]!r}")
+    obj = load_object(raw, MESSAGE_FIELDS)
     text = obj.get("text")
     if text is not None and not isinstance(text, str):
         raise CompatError("text", "text must be a string")

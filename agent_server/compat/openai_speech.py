@@ -23,7 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agent_server.audio import OutputFormat
-from agent_server.compat.common import CompatError, b64, check_model, make_spec, parse_seed, resolve_voice
+from agent_server.compat.common import (CompatError, b64, check_model, load_object, make_spec, parse_seed,
+                                        resolve_voice)
 from agent_server.auth import Principal, principal_of
 from agent_server.hub import Hub
 from agent_server.observers import ContextFinished, SessionClosed, SessionOpened
@@ -53,11 +54,8 @@ class SpeechRequest:
 
 
 def parse_request(body: object, variant: str) -> SpeechRequest:
-    if not isinstance(body, dict):
-        raise CompatError("body", "the body must be a JSON object")
-    unknown = sorted(set(body) - BODY_FIELDS)
-    if unknown:
-        raise CompatError(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    body = load_object(body, BODY_FIELDS, what="body",
+                       unknown_message="Unrecognized request argument supplied: {name}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise CompatError("model", "you must provide a model parameter")
