@@ -18,6 +18,7 @@ VARIANTS: tuple[Variant, ...] = ("english", "turbo", "multilingual")
 OUTPUT_SAMPLE_RATE_HZ = 24_000  # S3Gen renders 24 kHz mono
 SAMPLES_PER_SPEECH_TOKEN = 960  # 25 speech tokens/s -> 50 mel frames/s -> 960 samples per token at 24 kHz
 HARD_MAX_NEW_TOKENS = 1000  # the reference's own cap (40 s of speech)
+MAX_SEGMENT_TEXT_TOKENS = 320  # text tokens a derived KV length leaves room for (the segmenter cuts at ~250 chars)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +223,9 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16" (T3; S3Gen stays float32 on CPU)
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
-    max_context_tokens: int = 2048  # KV positions per row (conditioning + text + speech)
+    # KV positions per row (conditioning + text + speech). 0: enough for the longest segment the server cuts
+    # (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS, for the variant's conditioning length.
+    max_context_tokens: int = 0
     first_chunk_tokens: int = 12
     chunk_schedule_tokens: tuple[int, ...] = (24, 48, 96)
     prefill_budget_segments: int = 4  # prefills per iteration, so decode of running segments keeps its pace

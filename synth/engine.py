@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from synth.api import (HARD_MAX_NEW_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
+from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
                        SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
@@ -38,6 +38,18 @@ IDLE_WAIT_S = 0.05
 PREFIX_CACHE_ENTRIES = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 S3GEN_SILENCE_TOKENS_TURBO = 3
+KV_LEN_MULTIPLE = 64
+PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
+
+
+def conditioning_positions(hp: Any) -> int:
+    """Length of the T3 conditioning prefix: [speaker][prompt (or its Perceiver summary)][emotion]."""
+    prompt = PERCEIVER_POSITIONS if hp.use_perceiver_resampler else hp.speech_cond_prompt_len
+    return 1 + prompt + (1 if hp.emotion_adv else 0)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +80,11 @@ class Engine(EngineLike):
         self.dtype = DTYPES[config.dtype]
         self.is_llama = self.variant != "turbo"
         max_rows = config.max_slots * (2 if self.is_llama else 1)
-        self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=config.max_context_tokens, device=self.device,
-                               dtype=self.dtype)
+        self.prefix_positions = conditioning_positions(bundle.t3.hp)
+        max_len = config.max_context_tokens or _round_up(
+            self.prefix_positions + MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1, KV_LEN_MULTIPLE)
+        self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype)
+        log.info("KV cache: %d rows x %d positions, %.2f GB", max_rows, max_len, self.runner.cache.nbytes / 1e9)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
@@ -499,6 +514,9 @@ class Engine(EngineLike):
             raise EngineError(str(exc)) from exc
         voice = self.voices.get(request.voice_id)
         text_ids = text_token_ids(self.variant, self.bundle.tokenizer, request.text, request.language)
+        room = self.runner.cache.usable_len - self.prefix_positions - 2  # 2: the BOS block after the text
+        if len(text_ids) >= room:
+            raise EngineError(f"text is too long for one segment: {len(text_ids)} text tokens, at most {room - 1}")
         max_new = params.max_new_tokens or max_tokens_for_text(request.text)
         seed = params.seed if params.seed is not None else self._draw_seed()
         params = replace(params, seed=seed, max_new_tokens=min(max_new, HARD_MAX_NEW_TOKENS))

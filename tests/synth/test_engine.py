@@ -166,3 +166,22 @@ def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
     finally:
         eng.runner.decode = original  # type: ignore[method-assign]
         eng.stop()
+
+
+def test_text_longer_than_the_cache_is_refused_at_submit_not_in_the_engine() -> None:
+    eng = make_engine("english", render_audio=False, max_slots=1, max_context_tokens=128)
+    eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))
+    col = Collector()
+    with pytest.raises(EngineError, match="too long"):
+        eng.submit(_request(col, "long", "word " * 40, seed=1))
+    eng.submit(_request(col, "ok", "short text", seed=1, n_tokens=5))  # fits: accepted
+
+
+def test_derived_kv_length_fits_the_longest_segment() -> None:
+    from synth.api import HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS
+
+    for variant, prefix in (("english", 34), ("turbo", 376)):
+        eng = make_engine(variant, render_audio=False, max_slots=1, max_context_tokens=0)
+        assert eng.prefix_positions == prefix
+        assert eng.runner.cache.usable_len >= prefix + MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS
+        assert eng.runner.cache.max_len % 64 == 0
