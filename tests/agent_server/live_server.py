@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import httpx
@@ -16,6 +21,8 @@ from agent_server.app import create_app
 from agent_server.cli import GracefulServer, build_server
 from agent_server.settings import Settings
 from synth.api import EngineLike
+
+REPO = Path(__file__).resolve().parents[2]
 
 STARTUP_TIMEOUT_S = 15.0
 
@@ -87,3 +94,39 @@ def live_server(
         if thread.is_alive():
             live.stop()
         sock.close()
+
+
+@contextmanager
+def cli_server(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """The real `agent-server` command in a subprocess, on a free port, with a fake engine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "AGENT_SERVER_ENGINE_FACTORY": "tests.agent_server.fake_engine:make_engine",
+        "AGENT_SERVER_DATA_DIR": str(tmp_path),
+        "PORT": str(port),
+        **env,
+    }
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", *args],
+                                env=full_env, stderr=log_file, stdout=subprocess.DEVNULL)
+    try:
+        deadline_s = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline_s
+            time.sleep(0.05)
+        yield proc, port, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

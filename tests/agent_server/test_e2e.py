@@ -7,13 +7,11 @@ checked sample by sample against what the FakeEngine produced for the segments t
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import socket
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,13 +32,11 @@ from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
 
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import LiveServer, live_server
+from tests.agent_server.live_server import LiveServer, cli_server, live_server
 from tests.agent_server.native_client import ContextLog, NativeClient
 
 pytestmark = pytest.mark.timeout(120)
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO = TESTS_DIR.parent.parent
 
 TEXT = (
     "Sure, I can help with that. Your flight to Lisbon leaves at nine fifteen tomorrow morning, "
@@ -587,43 +583,11 @@ def test_settings_from_flags_and_environment() -> None:
 
 @pytest.mark.timeout(60)
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "AGENT_SERVER_ENGINE_FACTORY": "tests.agent_server.fake_engine:make_engine",
-        "AGENT_SERVER_DATA_DIR": str(tmp_path),
-        "PORT": str(port),
-    }
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--variant", "turbo"],
-            env=env,
-            stderr=log_file,
-            stdout=subprocess.DEVNULL,
-        )
-    try:
-        deadline_s = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline_s
-            time.sleep(0.05)
+    with cli_server(tmp_path, {}, "--variant", "turbo") as (proc, port, log_path):
         status = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()
         assert status["variant"] == "turbo" and status["random_weights"] is True
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     lines = [orjson.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     events = [line.get("event") for line in lines]
     assert "random_weights" in events and "server_ready" in events and "server_stopped" in events

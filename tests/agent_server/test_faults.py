@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import resource
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import orjson
@@ -32,12 +28,11 @@ from agent_server.settings import Settings
 
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.faulty_engine import BOOM, DIE, VOCODER, FaultyEngine
-from tests.agent_server.live_server import LiveServer, live_server
+from tests.agent_server.live_server import LiveServer, cli_server, live_server
 from tests.agent_server.native_client import ContextLog, NativeClient
 
 pytestmark = pytest.mark.timeout(90)
 
-REPO = Path(__file__).resolve().parent.parent.parent
 SENTENCE = "Sure, I can help with that right away. "
 BIG_TEXT = " ".join(["Your flight to Lisbon leaves at nine fifteen tomorrow morning, from gate twelve."] * 40)
 IDLE_SESSIONS = 1000
@@ -201,42 +196,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-@contextmanager
-def cli_server(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
-    """The real `agent-server` command in a subprocess, on a free port, with a fake engine."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "AGENT_SERVER_ENGINE_FACTORY": "tests.agent_server.fake_engine:make_engine",
-        "AGENT_SERVER_DATA_DIR": str(tmp_path),
-        "PORT": str(port),
-        **env,
-    }
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", *args],
-                                env=full_env, stderr=log_file, stdout=subprocess.DEVNULL)
-    try:
-        deadline_s = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline_s
-            time.sleep(0.05)
-        yield proc, port, log_path
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_thousand_idle_sessions_bounded_memory(tmp_path: Path) -> None:
