@@ -223,8 +223,8 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16" (T3; S3Gen stays float32 on CPU)
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
-    # KV positions per row (conditioning + text + speech). 0: enough for the longest segment the server cuts
-    # (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS, for the variant's conditioning length.
+    # KV slot positions per row (text + BOS block + speech; the voice's conditioning is shared, not in the slot).
+    # 0: enough for the longest segment the server cuts (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS.
     max_context_tokens: int = 0
     first_chunk_tokens: int = 12
     chunk_schedule_tokens: tuple[int, ...] = (24, 48, 96)

@@ -28,7 +28,7 @@ from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
-from synth.t3_runner import DecodeBatch, T3Runner
+from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner
 from synth.text import text_token_ids
 from synth.voices import Voice, VoiceRegistry, make_voice
 
@@ -81,9 +81,14 @@ class Engine(EngineLike):
         self.is_llama = self.variant != "turbo"
         max_rows = config.max_slots * (2 if self.is_llama else 1)
         self.prefix_positions = conditioning_positions(bundle.t3.hp)
+        # a slot holds what follows the shared voice prefix: text, the BOS block, speech, one scratch position
         max_len = config.max_context_tokens or _round_up(
-            self.prefix_positions + MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1, KV_LEN_MULTIPLE)
+            MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1, KV_LEN_MULTIPLE)
         self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype)
+        # text tokens one segment may have: its slot keeps room for the BOS block and at least one speech token
+        self.max_text_positions = self.runner.cache.usable_len - 4
+        if self.is_llama:  # the learned text positions end somewhere too
+            self.max_text_positions = min(self.max_text_positions, bundle.t3.text_pos_emb.emb.num_embeddings)
         log.info("KV cache: %d rows x %d positions, %.2f GB", max_rows, max_len, self.runner.cache.nbytes / 1e9)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
@@ -250,11 +255,14 @@ class Engine(EngineLike):
     # --- T3 ----------------------------------------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> tuple[list[int], float]:
-        """Prefill the admitted, decode the running, sample every row. Returns (ids, prefill_ms)."""
+        """Prefill the admitted (one packed pass), decode the running, sample every row. Returns (ids, prefill_ms)."""
         if plan.is_empty:
             return [], 0.0
         t0 = time.perf_counter()
-        prefill_logits = [self._prefill(state) for state in plan.prefill]  # each [1 or 2, V]
+        items: list[PrefillItem] = []
+        for state in plan.prefill:
+            items.extend(self._prefill_items(state))
+        prefill_logits = self.runner.prefill(items) if items else None  # [len(items), V]
         prefill_ms = (time.perf_counter() - t0) * 1e3
         blocks: list[torch.Tensor] = []
         cond_index: list[int] = []
@@ -265,29 +273,37 @@ class Engine(EngineLike):
                 cond_index.append(state.rows[0])
                 uncond_index.append(state.rows[1] if len(state.rows) > 1 else state.rows[0])
         offset = blocks[0].shape[0] if blocks else 0
-        for state, logits in zip(plan.prefill, prefill_logits):
-            blocks.append(logits)
+        if prefill_logits is not None:
+            blocks.append(prefill_logits)
+        for state in plan.prefill:  # items are (cond[, uncond]) per segment, in plan order
             cond_index.append(offset)
-            uncond_index.append(offset + 1 if logits.shape[0] > 1 else offset)
-            offset += logits.shape[0]
+            uncond_index.append(offset + len(state.rows) - 1)
+            offset += len(state.rows)
         all_logits = torch.cat(blocks).float()
         cond = all_logits[torch.tensor(cond_index, device=self.device)]
         uncond = all_logits[torch.tensor(uncond_index, device=self.device)]
         tokens = self._sample(plan.sampled, cond, uncond)
         return tokens.tolist(), prefill_ms
 
-    def _prefill(self, state: SegmentState) -> torch.Tensor:
+    def _prefill_items(self, state: SegmentState) -> list[PrefillItem]:
+        """The cond row runs its text and BOS block after the voice prefix; a CFG uncond row only its BOS
+        block, after the shared unconditional text block of the same length."""
         prefix = self._prefix_for(state.voice, state.params.exaggeration)
-        rows = list(state.rows)
-        text = self.runner.text_embeds(state.text_ids, with_uncond_row=state.uses_cfg)
-        embeds = torch.cat([text, self.runner.bos_embeds(len(rows))], dim=1)
-        logits = self.runner.prefill(rows, prefix, embeds)
-        state.next_pos = prefix.length + embeds.shape[1]
-        seen = self._seen[rows[0]]
+        n_text = len(state.text_ids)
+        bos = self.runner.bos_embeds()
+        items = [PrefillItem(state.rows[0], prefix, prefix.cond_len,
+                             torch.cat([self.runner.text_embeds(state.text_ids), bos]))]
+        if state.uses_cfg:
+            self.runner.extend_uncond_text(prefix, n_text)
+            items.append(PrefillItem(state.rows[1], prefix, prefix.cond_len + n_text, bos))
+        state.prefix = prefix
+        state.row_shift = (0, n_text)[:len(state.rows)]
+        state.next_pos = n_text + bos.shape[0]
+        seen = self._seen[state.rows[0]]
         seen.zero_()
         seen[self.runner.start_speech_token] = True  # the reference counts BOS for the first penalty
         state.admitted_s = time.monotonic()
-        return logits
+        return items
 
     def _prefix_for(self, voice: Voice, exaggeration: float) -> PrefixKV:
         key = (id(voice), float(exaggeration) if self.is_llama else 0.0)
@@ -307,15 +323,21 @@ class Engine(EngineLike):
         scratch = self.runner.cache.scratch_pos
         token_ids = [self.runner.start_speech_token] * n_rows
         speech_pos = [0] * n_rows
+        rope_pos = [0] * n_rows
         write_pos = [scratch] * n_rows
         attend_len = [1] * n_rows
+        groups: dict[int, tuple[PrefixKV, list[int], list[int]]] = {}  # id(prefix) -> (prefix, rows, visible)
         for state in states:
-            assert state.pending_token is not None
-            for row in state.rows:
+            assert state.pending_token is not None and state.prefix is not None
+            group = groups.setdefault(id(state.prefix), (state.prefix, [], []))
+            for row, shift in zip(state.rows, state.row_shift):  # an uncond row's slot lags by its text
                 token_ids[row] = state.pending_token
                 speech_pos[row] = len(state.tokens)  # sampled token i is embedded at speech position i+1
-                write_pos[row] = state.next_pos
-                attend_len[row] = state.next_pos + 1
+                rope_pos[row] = state.prefix.cond_len + state.next_pos
+                write_pos[row] = state.next_pos - shift
+                attend_len[row] = state.next_pos - shift + 1
+                group[1].append(row)
+                group[2].append(state.prefix.cond_len + shift)
             state.next_pos += 1
         dev = self.device
 
@@ -323,8 +345,10 @@ class Engine(EngineLike):
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         return DecodeBatch(n_rows=n_rows, token_ids=as_tensor(token_ids), speech_pos=as_tensor(speech_pos),
-                           write_pos=as_tensor(write_pos), attend_len=as_tensor(attend_len),
-                           span_len=max(attend_len))
+                           rope_pos=as_tensor(rope_pos), write_pos=as_tensor(write_pos),
+                           attend_len=as_tensor(attend_len), span_len=max(attend_len),
+                           groups=tuple(PrefixGroup(prefix, as_tensor(rows), as_tensor(visible), max(visible))
+                                        for prefix, rows, visible in groups.values()))
 
     def _sample(self, states: list[SegmentState], cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         """cond, uncond: [N, V] fp32 logits in `states` order -> [N] sampled ids (on device)."""
@@ -514,9 +538,9 @@ class Engine(EngineLike):
             raise EngineError(str(exc)) from exc
         voice = self.voices.get(request.voice_id)
         text_ids = text_token_ids(self.variant, self.bundle.tokenizer, request.text, request.language)
-        room = self.runner.cache.usable_len - self.prefix_positions - 2  # 2: the BOS block after the text
-        if len(text_ids) >= room:
-            raise EngineError(f"text is too long for one segment: {len(text_ids)} text tokens, at most {room - 1}")
+        if len(text_ids) > self.max_text_positions:
+            raise EngineError(f"text is too long for one segment: {len(text_ids)} text tokens, "
+                              f"at most {self.max_text_positions}")
         max_new = params.max_new_tokens or max_tokens_for_text(request.text)
         seed = params.seed if params.seed is not None else self._draw_seed()
         params = replace(params, seed=seed, max_new_tokens=min(max_new, HARD_MAX_NEW_TOKENS))

@@ -1,27 +1,43 @@
-"""A KV cache allocated once: one row per T3 sequence (a CFG segment owns two), written by index.
+"""KV storage for T3. Two kinds, both read by every forward pass:
 
-Rows are claimed and released by the scheduler; the cache never grows. Position `max_len - 1` of every
-row is a scratch slot: decode steps write rows that are not in the batch there, and no real sequence
-is ever allowed to reach it, so a real row can never attend to it.
+- `PrefixKV`: one voice's conditioning (per exaggeration), computed once and *shared*: every row that
+  uses the voice attends to the same tensors, so a batch reads them once per layer instead of once per
+  row, and no slot holds a copy. For CFG variants it also holds the unconditional row's text block,
+  which is the same for every text of a given length (the reference zeroes the token embeddings and
+  keeps only the learned text positions), so an unconditional row of text length L simply sees
+  positions [0, cond_len + L) of it; it grows on demand up to the longest text seen.
+- `SlotKVCache`: allocated once, one row per T3 sequence (a CFG segment owns two), holding only what
+  follows the row's prefix. Rows are claimed and released by the scheduler; the cache never grows.
+  Position `max_len - 1` of every row is a scratch slot: decode steps write rows that are not in the
+  batch there, and no real sequence may reach it, so a real row can never attend to it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
-@dataclass(frozen=True, slots=True)
 class PrefixKV:
-    """The cached conditioning prefix of one voice (and exaggeration): per layer k, v: [1, H, P, D]."""
+    """Per layer k, v: [H, length, D]. Positions [0, cond_len) are the conditioning; beyond that, the
+    unconditional text block (CFG variants only)."""
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys = keys
+        self.values = values
+        self.cond_len = self.length
 
     @property
     def length(self) -> int:
-        return int(self.keys[0].shape[2])
+        return int(self.keys[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Append positions (per layer [H, n, D]); the old tensors are replaced, never written in place."""
+        self.keys = [torch.cat([old, new], dim=1) for old, new in zip(self.keys, keys)]
+        self.values = [torch.cat([old, new], dim=1) for old, new in zip(self.values, values)]
 
 
 class SlotKVCache:
@@ -40,22 +56,8 @@ class SlotKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def load_prefix(self, rows: list[int], prefix: PrefixKV) -> None:
-        """Copy a voice's conditioning KV into positions [0, P) of each row."""
-        n_pos = prefix.length
-        for layer, (k, v) in enumerate(zip(prefix.keys, prefix.values)):
-            for row in rows:
-                self.keys[layer][row, :, :n_pos] = k[0]
-                self.values[layer][row, :, :n_pos] = v[0]
-
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Write one new position per row. rows, positions: [R]; k, v: [R, H, 1, D]."""
-        self.keys[layer][rows, :, positions] = k[:, :, 0]
-        self.values[layer][rows, :, positions] = v[:, :, 0]
-
-    def write_rows(self, layer: int, rows: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write S consecutive positions [start, start+S) of the given rows. rows: [R]; k, v: [R, H, S, D]."""
-        n_new = k.shape[2]
-        self.keys[layer][rows, :, start:start + n_new] = k
-        self.values[layer][rows, :, start:start + n_new] = v
+        """Write one position per entry. rows, positions: [N]; k, v: [N, H, D]."""
+        self.keys[layer][rows, :, positions] = k
+        self.values[layer][rows, :, positions] = v

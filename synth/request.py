@@ -34,7 +34,9 @@ class SegmentState:
     status: Status = Status.WAITING
     gen: int = 0  # claim counter: output is delivered only while this matches the rows' owner
     rows: tuple[int, ...] = ()  # cache rows: (cond,) or (cond, uncond)
-    next_pos: int = 0  # next cache position to write (= positions filled so far)
+    prefix: Any = None  # synth.kv_cache.PrefixKV the rows attend to (shared; kept alive while running)
+    row_shift: tuple[int, ...] = ()  # per row: how far its slot lags the cond row's (uncond: the text length)
+    next_pos: int = 0  # next slot position of the cond row to write (= its slot positions filled so far)
     tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included
     pending_token: int | None = None  # sampled, not yet fed back
     finish_reason: str = ""

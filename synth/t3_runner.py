@@ -1,18 +1,28 @@
-"""Batched T3 forward passes over the slot KV cache. Tensors only: the scheduler decides what runs.
+"""Batched T3 forward passes over shared voice prefixes and the slot KV cache. Tensors only: the
+scheduler decides what runs.
 
 The layers are the library's own modules (HF Llama / GPT-2 blocks inside chatterbox's T3); this file
 only re-drives them so that every row of the batch has its own position and its own cache length,
 which HF's generate() cannot do. Embeddings follow `T3.inference` / `T3.inference_turbo` exactly:
 
 English / Multilingual (Llama, learned text and speech positions, RoPE along the whole row):
-    [speaker 1][perceiver 32][emotion 1] [SOT text EOT] [BOS@0] [BOS@0] then token i at speech position i+1
+    cond row:   [speaker 1][perceiver 32][emotion 1] [SOT text EOT] [BOS@0] [BOS@0] then token i at speech position i+1
+    uncond row: the same with the text token embeddings zeroed (text positions kept)
 Turbo (GPT-2, learned absolute positions added per row):
-    [speaker 1][prompt 375] [text BPE ids] [BOS] then tokens with no speech position embedding
+    [speaker 1][prompt] [text BPE ids] [BOS] then tokens with no speech position embedding
+
+Attention reads two sources and takes one softmax over both, in the reference's key order:
+the row's prefix (a shared `PrefixKV`: the conditioning, plus the unconditional text block for an
+uncond row) and the row's own positions in the slot cache. A batch reads each shared prefix once per
+layer however many rows use it. Prefill packs every admitted segment into one sequence with a
+block-diagonal mask, so N admissions cost one pass over the weights, not N.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,23 +37,90 @@ try:  # transformers >= 4.48 keeps it here
 except ImportError:  # pragma: no cover - older transformers
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # type: ignore[no-redef]
 
+# attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixGroup:
+    """The decode rows that read one shared prefix, and how much of it each sees."""
+
+    prefix: PrefixKV
+    rows: torch.Tensor  # [n] long
+    visible: torch.Tensor  # [n] long: prefix positions [0, visible) are keys of that row
+    max_visible: int  # host-side max(visible)
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """One decode step over cache rows [0, n_rows). Rows not in the step are fed a dummy token and
-    write to the scratch position; their outputs are ignored. All tensors are on the model's device."""
+    """One decode step over cache rows [0, n_rows). Rows not in the step are fed a dummy token, write to
+    the scratch position and belong to no group; their outputs are ignored. Tensors on the model's device."""
 
     n_rows: int
     token_ids: torch.Tensor  # [n_rows] long: last sampled token per row (dummy for idle rows)
     speech_pos: torch.Tensor  # [n_rows] long: learned speech position of that token (Llama only)
-    write_pos: torch.Tensor  # [n_rows] long: cache position the token is written to (scratch for idle rows)
-    attend_len: torch.Tensor  # [n_rows] long: keys [0, attend_len) are visible after the write
+    rope_pos: torch.Tensor  # [n_rows] long: the token's position in the whole sequence (prefix included)
+    write_pos: torch.Tensor  # [n_rows] long: slot position it is written to (scratch for idle rows)
+    attend_len: torch.Tensor  # [n_rows] long: slot keys [0, attend_len) are visible after the write
     span_len: int  # max(attend_len), host-side so shapes need no sync
+    groups: tuple[PrefixGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillItem:
+    """New positions for one cache row: `embeds` [n, dim] follow the first `prefix_len` positions of
+    `prefix` and are written to slot positions [0, n) of `row`."""
+
+    row: int
+    prefix: PrefixKV
+    prefix_len: int
+    embeds: torch.Tensor
+
+
+class PackedLinears:
+    """Every projection of T3 prepacked once for oneDNN (CPU, fp32). Two reasons, both measured
+    (BENCHMARKS.md): on this AVX2 machine MKL's sgemm runs 1.5-3x slower at decode sizes (1-32 rows),
+    and oneDNN's result for a row does not depend on how many other rows share the call, so a segment's
+    logits do not change with the batch it is in (MKL's do, by rounding, from 2 rows up).
+    The modules themselves are left untouched: chatterbox's own inference still runs them as shipped."""
+
+    ROWS_HINT = 16  # the packing's batch-size hint; checked invariant for 1..300 rows
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for module in modules:
+            weight = module.weight.detach()
+            if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
+                weight = weight.t()
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT)
+            bias = None if module.bias is None else module.bias.detach()
+            self._packed[id(module)] = (packed, bias)
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+    def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._packed[id(module)]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _projections(t3: T3) -> list[torch.nn.Module]:
+    tfmr = t3.tfmr
+    if t3.is_gpt:
+        blocks = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in tfmr.h]
+    else:
+        blocks = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj) for layer in tfmr.layers]
+    return [m for block in blocks for m in block] + [t3.speech_head]
 
 
 class T3Runner:
-    def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
+                 packed_linears: bool = True) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
+        use_packed = packed_linears and PackedLinears.available(device, dtype)
+        self.linears = PackedLinears(_projections(t3)) if use_packed else None
         self.is_gpt = bool(t3.is_gpt)
         self.device = device
         self.dtype = dtype
@@ -51,6 +128,7 @@ class T3Runner:
         self.n_layers = cfg.num_hidden_layers if not self.is_gpt else cfg.n_layer
         self.n_heads = cfg.num_attention_heads if not self.is_gpt else cfg.n_head
         self.head_dim = cfg.hidden_size // self.n_heads if self.is_gpt else cfg.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
         self.cache = SlotKVCache(n_layers=self.n_layers, max_rows=max_rows, n_heads=self.n_heads, max_len=max_len,
                                  head_dim=self.head_dim, device=device, dtype=dtype)
         self.start_speech_token = t3.hp.start_speech_token
@@ -64,15 +142,13 @@ class T3Runner:
         return self.t3.prepare_conditioning(cond.to(device=self.device))
 
     @torch.inference_mode()
-    def text_embeds(self, text_ids: list[int], with_uncond_row: bool) -> torch.Tensor:
-        """[1 or 2, n, dim]. The CFG row zeroes the token embeddings but keeps the text positions."""
+    def text_embeds(self, text_ids: list[int]) -> torch.Tensor:
+        """[n, dim]: token embeddings plus learned text positions (Llama)."""
         ids = torch.tensor([text_ids], dtype=torch.long, device=self.device)  # [1, n]
         emb = self.t3.text_emb(ids)
-        if with_uncond_row:
-            emb = torch.cat([emb, torch.zeros_like(emb)])
         if self.t3.hp.input_pos_emb == "learned":
             emb = emb + self.t3.text_pos_emb(ids)
-        return emb
+        return emb[0]
 
     @torch.inference_mode()
     def speech_embeds(self, token_ids: torch.Tensor, speech_pos: torch.Tensor) -> torch.Tensor:
@@ -82,110 +158,166 @@ class T3Runner:
             emb = emb + self.t3.speech_pos_emb.emb(speech_pos[:, None])
         return emb
 
-    def bos_embeds(self, n_rows: int) -> torch.Tensor:
-        """The speech-start block that ends a prefill: [n_rows, 2 (Llama) or 1 (GPT-2), dim]."""
-        bos = torch.full((n_rows,), self.start_speech_token, dtype=torch.long, device=self.device)
-        one = self.speech_embeds(bos, torch.zeros_like(bos))  # [R, 1, dim]
-        return one if self.is_gpt else torch.cat([one, one], dim=1)
+    def bos_embeds(self) -> torch.Tensor:
+        """The speech-start block that ends a prefill: [2 (Llama) or 1 (GPT-2), dim]."""
+        bos = torch.full((1,), self.start_speech_token, dtype=torch.long, device=self.device)
+        one = self.speech_embeds(bos, torch.zeros_like(bos))[0]  # [1, dim]
+        return one if self.is_gpt else torch.cat([one, one])
+
+    def _lin(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x) if self.linears is None else self.linears(module, x)
+
+    # --- shared prefixes ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_prefix(self, cond_emb: torch.Tensor) -> PrefixKV:
+        """Run the conditioning ([1, P, dim]) once and keep its per-layer keys and values."""
+        n_pos = cond_emb.shape[1]
+        keys, values = self._run_packed([(None, 0, cond_emb[0])], collect=True)
+        assert keys[0].shape[1] == n_pos
+        return PrefixKV(keys, values)
+
+    @torch.inference_mode()
+    def extend_uncond_text(self, prefix: PrefixKV, text_len: int) -> None:
+        """Make `prefix` cover the unconditional row's text block up to `text_len` text positions."""
+        have = prefix.length - prefix.cond_len
+        if have >= text_len:
+            return
+        positions = torch.arange(have, text_len, device=self.device)
+        embeds = self.t3.text_pos_emb.emb(positions).to(self.dtype)  # zeroed token embedding + text position
+        keys, values = self._run_packed([(prefix, prefix.length, embeds)], collect=True)
+        prefix.extend(keys, values)
 
     # --- forward passes ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute_prefix(self, cond_emb: torch.Tensor) -> PrefixKV:
-        """Run the conditioning prefix once ([1, P, dim]) and keep its per-layer keys and values."""
-        n_pos = cond_emb.shape[1]
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys.append(k.contiguous())
-            values.append(v.contiguous())
-
-        def read(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return keys[layer], values[layer]
-
-        pos = torch.arange(n_pos, device=self.device)[None]  # [1, P]
-        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=self.device).tril()[None, None]
-        self._layers(cond_emb.to(self.dtype), pos, causal, write, read)
-        return PrefixKV(tuple(keys), tuple(values))
-
-    @torch.inference_mode()
-    def prefill(self, rows: list[int], prefix: PrefixKV, embeds: torch.Tensor) -> torch.Tensor:
-        """Load the prefix into `rows`, run `embeds` [R, S, dim] after it; return last-position logits [R, V]."""
-        assert embeds.shape[0] == len(rows), (embeds.shape, rows)
-        self.cache.load_prefix(rows, prefix)
-        start, n_new = prefix.length, embeds.shape[1]
-        end = start + n_new
-        assert end < self.cache.usable_len, "segment does not fit the KV cache"
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        cache = self.cache
-
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            cache.write_rows(layer, rows_t, start, k, v)
-
-        def read(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return cache.keys[layer][rows_t, :, :end], cache.values[layer][rows_t, :, :end]
-
-        pos = torch.arange(start, end, device=self.device)[None].expand(len(rows), -1)  # [R, S]
-        key_pos = torch.arange(end, device=self.device)
-        mask = (key_pos[None, :] <= pos[0][:, None])[None, None]  # [1, 1, S, end] causal over prefix + new
-        hidden = self._layers(embeds.to(self.dtype), pos, mask, write, read)
-        return self.t3.speech_head(hidden[:, -1])
+    def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
+        """Run every item's new positions in one packed pass; returns each item's last-position logits [N, V]."""
+        for item in items:
+            assert item.embeds.shape[0] < self.cache.usable_len, "segment does not fit the KV cache"
+        return self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items], rows=[i.row for i in items])
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One token for every row in [0, n_rows): returns logits [n_rows, V]."""
         n_rows, span = batch.n_rows, batch.span_len
-        cache = self.cache
+        cache, scale = self.cache, self.scale
         embeds = self.speech_embeds(batch.token_ids, batch.speech_pos).to(self.dtype)  # [R, 1, dim]
         rows_t = torch.arange(n_rows, device=self.device)
+        slot_mask = (torch.arange(span, device=self.device)[None, :] < batch.attend_len[:, None])[:, None, :]
+        width = max((g.max_visible for g in batch.groups), default=0)  # prefix columns of the score matrix
+        prefix_masks = [torch.arange(g.max_visible, device=self.device)[None, :] < g.visible[:, None]
+                        for g in batch.groups]  # each [n, P]
 
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            cache.write(layer, rows_t, batch.write_pos, k, v)
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write(layer, rows_t, batch.write_pos, k[:, :, 0], v[:, :, 0])
+            slot_k, slot_v = cache.keys[layer][:n_rows, :, :span], cache.values[layer][:n_rows, :, :span]
+            q = q[:, :, 0]  # [R, H, D]
+            slot_scores = torch.matmul(q[:, :, None], slot_k.transpose(-1, -2))[:, :, 0]  # [R, H, S]
+            slot_scores = slot_scores.masked_fill(~slot_mask, float("-inf"))
+            prefix_scores = slot_scores.new_full((n_rows, self.n_heads, width), float("-inf"))
+            for group, mask in zip(batch.groups, prefix_masks):
+                pk = group.prefix.keys[layer][:, :group.max_visible]  # [H, P, D]: read once for the group
+                s = torch.bmm(q[group.rows].transpose(0, 1), pk.transpose(1, 2)).transpose(0, 1)  # [n, H, P]
+                prefix_scores[group.rows, :, :group.max_visible] = s.masked_fill(~mask[:, None], float("-inf"))
+            # one softmax over [prefix keys, slot keys]: the reference's key order
+            probs = torch.softmax(torch.cat([prefix_scores, slot_scores], dim=-1).mul_(scale), dim=-1,
+                                  dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs[:, :, None, width:], slot_v)[:, :, 0]  # [R, H, D]
+            for group in batch.groups:
+                pv = group.prefix.values[layer][:, :group.max_visible]
+                p = probs[group.rows, :, :group.max_visible].transpose(0, 1)  # [H, n, P]
+                out[group.rows] += torch.bmm(p, pv).transpose(0, 1)
+            return out[:, :, None]
 
-        def read(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return cache.keys[layer][:n_rows, :, :span], cache.values[layer][:n_rows, :, :span]
+        hidden = self._layers(embeds, batch.rope_pos[:, None], attend)
+        return self._lin(self.t3.speech_head, hidden[:, -1])
 
-        key_pos = torch.arange(span, device=self.device)
-        mask = (key_pos[None, :] < batch.attend_len[:, None])[:, None, None, :]  # [R, 1, 1, span]
-        rope_pos = batch.write_pos.clamp(max=span - 1)[:, None]  # idle rows: any valid position
-        hidden = self._layers(embeds, rope_pos, mask, write, read)
-        return self.t3.speech_head(hidden[:, -1])
+    def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
+                    collect: bool = False):  # noqa: ANN202
+        """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
+        prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
+        keys/values to slot `rows` (returning last-position logits per item) or collects and returns them
+        (per layer [H, total, D]) for a prefix."""
+        dev = self.device
+        lengths = [e.shape[0] for _, _, e in items]
+        total = sum(lengths)
+        h = torch.cat([e for _, _, e in items]).to(self.dtype)[None]  # [1, T, dim]
+        item_of = torch.repeat_interleave(torch.arange(len(items), device=dev), torch.tensor(lengths, device=dev))
+        starts = torch.tensor([0, *lengths[:-1]], device=dev).cumsum(0)
+        local = torch.arange(total, device=dev) - starts[item_of]  # index within the item: [T]
+        pos = (torch.tensor([p for _, p, _ in items], device=dev)[item_of] + local)[None]  # [1, T]
+        # key columns: each distinct prefix once (as far as its items need), then the T new positions
+        blocks: list[tuple[PrefixKV, int]] = []
+        block_of_item: list[int] = []
+        for prefix, prefix_len, _ in items:
+            index = next((b for b, (p, _) in enumerate(blocks) if p is prefix), None) if prefix is not None else None
+            if prefix is not None and index is None:
+                blocks.append((prefix, 0))
+                index = len(blocks) - 1
+            if index is not None:
+                blocks[index] = (prefix, max(blocks[index][1], prefix_len))  # type: ignore[arg-type]
+            block_of_item.append(-1 if index is None else index)
+        col_block = torch.cat([torch.full((n,), b, device=dev) for b, (_, n) in enumerate(blocks)] or
+                              [torch.zeros(0, dtype=torch.long, device=dev)])
+        col_offset = torch.cat([torch.arange(n, device=dev) for _, n in blocks] or
+                               [torch.zeros(0, dtype=torch.long, device=dev)])
+        tok_block = torch.tensor(block_of_item, device=dev)[item_of]
+        tok_visible = torch.tensor([p for _, p, _ in items], device=dev)[item_of]
+        sees_prefix = (col_block[None] == tok_block[:, None]) & (col_offset[None] < tok_visible[:, None])
+        new = torch.arange(total, device=dev)
+        sees_new = (item_of[None] == item_of[:, None]) & (new[None] <= new[:, None])
+        mask = torch.cat([sees_prefix, sees_new], dim=1)[None, None]  # [1, 1, T, P_all + T]
+        collected_k: list[torch.Tensor] = []
+        collected_v: list[torch.Tensor] = []
+        row_of_tok = torch.tensor(rows, device=dev)[item_of] if rows is not None else None
 
-    def _layers(self, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, write, read) -> torch.Tensor:  # noqa: ANN001
-        """h: [B, S, dim]; pos: [B, S] positions; mask: bool [B|1, 1, S, L]. Returns the final-norm hidden."""
-        return self._gpt2_layers(h, pos, mask, write, read) if self.is_gpt else self._llama_layers(
-            h, pos, mask, write, read)
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if row_of_tok is not None:
+                self.cache.write(layer, row_of_tok, local, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            if collect:
+                collected_k.append(k[0].contiguous())
+                collected_v.append(v[0].contiguous())
+            keys = torch.cat([p.keys[layer][:, :n] for p, n in blocks] + [k[0]], dim=1)[None]
+            values = torch.cat([p.values[layer][:, :n] for p, n in blocks] + [v[0]], dim=1)[None]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
 
-    def _llama_layers(self, h, pos, mask, write, read):  # noqa: ANN001, ANN202
-        tfmr = self.t3.tfmr
+        hidden = self._layers(h, pos, attend)
+        if collect:
+            return collected_k, collected_v
+        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
+        return self._lin(self.t3.speech_head, hidden[0, last])
+
+    def _layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """h: [B, S, dim]; pos: [B, S] positions. Returns the final-norm hidden."""
+        return self._gpt2_layers(h, pos, attend) if self.is_gpt else self._llama_layers(h, pos, attend)
+
+    def _llama_layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        tfmr, lin = self.t3.tfmr, self._lin
         n_batch, n_new, _ = h.shape
         cos, sin = tfmr.rotary_emb(h, pos)
         for i, layer in enumerate(tfmr.layers):
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-            k = attn.k_proj(x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
+            q = lin(attn.q_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+            k = lin(attn.k_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
+            v = lin(attn.v_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            write(i, k, v)
-            keys, values = read(i)  # [B, H, L, D]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(n_batch, n_new, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            o = attend(i, q, k, v)
+            h = h + lin(attn.o_proj, o.transpose(1, 2).reshape(n_batch, n_new, -1))
+            x = layer.post_attention_layernorm(h)
+            h = h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))  # LlamaMLP
         return tfmr.norm(h)
 
-    def _gpt2_layers(self, h, pos, mask, write, read):  # noqa: ANN001, ANN202
-        tfmr = self.t3.tfmr
+    def _gpt2_layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        tfmr, lin = self.t3.tfmr, self._lin
         n_batch, n_new, dim = h.shape
         h = h + tfmr.wpe(pos)
         for i, block in enumerate(tfmr.h):
             x = block.ln_1(h)
-            q, k, v = block.attn.c_attn(x).split(dim, dim=2)
+            q, k, v = lin(block.attn.c_attn, x).split(dim, dim=2)
             q, k, v = (t.view(n_batch, n_new, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            write(i, k, v)
-            keys, values = read(i)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            h = h + block.attn.c_proj(o.transpose(1, 2).reshape(n_batch, n_new, dim))
-            h = h + block.mlp(block.ln_2(h))
+            o = attend(i, q, k, v)
+            h = h + lin(block.attn.c_proj, o.transpose(1, 2).reshape(n_batch, n_new, dim))
+            h = h + lin(block.mlp.c_proj, block.mlp.act(lin(block.mlp.c_fc, block.ln_2(h))))  # GPT2MLP (eval)
         return tfmr.ln_f(h)
