@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=True,
     )
+    add("--alignment-analyzer", "alignment_analyzer",
+        "multilingual only: chatterbox's alignment analyzer (no early stop, no runaway tail)",
+        action="store_const", const=True)
     add("--tls-cert", "tls_certfile", "TLS certificate (PEM); serves wss:// and https:// with --tls-key")
     add("--tls-key", "tls_keyfile", "TLS private key (PEM)")
     add("--log-level", "log_level", "log level", choices=LOG_LEVELS)

@@ -32,6 +32,9 @@ class Settings:
     # agent can fall back) unless this is set: then it waits in the engine's bounded admission queue,
     # ahead of other waiting segments. Later segments of a context always wait (never fail mid-turn).
     queue_when_full: bool = False
+    # Multilingual only: chatterbox's alignment analyzer per segment (suppresses early EOS, cuts runaway
+    # tails and repetitions by reading three attention heads). Off by default, as in the issue.
+    alignment_analyzer: bool = False
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
     log_level: str = "info"
@@ -112,6 +115,8 @@ class Settings:
         for name in ("max_sessions_per_key", "max_text_chars_per_minute_per_key"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no limit)")
+        if self.alignment_analyzer and self.variant != "multilingual":
+            raise ValueError("alignment_analyzer is for the multilingual variant only")
         for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -126,6 +131,7 @@ class Settings:
             device=self.device,
             dtype=self.dtype,
             max_slots=self.max_slots,
+            alignment_analyzer=self.alignment_analyzer,
         )
 
     @property
@@ -144,6 +150,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
     "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),
+    "alignment_analyzer": ("AGENT_SERVER_ALIGNMENT_ANALYZER",),
     "tls_certfile": ("AGENT_SERVER_TLS_CERT",),
     "tls_keyfile": ("AGENT_SERVER_TLS_KEY",),
     "log_level": ("AGENT_SERVER_LOG_LEVEL",),

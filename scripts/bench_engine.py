@@ -1,7 +1,9 @@
 """Engine benchmark on full-size random weights: batched step loop vs chatterbox's sequential T3.inference.
 
 For each variant, in one run on the same model:
-  * sequential: chatterbox's own `T3.inference` / `inference_turbo`, one segment after another;
+  * sequential: chatterbox's own `T3.inference` / `inference_turbo`, one segment after another, as shipped
+    (the `speedup` figures), and again with its projections run by the engine's kernels (oneDNN-prepacked
+    on CPU: `speedup_same_kernels`), which isolates what batching buys from what the kernels buy;
   * batched: our engine with N segments submitted at once (T3 only, the vocoder off), N in --segments;
   * time to first audio for one segment alone (engine with the streaming vocoder, after a warm-up);
   * S3Gen milliseconds per second of audio for that segment.
@@ -15,13 +17,15 @@ Prints a table and writes JSON (`speedup`: segments -> aggregate tokens/s relati
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -29,6 +33,7 @@ from synth import default_voice
 from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant
 from synth.engine import Engine
 from synth.loading import ModelBundle, load_models
+from synth.t3_runner import T3Runner, projections
 from synth.text import text_token_ids
 
 TEXTS = [
@@ -60,6 +65,22 @@ def sequential_reference(bundle: ModelBundle, n_segments: int, n_tokens: int) ->
         outputs.append(out)
         total_tokens += len(out)
     return total_tokens / (time.perf_counter() - t0), outputs
+
+
+@contextmanager
+def reference_on_runner_kernels(bundle: ModelBundle, runner: T3Runner) -> Iterator[bool]:
+    """Run chatterbox's own T3 projections through the runner's packed kernels (same weights) meanwhile."""
+    if runner.linears is None:
+        yield False
+        return
+    modules = projections(bundle.t3)
+    for module in modules:
+        module.forward = functools.partial(runner.linears, module)  # instance attribute shadows the class's
+    try:
+        yield True
+    finally:
+        for module in modules:
+            del module.forward
 
 
 def run_batched(engine: Engine, n_segments: int, n_tokens: int, tag: str) -> tuple[float, list[list[int]], float]:
@@ -167,25 +188,43 @@ def main() -> None:
         print(f"== {v}: loading full-size random weights", flush=True)
         bundle = load_models(v, args.weights, args.device)
         bundle.t3.to(dtype=getattr(torch, args.dtype))  # the reference runs in the engine's dtype too
-        seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
-        print(f"   sequential T3.inference: {seq_tps:.2f} tokens/s", flush=True)
         engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,
                                              max_context_tokens=512, prefill_budget_segments=4),
                         render_audio=False)
+        seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
+        print(f"   sequential T3.inference (as shipped): {seq_tps:.2f} tokens/s", flush=True)
+        same_kernel_tps = seq_tps
+        with reference_on_runner_kernels(bundle, engine.runner) as patched:
+            if patched:
+                same_kernel_tps, _ = sequential_reference(bundle, args.sequential_segments, args.tokens)
+                print(f"   sequential T3.inference on the engine's kernels: {same_kernel_tps:.2f} tokens/s", flush=True)
         engine.voices.add(default_voice(bundle))
         engine.start()
         assert engine.wait_ready(600)
         rows = []
+        batched_tokens: dict[int, list[list[int]]] = {}
         for n in args.segments:
             tps, tokens, step_ms = run_batched(engine, n, args.tokens, f"{v}-{n}")
+            batched_tokens[n] = tokens
             same = sum(tokens[i] == seq_tokens[i] for i in range(min(n, len(seq_tokens))))
-            rows.append({"segments": n, "tokens_per_s": tps, "speedup": tps / seq_tps, "decode_step_ms": step_ms,
+            rows.append({"segments": n, "tokens_per_s": tps, "speedup": tps / seq_tps,
+                         "speedup_same_kernels": tps / same_kernel_tps, "decode_step_ms": step_ms,
                          "equal_to_reference": f"{same}/{min(n, len(seq_tokens))}"})
-            print(f"   batched x{n:<3} {tps:8.2f} tokens/s  speedup {tps / seq_tps:5.2f}x  "
-                  f"step {step_ms:7.1f} ms  tokens equal to reference {same}/{min(n, len(seq_tokens))}", flush=True)
+            print(f"   batched x{n:<3} {tps:8.2f} tokens/s  speedup {tps / seq_tps:5.2f}x "
+                  f"(same kernels {tps / same_kernel_tps:5.2f}x)  step {step_ms:7.1f} ms  "
+                  f"tokens equal to reference {same}/{min(n, len(seq_tokens))}", flush=True)
+        # batch invariance: segment i (same text, same seed) in every run vs in the largest run
+        largest = batched_tokens[max(batched_tokens)]
+        compared = [(n, i) for n, runs in batched_tokens.items() for i in range(len(runs)) if n != max(batched_tokens)]
+        invariant = sum(batched_tokens[n][i] == largest[i] for n, i in compared)
+        print(f"   same tokens in a batch of {max(batched_tokens)} as in smaller batches: {invariant}/{len(compared)}")
         engine.stop()
-        entry: dict[str, Any] = {"sequential_tokens_per_s": seq_tps, "batched": rows,
-                                 "speedup": {str(r["segments"]): round(r["speedup"], 3) for r in rows}}
+        entry: dict[str, Any] = {"sequential_tokens_per_s": seq_tps,
+                                 "sequential_same_kernels_tokens_per_s": same_kernel_tps, "batched": rows,
+                                 "speedup": {str(r["segments"]): round(r["speedup"], 3) for r in rows},
+                                 "speedup_same_kernels": {str(r["segments"]): round(r["speedup_same_kernels"], 3)
+                                                          for r in rows},
+                                 "batch_invariant_segments": f"{invariant}/{len(compared)}"}
         if not args.skip_ttfa:
             torch.set_num_threads(args.ttfa_threads)
             entry["time_to_first_audio"] = time_to_first_audio(bundle, args.ttfa_tokens)
@@ -194,11 +233,11 @@ def main() -> None:
         report["variants"][v] = entry
         del bundle, engine
 
-    print("\nvariant       segments  tokens/s  speedup  step_ms")
+    print("\nvariant       segments  tokens/s  speedup  same-kernels  step_ms")
     for v, entry in report["variants"].items():
         for r in entry["batched"]:
             print(f"{v:12s}  {r['segments']:8d}  {r['tokens_per_s']:8.2f}  {r['speedup']:6.2f}x  "
-                  f"{r['decode_step_ms']:7.1f}")
+                  f"{r['speedup_same_kernels']:11.2f}x  {r['decode_step_ms']:7.1f}")
     report["speedup"] = {v: e["speedup"] for v, e in report["variants"].items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

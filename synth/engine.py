@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from synth import alignment
 from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
                        SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
@@ -69,10 +70,8 @@ class Engine(EngineLike):
     def __init__(self, bundle: ModelBundle, config: EngineConfig, *, render_audio: bool = True) -> None:
         self.bundle = bundle
         self.config = config
-        if config.alignment_analyzer:
-            # The reference hooks three attention heads (layers 9, 12, 13) and edits logits before sampling;
-            # the batched runner does not compute those per-row attention maps yet. Refuse rather than ignore.
-            raise EngineError("alignment_analyzer is not implemented in the batched engine yet")
+        if config.alignment_analyzer and bundle.variant != "multilingual":
+            raise EngineError("alignment_analyzer is for the multilingual model only (as in chatterbox)")
         self.variant = bundle.variant
         self.random_weights = bundle.random_weights
         self.max_slots = config.max_slots
@@ -90,6 +89,12 @@ class Engine(EngineLike):
         if self.is_llama:  # the learned text positions end somewhere too
             self.max_text_positions = min(self.max_text_positions, bundle.t3.text_pos_emb.emb.num_embeddings)
         log.info("KV cache: %d rows x %d positions, %.2f GB", max_rows, max_len, self.runner.cache.nbytes / 1e9)
+        self.align = config.alignment_analyzer
+        if self.align:
+            missing = alignment.missing_heads(self.runner.n_layers, self.runner.n_heads)
+            if missing:
+                raise EngineError(f"this T3 lacks the alignment analyzer's (layer, head) pairs {missing}")
+            self.runner.capture_heads = alignment.ALIGNED_HEADS
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
@@ -260,15 +265,19 @@ class Engine(EngineLike):
             return [], 0.0
         t0 = time.perf_counter()
         items: list[PrefillItem] = []
+        cond_items: list[int] = []  # per prefill segment: the index of its cond item
         for state in plan.prefill:
+            cond_items.append(len(items))
             items.extend(self._prefill_items(state))
-        prefill_logits = self.runner.prefill(items) if items else None  # [len(items), V]
+        analyzed = any(s.aligner is not None for s in plan.prefill)
+        prefill_logits = self.runner.prefill(items, capture=analyzed) if items else None  # [len(items), V]
         prefill_ms = (time.perf_counter() - t0) * 1e3
         blocks: list[torch.Tensor] = []
         cond_index: list[int] = []
         uncond_index: list[int] = []
         if plan.decode:
-            blocks.append(self.runner.decode(self._decode_batch(plan.decode)))  # [span, V]
+            analyzed = any(s.aligner is not None for s in plan.decode)
+            blocks.append(self.runner.decode(self._decode_batch(plan.decode), capture=analyzed))  # [span, V]
             for state in plan.decode:
                 cond_index.append(state.rows[0])
                 uncond_index.append(state.rows[1] if len(state.rows) > 1 else state.rows[0])
@@ -282,8 +291,39 @@ class Engine(EngineLike):
         all_logits = torch.cat(blocks).float()
         cond = all_logits[torch.tensor(cond_index, device=self.device)]
         uncond = all_logits[torch.tensor(uncond_index, device=self.device)]
-        tokens = self._sample(plan.sampled, cond, uncond)
+        tokens = self._sample(plan.sampled, cond, uncond, self._analyzer_edit(plan, items, cond_items))
         return tokens.tolist(), prefill_ms
+
+    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem],
+                       cond_items: list[int]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The alignment analyzers' step on the guided logits of the segments that have one."""
+        runner = self.runner
+        rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (row in `sampled`, state, text probs)
+        for k, state in enumerate(plan.decode):
+            if state.aligner is not None:
+                n_text, cols = len(state.text_ids), runner.captured_width
+                rows.append((k, state, [runner.captured_decode[h][state.rows[0], cols:cols + n_text][None]
+                                        for h in alignment.ALIGNED_HEADS]))
+        prefix_cols, starts = runner.captured_layout
+        for k, (state, item) in enumerate(zip(plan.prefill, cond_items), start=len(plan.decode)):
+            if state.aligner is not None:  # the BOS block's two queries over the item's own text keys
+                n_text, start = len(state.text_ids), starts[item]
+                end = start + items[item].embeds.shape[0]
+                cols = prefix_cols + start
+                rows.append((k, state, [runner.captured_prefill[h][end - 2:end, cols:cols + n_text]
+                                        for h in alignment.ALIGNED_HEADS]))
+        if not rows:
+            return None
+
+        def edit(logits: torch.Tensor) -> torch.Tensor:
+            for k, state, text_probs in rows:
+                assert state.aligner is not None
+                alignment.feed(state.aligner, text_probs)
+                last = state.tokens[-1] if state.tokens else runner.start_speech_token
+                logits[k:k + 1] = state.aligner.step(logits[k:k + 1], next_token=last)
+            return logits
+
+        return edit
 
     def _prefill_items(self, state: SegmentState) -> list[PrefillItem]:
         """The cond row runs its text and BOS block after the voice prefix; a CFG uncond row only its BOS
@@ -298,6 +338,8 @@ class Engine(EngineLike):
             items.append(PrefillItem(state.rows[1], prefix, prefix.cond_len + n_text, bos))
         state.prefix = prefix
         state.row_shift = (0, n_text)[:len(state.rows)]
+        if self.align:
+            state.aligner = alignment.new_analyzer(prefix.cond_len, n_text, self.runner.stop_speech_token)
         state.next_pos = n_text + bos.shape[0]
         seen = self._seen[state.rows[0]]
         seen.zero_()
@@ -350,14 +392,15 @@ class Engine(EngineLike):
                            groups=tuple(PrefixGroup(prefix, as_tensor(rows), as_tensor(visible), max(visible))
                                         for prefix, rows, visible in groups.values()))
 
-    def _sample(self, states: list[SegmentState], cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+    def _sample(self, states: list[SegmentState], cond: torch.Tensor, uncond: torch.Tensor,
+                edit_guided: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """cond, uncond: [N, V] fp32 logits in `states` order -> [N] sampled ids (on device)."""
         params = self._row_params([s.params for s in states])
         cond_rows = torch.tensor([s.rows[0] for s in states], dtype=torch.long, device=self.device)
         seen = self._seen[cond_rows]
         generators = [s.generator for s in states]
         if self.is_llama:
-            tokens = sample_llama(cond, uncond, seen, params, generators)
+            tokens = sample_llama(cond, uncond, seen, params, generators, edit_guided)
         else:
             tokens = sample_gpt2(cond, seen, params, generators)
             # inference_turbo penalises BOS only for its first token; afterwards only generated ids count

@@ -61,6 +61,11 @@ BUILTIN_VOICE_FILE = "conds.pt"
 
 _TINY_LLAMA = "Llama_tiny_agent_server"
 _TINY_GPT2 = "GPT2_tiny_agent_server"
+# Tiny width, but deep and wide enough to have the multilingual alignment analyzer's heads ((12, 15), (13, 11),
+# (9, 2)): for the tests of that analyzer only (14 layers cost more than the 2 every other test uses).
+TINY_ALIGNED_LLAMA = "Llama_tiny_aligned_agent_server"
+TINY_ALIGNED_LAYERS = 14
+TINY_ALIGNED_HEADS = 16
 
 
 def _register_tiny_configs() -> None:
@@ -71,6 +76,11 @@ def _register_tiny_configs() -> None:
                      num_attention_heads=TINY_HEADS, num_key_value_heads=TINY_HEADS,
                      head_dim=TINY_WIDTH // TINY_HEADS)
         LLAMA_CONFIGS[_TINY_LLAMA] = llama
+    if TINY_ALIGNED_LLAMA not in LLAMA_CONFIGS:
+        llama = copy.deepcopy(LLAMA_CONFIGS[_TINY_LLAMA])
+        llama.update(num_hidden_layers=TINY_ALIGNED_LAYERS, num_attention_heads=TINY_ALIGNED_HEADS,
+                     num_key_value_heads=TINY_ALIGNED_HEADS, head_dim=TINY_WIDTH // TINY_ALIGNED_HEADS)
+        LLAMA_CONFIGS[TINY_ALIGNED_LLAMA] = llama
     if _TINY_GPT2 not in LLAMA_CONFIGS:
         gpt2 = copy.deepcopy(LLAMA_CONFIGS["GPT2_medium"])
         gpt2.update(n_embd=TINY_WIDTH, hidden_size=TINY_WIDTH, n_layer=TINY_LAYERS, n_head=TINY_HEADS)
@@ -97,10 +107,14 @@ def t3_config(variant: Variant, size: Size) -> T3Config:
     return hp
 
 
-def build_t3(variant: Variant, size: Size) -> T3:
+def build_t3(variant: Variant, size: Size, backbone: str | None = None) -> T3:
     """chatterbox's T3 class, random weights. Tiny also swaps in a Perceiver of the tiny width (the
-    library builds it at width 1024 whatever the backbone), so conditioning keeps its 34 positions."""
-    t3 = T3(t3_config(variant, size))
+    library builds it at width 1024 whatever the backbone), so conditioning keeps its 34 positions.
+    `backbone` overrides the backbone config name (e.g. TINY_ALIGNED_LLAMA)."""
+    hp = t3_config(variant, size)
+    if backbone is not None:
+        hp.llama_config_name = backbone
+    t3 = T3(hp)
     if size == "tiny" and t3.cond_enc.perceiver is not None:
         t3.cond_enc.perceiver = Perceiver(pre_attention_query_token=PERCEIVER_QUERY_TOKENS,
                                           pre_attention_query_size=TINY_WIDTH, embedding_dim=TINY_WIDTH,

@@ -47,6 +47,7 @@ class SegmentState:
     chunks_emitted: int = 0
     vocoder_stream: Any = None
     generator: Any = None  # torch.Generator owned by this segment (sampling)
+    aligner: Any = None  # the multilingual alignment analyzer of this segment (synth.alignment), when on
     # timestamps (time.monotonic seconds)
     admitted_s: float = 0.0
     first_token_s: float = 0.0

@@ -14,6 +14,7 @@ No host sync happens here: the caller moves the sampled ids to the host once per
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -89,13 +90,18 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) ->
 
 
 def sample_llama(cond: torch.Tensor, uncond: torch.Tensor, seen: torch.Tensor, params: RowParams,
-                 generators: list[torch.Generator]) -> torch.Tensor:
-    """English / Multilingual order: CFG -> repetition penalty -> temperature -> min_p -> top_p -> sample.
+                 generators: list[torch.Generator],
+                 edit_guided: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """English / Multilingual order: CFG -> [alignment analyzer] -> repetition penalty -> temperature ->
+    min_p -> top_p -> sample.
 
     cond, uncond: [N, V] logits (a row without CFG passes its cond logits as uncond, which makes the
-    guidance term exactly zero); seen: [N, V] ids generated so far, BOS included.
+    guidance term exactly zero); seen: [N, V] ids generated so far, BOS included. `edit_guided` may
+    rewrite rows of the guided logits (the multilingual alignment analyzer's place in the reference).
     """
     logits = cond + params.cfg_weight * (cond - uncond)
+    if edit_guided is not None:
+        logits = edit_guided(logits)
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     logits = _div_like_reference(logits, params.temperature)
     logits = apply_min_p(logits, params.min_p)

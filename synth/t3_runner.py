@@ -105,7 +105,8 @@ class PackedLinears:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _projections(t3: T3) -> list[torch.nn.Module]:
+def projections(t3: T3) -> list[torch.nn.Module]:
+    """T3's linear layers: every projection of every block, and the speech head."""
     tfmr = t3.tfmr
     if t3.is_gpt:
         blocks = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in tfmr.h]
@@ -120,7 +121,7 @@ class T3Runner:
                  packed_linears: bool = True) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
         use_packed = packed_linears and PackedLinears.available(device, dtype)
-        self.linears = PackedLinears(_projections(t3)) if use_packed else None
+        self.linears = PackedLinears(projections(t3)) if use_packed else None
         self.is_gpt = bool(t3.is_gpt)
         self.device = device
         self.dtype = dtype
@@ -133,6 +134,15 @@ class T3Runner:
                                  head_dim=self.head_dim, device=device, dtype=dtype)
         self.start_speech_token = t3.hp.start_speech_token
         self.stop_speech_token = t3.hp.stop_speech_token
+        # Attention probabilities of these (layer, head) pairs are kept by passes run with capture=True
+        # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [n_rows, prefix
+        # width + span] with the prefix width in `captured_width`; prefill -> `captured_prefill`
+        # [T, prefix columns + T] with the packed layout (prefix columns, item starts) in `captured_layout`.
+        self.capture_heads: tuple[tuple[int, int], ...] = ()
+        self.captured_decode: dict[tuple[int, int], torch.Tensor] = {}
+        self.captured_width = 0
+        self.captured_prefill: dict[tuple[int, int], torch.Tensor] = {}
+        self.captured_layout: tuple[int, list[int]] = (0, [])
 
     # --- embeddings --------------------------------------------------------------------------------------
 
@@ -191,14 +201,15 @@ class T3Runner:
     # --- forward passes ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
+    def prefill(self, items: list[PrefillItem], capture: bool = False) -> torch.Tensor:
         """Run every item's new positions in one packed pass; returns each item's last-position logits [N, V]."""
         for item in items:
             assert item.embeds.shape[0] < self.cache.usable_len, "segment does not fit the KV cache"
-        return self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items], rows=[i.row for i in items])
+        return self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items], rows=[i.row for i in items],
+                                capture=capture)
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, capture: bool = False) -> torch.Tensor:
         """One token for every row in [0, n_rows): returns logits [n_rows, V]."""
         n_rows, span = batch.n_rows, batch.span_len
         cache, scale = self.cache, self.scale
@@ -208,6 +219,8 @@ class T3Runner:
         width = max((g.max_visible for g in batch.groups), default=0)  # prefix columns of the score matrix
         prefix_masks = [torch.arange(g.max_visible, device=self.device)[None, :] < g.visible[:, None]
                         for g in batch.groups]  # each [n, P]
+        captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
+        self.captured_decode, self.captured_width = {}, width
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(layer, rows_t, batch.write_pos, k[:, :, 0], v[:, :, 0])
@@ -223,6 +236,9 @@ class T3Runner:
             # one softmax over [prefix keys, slot keys]: the reference's key order
             probs = torch.softmax(torch.cat([prefix_scores, slot_scores], dim=-1).mul_(scale), dim=-1,
                                   dtype=torch.float32).to(q.dtype)
+            for captured_layer, head in captured_heads:
+                if captured_layer == layer:
+                    self.captured_decode[(layer, head)] = probs[:, head].float()
             out = torch.matmul(probs[:, :, None, width:], slot_v)[:, :, 0]  # [R, H, D]
             for group in batch.groups:
                 pv = group.prefix.values[layer][:, :group.max_visible]
@@ -234,7 +250,7 @@ class T3Runner:
         return self._lin(self.t3.speech_head, hidden[:, -1])
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
-                    collect: bool = False):  # noqa: ANN202
+                    collect: bool = False, capture: bool = False):  # noqa: ANN202
         """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
         prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
         keys/values to slot `rows` (returning last-position logits per item) or collects and returns them
@@ -271,6 +287,10 @@ class T3Runner:
         collected_k: list[torch.Tensor] = []
         collected_v: list[torch.Tensor] = []
         row_of_tok = torch.tensor(rows, device=dev)[item_of] if rows is not None else None
+        captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
+        if capture:
+            self.captured_prefill = {}
+            self.captured_layout = (sum(n for _, n in blocks), starts.tolist())
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if row_of_tok is not None:
@@ -280,6 +300,10 @@ class T3Runner:
                 collected_v.append(v[0].contiguous())
             keys = torch.cat([p.keys[layer][:, :n] for p, n in blocks] + [k[0]], dim=1)[None]
             values = torch.cat([p.values[layer][:, :n] for p, n in blocks] + [v[0]], dim=1)[None]
+            for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
+                if captured_layer == layer:
+                    scores = (q[0, head] @ keys[0, head].T).mul_(self.scale).masked_fill_(~mask[0, 0], float("-inf"))
+                    self.captured_prefill[(layer, head)] = torch.softmax(scores, dim=-1, dtype=torch.float32)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
 
         hidden = self._layers(h, pos, attend)

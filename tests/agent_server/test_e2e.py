@@ -573,6 +573,13 @@ def test_settings_from_flags_and_environment() -> None:
     assert settings_from([], {"AGENT_SERVER_QUEUE_WHEN_FULL": "yes"}).queue_when_full is True
     assert settings_from(["--queue-when-full"], {}).queue_when_full is True
     assert settings_from([], {}).queue_when_full is False
+    multilingual = settings_from(["--variant", "multilingual", "--alignment-analyzer"], {})
+    assert multilingual.alignment_analyzer is True and multilingual.engine_config().alignment_analyzer is True
+    assert settings_from([], {"AGENT_SERVER_VARIANT": "multilingual",
+                              "AGENT_SERVER_ALIGNMENT_ANALYZER": "on"}).alignment_analyzer is True
+    assert settings_from([], {}).engine_config().alignment_analyzer is False
+    with pytest.raises(SystemExit):  # the analyzer reads the multilingual model's heads only
+        settings_from(["--alignment-analyzer"], {})
     with pytest.raises(SystemExit):
         settings_from(["--variant", "huge"], {})
     with pytest.raises(SystemExit):
