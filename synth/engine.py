@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from synth import alignment
+from synth.cpu_threads import release_openmp_pool
 from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
                        SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
@@ -166,6 +167,8 @@ class Engine(EngineLike):
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.device.type == "cpu":  # the starting thread (it built the engine) hands the CPU over
+            release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="synth-engine", daemon=True)
         self._thread.start()
 
