@@ -9,7 +9,8 @@ behind by the thread that loaded the model made every step about twice as slow o
 
 `release_openmp_pool()` frees the calling thread's pool (OpenMP 5.0 `omp_pause_resource_all`, soft pause);
 the next parallel op on that thread recreates it, so it is always safe. `Engine.start()` calls it on the
-starting thread: that thread has loaded the weights and is handing the CPU to the engine thread.
+starting thread (it has loaded the weights and hands the CPU to the engine thread), and `Engine.add_voice()`
+on the thread that ran the voice encoders (a server's long-lived worker thread).
 """
 
 from __future__ import annotations

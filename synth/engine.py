@@ -137,7 +137,13 @@ class Engine(EngineLike):
         return self.voices.ids()
 
     def add_voice(self, voice_id: str, wav: Any, sample_rate_hz: int) -> None:
-        voice = make_voice(self.bundle, voice_id, wav, sample_rate_hz)
+        """Runs the voice encoders on the calling thread (a server's worker thread), then releases that
+        thread's OpenMP pool so it does not slow the engine's steps (synth/cpu_threads.py)."""
+        try:
+            voice = make_voice(self.bundle, voice_id, wav, sample_rate_hz)
+        finally:
+            if self.device.type == "cpu":
+                release_openmp_pool()
         self.voices.add(voice)
         self._inbox.put(_PrepareVoice(voice))
 

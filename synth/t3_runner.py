@@ -78,10 +78,11 @@ class PrefillItem:
 
 
 class PackedLinears:
-    """Every projection of T3 prepacked once for oneDNN (CPU, fp32). Two reasons, both measured
-    (BENCHMARKS.md): on this AVX2 machine MKL's sgemm runs 1.5-3x slower at decode sizes (1-32 rows),
-    and oneDNN's result for a row does not depend on how many other rows share the call, so a segment's
-    logits do not change with the batch it is in (MKL's do, by rounding, from 2 rows up).
+    """Every projection of T3 prepacked once for oneDNN (CPU, fp32). The reason that holds everywhere:
+    oneDNN's result for a row does not depend on how many other rows share the call, so a segment's
+    logits do not change with the batch it is in (MKL's do, by rounding, from 2 rows up). Speed depends
+    on the CPU (BENCHMARKS.md): on an AVX2 Xeon MKL's sgemm ran 1.5-3x slower at 1-32 rows; on an AVX-512
+    Xeon oneDNN is 25-45 % slower at 1-2 rows and 1.3-1.8x faster from 16 rows up.
     The modules themselves are left untouched: chatterbox's own inference still runs them as shipped."""
 
     ROWS_HINT = 16  # the packing's batch-size hint; checked invariant for 1..300 rows
