@@ -142,8 +142,7 @@ class Engine(EngineLike):
         try:
             voice = make_voice(self.bundle, voice_id, wav, sample_rate_hz)
         finally:
-            if self.device.type == "cpu":
-                release_openmp_pool()
+            self._release_caller_cpu()
         self.voices.add(voice)
         self._inbox.put(_PrepareVoice(voice))
 
@@ -173,10 +172,13 @@ class Engine(EngineLike):
     def start(self) -> None:
         if self._thread is not None:
             return
-        if self.device.type == "cpu":  # the starting thread (it built the engine) hands the CPU over
-            release_openmp_pool()
+        self._release_caller_cpu()  # the starting thread (it built the engine) hands the CPU over
         self._thread = threading.Thread(target=self._run, name="synth-engine", daemon=True)
         self._thread.start()
+
+    def _release_caller_cpu(self) -> None:
+        if self.device.type == "cpu":
+            release_openmp_pool()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
