@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())"
 echo "== equivalence tests on CUDA (tiny presets)"
 SYNTH_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/synth/test_engine_equivalence.py tests/synth/test_t3_runner.py 2>&1 | tee "$OUT_DIR/equivalence.txt"
+    tests/synth/test_engine_equivalence.py tests/synth/test_t3_runner.py tests/synth/test_alignment.py 2>&1 | tee "$OUT_DIR/equivalence.txt"
 echo "== engine bench, bf16, full-size random weights"
 timeout 420 "$PY" scripts/bench_engine.py --device cuda --dtype bfloat16 --threads 8 --variants turbo english \
     --segments 1 8 32 64 --tokens 96 --sequential-segments 2 --ttfa-tokens 60 \

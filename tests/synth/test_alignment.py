@@ -14,7 +14,7 @@ from synth.engine import Engine
 from synth.presets import TINY_ALIGNED_LLAMA, build_t3
 from synth.text import text_token_ids
 
-from tests.synth.conftest import Collector, synthetic_voice, tiny_bundle
+from tests.synth.conftest import TEST_DEVICE, Collector, synthetic_voice, tiny_bundle
 
 # The analyzer's matrix is the mean of three heads' softmax rows; ours and the reference's differ by
 # rounding only (different matmul shapes), ~1e-7. 1e-5 is far above that and far below any real change.
@@ -50,7 +50,7 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
         return analyzer
 
     monkeypatch.setattr(synth.alignment, "new_analyzer", recording)
-    engine = Engine(aligned_bundle, EngineConfig(variant="multilingual", weights="random-tiny", device="cpu",
+    engine = Engine(aligned_bundle, EngineConfig(variant="multilingual", weights="random-tiny", device=TEST_DEVICE,
                                                  max_slots=4, max_context_tokens=256, alignment_analyzer=True),
                     render_audio=False)
     voices = [synthetic_voice(aligned_bundle, f"v{i}", seed=20 + i) for i in range(2)]
@@ -73,7 +73,8 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
     t3 = aligned_bundle.t3
     for i, (rid, text, lang, seed, temp, cfg) in enumerate(CASES):
         p = _params(seed, temp, cfg)
-        ids = torch.tensor([text_token_ids("multilingual", aligned_bundle.tokenizer, text, lang)])
+        ids = torch.tensor([text_token_ids("multilingual", aligned_bundle.tokenizer, text, lang)],
+                           device=aligned_bundle.device)
         torch.manual_seed(seed)
         expected = t3.inference(t3_cond=voices[i % 2].t3_cond(p.exaggeration, aligned_bundle.device),
                                 text_tokens=torch.cat([ids, ids]), max_new_tokens=N_TOKENS, temperature=temp,
