@@ -94,7 +94,9 @@ class Engine(EngineLike):
         if self.align:
             missing = alignment.missing_heads(self.runner.n_layers, self.runner.n_heads)
             if missing:
-                raise EngineError(f"this T3 lacks the alignment analyzer's (layer, head) pairs {missing}")
+                raise EngineError(f"this T3 ({self.runner.n_layers} layers x {self.runner.n_heads} heads) lacks the "
+                                  f"alignment analyzer's (layer, head) pairs {missing}: it needs the full-size "
+                                  "multilingual model (a checkpoint or --weights random-full)")
             self.runner.capture_heads = alignment.ALIGNED_HEADS
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
