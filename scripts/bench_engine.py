@@ -33,6 +33,7 @@ from synth import default_voice
 from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant
 from synth.engine import Engine
 from synth.loading import ModelBundle, load_models
+from synth.request import SPEECH_VOCAB_SIZE
 from synth.t3_runner import T3Runner, projections
 from synth.text import text_token_ids
 
@@ -122,17 +123,16 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int) -> dict[str, float]:
     engine.start()
     assert engine.wait_ready(600)
     result: dict[str, float] = {}
-    vocoder_ms: list[float] = []
-    audio_s: list[float] = []
+    steps: list[Any] = []  # StepStats of the segment's steps (one sampled token each)
 
     def stats(s: Any) -> None:
-        vocoder_ms.append(s.vocoder_ms)
-        audio_s.append(s.audio_s)
+        steps.append(s)
 
     for attempt in ("warmup", "measured"):
         first_chunk = threading.Event()
         finished = threading.Event()
         marks: dict[str, float] = {}
+        generated: list[int] = []
 
         def sink(out: Any) -> None:
             if isinstance(out, AudioChunk) and "chunk" not in marks:
@@ -141,11 +141,12 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int) -> dict[str, float]:
                 first_chunk.set()
             elif isinstance(out, SegmentEvent) and out.kind == EventKind.STARTED:
                 marks["first_token"] = out.at_monotonic_s
+            elif isinstance(out, SegmentEvent) and out.kind == EventKind.GENERATED:
+                generated.extend(out.token_ids)
             elif isinstance(out, SegmentEvent) and out.kind >= EventKind.DONE:
                 finished.set()
 
-        vocoder_ms.clear()
-        audio_s.clear()
+        steps.clear()
         engine.set_stats_listener(stats)
         submitted = time.monotonic()
         engine.submit(SegmentRequest(request_id=attempt, text=TEXTS[0], sink=sink,
@@ -153,12 +154,68 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int) -> dict[str, float]:
                                                     max_new_tokens=n_tokens)))
         assert finished.wait(3600)
         if attempt == "measured":
+            # the step that emitted the first chunk is the first one recorded after it
+            k = next(i for i, st in enumerate(steps) if st.at_monotonic_s >= marks["chunk"])
+            decode_ms = sorted(st.decode_ms for st in steps[1:k + 1])
+            sampled = generated[:k + 1]  # one token per step up to the first chunk
+            dropped = sum(t >= SPEECH_VOCAB_SIZE for t in sampled)
             result = {"first_chunk_s": marks["chunk"] - submitted, "first_token_s": marks["first_token"] - submitted,
-                      "first_chunk_tokens": marks["chunk_tokens"],
-                      "s3gen_ms_per_audio_s": sum(vocoder_ms) / max(sum(audio_s), 1e-9),
-                      "audio_s": sum(audio_s)}
+                      "first_chunk_tokens": marks["chunk_tokens"], "steps_to_first_chunk": k + 1,
+                      "dropped_ids_before_first_chunk": dropped,
+                      "median_decode_step_ms": decode_ms[len(decode_ms) // 2],
+                      "first_render_ms": steps[k].vocoder_ms,
+                      "s3gen_ms_per_audio_s": sum(st.vocoder_ms for st in steps) / max(sum(st.audio_s for st in steps), 1e-9),
+                      "audio_s": sum(st.audio_s for st in steps)}
+            # Random weights sample ids >= 6561 (dropped before S3Gen) far more often than a trained model,
+            # which emits none but EOS: the same run with those steps taken out (an estimate, labelled so).
+            result["first_chunk_s_without_dropped_ids"] = (result["first_chunk_s"]
+                                                          - dropped * result["median_decode_step_ms"] / 1e3)
     engine.stop()
     return result
+
+
+def throughput(bundle: ModelBundle, args: argparse.Namespace) -> dict[str, Any]:
+    """Sequential reference (as shipped and on the engine's kernels) vs the engine at each batch size."""
+    v = bundle.variant
+    engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,
+                                         max_context_tokens=512, prefill_budget_segments=4),
+                    render_audio=False)
+    seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
+    print(f"   sequential T3.inference (as shipped): {seq_tps:.2f} tokens/s", flush=True)
+    same_kernel_tps = seq_tps
+    with reference_on_runner_kernels(bundle, engine.runner) as patched:
+        if patched:
+            same_kernel_tps, _ = sequential_reference(bundle, args.sequential_segments, args.tokens)
+            print(f"   sequential T3.inference on the engine's kernels: {same_kernel_tps:.2f} tokens/s", flush=True)
+    engine.voices.add(default_voice(bundle))
+    engine.start()
+    assert engine.wait_ready(600)
+    rows = []
+    batched_tokens: dict[int, list[list[int]]] = {}
+    for n in args.segments:
+        tps, tokens, step_ms = run_batched(engine, n, args.tokens, f"{v}-{n}")
+        batched_tokens[n] = tokens
+        same = sum(tokens[i] == seq_tokens[i] for i in range(min(n, len(seq_tokens))))
+        rows.append({"segments": n, "tokens_per_s": tps, "speedup": tps / seq_tps,
+                     "speedup_same_kernels": tps / same_kernel_tps, "decode_step_ms": step_ms,
+                     "equal_to_reference": f"{same}/{min(n, len(seq_tokens))}"})
+        print(f"   batched x{n:<3} {tps:8.2f} tokens/s  speedup {tps / seq_tps:5.2f}x "
+              f"(same kernels {tps / same_kernel_tps:5.2f}x)  step {step_ms:7.1f} ms  "
+              f"tokens equal to reference {same}/{min(n, len(seq_tokens))}", flush=True)
+    # batch invariance: segment i (same text, same seed) in every run vs in the largest run
+    largest = batched_tokens[max(batched_tokens)]
+    compared = [(n, i) for n, runs in batched_tokens.items() for i in range(len(runs)) if n != max(batched_tokens)]
+    invariant = sum(batched_tokens[n][i] == largest[i] for n, i in compared)
+    print(f"   same tokens in a batch of {max(batched_tokens)} as in smaller batches: {invariant}/{len(compared)}")
+    engine.stop()
+    entry: dict[str, Any] = {"sequential_tokens_per_s": seq_tps,
+                             "sequential_same_kernels_tokens_per_s": same_kernel_tps, "batched": rows,
+                             "speedup": {str(r["segments"]): round(r["speedup"], 3) for r in rows},
+                             "speedup_same_kernels": {str(r["segments"]): round(r["speedup_same_kernels"], 3)
+                                                      for r in rows},
+                             "batch_invariant_segments": f"{invariant}/{len(compared)}"}
+    del engine
+    return entry
 
 
 def main() -> None:
@@ -173,6 +230,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--skip-ttfa", action="store_true")
+    parser.add_argument("--ttfa-only", action="store_true", help="only the time-to-first-audio run")
     parser.add_argument("--weights", default="random-full", help="random-full (default) or random-tiny for a smoke run")
     parser.add_argument("--out", type=Path, default=Path("out/bench_engine.json"))
     args = parser.parse_args()
@@ -185,60 +243,24 @@ def main() -> None:
                               "tokens_per_segment": args.tokens, "variants": {}}
     for variant in args.variants:
         v: Variant = variant
-        print(f"== {v}: loading full-size random weights", flush=True)
+        print(f"== {v}: loading weights ({args.weights})", flush=True)
         bundle = load_models(v, args.weights, args.device)
         bundle.t3.to(dtype=getattr(torch, args.dtype))  # the reference runs in the engine's dtype too
-        engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,
-                                             max_context_tokens=512, prefill_budget_segments=4),
-                        render_audio=False)
-        seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
-        print(f"   sequential T3.inference (as shipped): {seq_tps:.2f} tokens/s", flush=True)
-        same_kernel_tps = seq_tps
-        with reference_on_runner_kernels(bundle, engine.runner) as patched:
-            if patched:
-                same_kernel_tps, _ = sequential_reference(bundle, args.sequential_segments, args.tokens)
-                print(f"   sequential T3.inference on the engine's kernels: {same_kernel_tps:.2f} tokens/s", flush=True)
-        engine.voices.add(default_voice(bundle))
-        engine.start()
-        assert engine.wait_ready(600)
-        rows = []
-        batched_tokens: dict[int, list[list[int]]] = {}
-        for n in args.segments:
-            tps, tokens, step_ms = run_batched(engine, n, args.tokens, f"{v}-{n}")
-            batched_tokens[n] = tokens
-            same = sum(tokens[i] == seq_tokens[i] for i in range(min(n, len(seq_tokens))))
-            rows.append({"segments": n, "tokens_per_s": tps, "speedup": tps / seq_tps,
-                         "speedup_same_kernels": tps / same_kernel_tps, "decode_step_ms": step_ms,
-                         "equal_to_reference": f"{same}/{min(n, len(seq_tokens))}"})
-            print(f"   batched x{n:<3} {tps:8.2f} tokens/s  speedup {tps / seq_tps:5.2f}x "
-                  f"(same kernels {tps / same_kernel_tps:5.2f}x)  step {step_ms:7.1f} ms  "
-                  f"tokens equal to reference {same}/{min(n, len(seq_tokens))}", flush=True)
-        # batch invariance: segment i (same text, same seed) in every run vs in the largest run
-        largest = batched_tokens[max(batched_tokens)]
-        compared = [(n, i) for n, runs in batched_tokens.items() for i in range(len(runs)) if n != max(batched_tokens)]
-        invariant = sum(batched_tokens[n][i] == largest[i] for n, i in compared)
-        print(f"   same tokens in a batch of {max(batched_tokens)} as in smaller batches: {invariant}/{len(compared)}")
-        engine.stop()
-        entry: dict[str, Any] = {"sequential_tokens_per_s": seq_tps,
-                                 "sequential_same_kernels_tokens_per_s": same_kernel_tps, "batched": rows,
-                                 "speedup": {str(r["segments"]): round(r["speedup"], 3) for r in rows},
-                                 "speedup_same_kernels": {str(r["segments"]): round(r["speedup_same_kernels"], 3)
-                                                          for r in rows},
-                                 "batch_invariant_segments": f"{invariant}/{len(compared)}"}
+        entry: dict[str, Any] = {} if args.ttfa_only else throughput(bundle, args)
         if not args.skip_ttfa:
             torch.set_num_threads(args.ttfa_threads)
             entry["time_to_first_audio"] = time_to_first_audio(bundle, args.ttfa_tokens)
             torch.set_num_threads(args.threads)
             print(f"   time to first audio: {entry['time_to_first_audio']}", flush=True)
         report["variants"][v] = entry
-        del bundle, engine
+        del bundle
 
     print("\nvariant       segments  tokens/s  speedup  same-kernels  step_ms")
     for v, entry in report["variants"].items():
-        for r in entry["batched"]:
+        for r in entry.get("batched", []):
             print(f"{v:12s}  {r['segments']:8d}  {r['tokens_per_s']:8.2f}  {r['speedup']:6.2f}x  "
                   f"{r['speedup_same_kernels']:11.2f}x  {r['decode_step_ms']:7.1f}")
-    report["speedup"] = {v: e["speedup"] for v, e in report["variants"].items()}
+    report["speedup"] = {v: e["speedup"] for v, e in report["variants"].items() if "speedup" in e}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
