@@ -1,0 +1,33 @@
+"""scripts/bench_engine.py end to end on the tiny presets: the benchmark runs, compares against chatterbox's
+own inference and writes the JSON the issue asks for (`speedup` per number of segments, time to first audio)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_bench_engine_runs_on_tiny_weights(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "--weights", "random-tiny", "--segments", "1", "2",
+         "--tokens", "6", "--sequential-segments", "2", "--ttfa-tokens", "60", "--threads", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for variant in ("english", "turbo"):
+        entry = report["variants"][variant]
+        assert set(report["speedup"][variant]) == {"1", "2"}
+        assert all(value > 0 for value in report["speedup"][variant].values())
+        assert [row["equal_to_reference"] for row in entry["batched"]] == ["1/1", "2/2"]  # seeded: same tokens
+        assert entry["batch_invariant_segments"] == "1/1"
+        ttfa = entry["time_to_first_audio"]
+        assert ttfa["first_chunk_tokens"] == 12 and ttfa["steps_to_first_chunk"] >= 19
+        assert 0 < ttfa["first_token_s"] < ttfa["first_chunk_s"]
