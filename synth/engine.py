@@ -90,8 +90,7 @@ class Engine(EngineLike):
         if self.is_llama:  # the learned text positions end somewhere too
             self.max_text_positions = min(self.max_text_positions, bundle.t3.text_pos_emb.emb.num_embeddings)
         log.info("KV cache: %d rows x %d positions, %.2f GB", max_rows, max_len, self.runner.cache.nbytes / 1e9)
-        self.align = config.alignment_analyzer
-        if self.align:
+        if config.alignment_analyzer:
             missing = alignment.missing_heads(self.runner.n_layers, self.runner.n_heads)
             if missing:
                 raise EngineError(f"this T3 ({self.runner.n_layers} layers x {self.runner.n_heads} heads) lacks the "
@@ -310,6 +309,8 @@ class Engine(EngineLike):
     def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem],
                        cond_items: list[int]) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The alignment analyzers' step on the guided logits of the segments that have one."""
+        if not self.config.alignment_analyzer:  # the usual case: nothing to look at in the step loop
+            return None
         runner = self.runner
         rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (row in `sampled`, state, text probs)
         for k, state in enumerate(plan.decode):
@@ -351,7 +352,7 @@ class Engine(EngineLike):
             items.append(PrefillItem(state.rows[1], prefix, prefix.cond_len + n_text, bos))
         state.prefix = prefix
         state.row_shift = (0, n_text)[:len(state.rows)]
-        if self.align:
+        if self.config.alignment_analyzer:
             state.aligner = alignment.new_analyzer(prefix.cond_len, n_text, self.runner.stop_speech_token)
         state.next_pos = n_text + bos.shape[0]
         seen = self._seen[state.rows[0]]
