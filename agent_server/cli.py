@@ -25,7 +25,7 @@ from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.hub import Hub
 from agent_server.logging import configure_logging
-from agent_server.settings import DTYPES, ENV_VARS, LOG_LEVELS, Settings
+from agent_server.settings import CPU_WEIGHTS, DTYPES, ENV_VARS, LOG_LEVELS, Settings
 from synth.api import VARIANTS
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5.0  # after our own drain, for whatever uvicorn still waits on
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--device", "device", "auto, cpu, cuda, cuda:N")
     add("--dtype", "dtype", "T3 weights dtype", choices=DTYPES)
+    add("--cpu-weights", "cpu_weights", "CPU with float32: bf16 stores T3's projection weights as bfloat16 "
+        "(rounded once, fp32 math; 2-3x faster decoding of one segment)", choices=CPU_WEIGHTS)
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
     add("--max-slots", "max_slots", "segments the engine generates at once", type=int)
     add(

@@ -12,6 +12,7 @@ from synth.api import VARIANTS, EngineConfig, Variant
 MIB = 1024 * 1024
 WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
 DTYPES = ("float32", "bfloat16", "float16")
+CPU_WEIGHTS = ("fp32", "bf16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 AUTH_MODES = ("auto", "on", "off")
 MAX_INACTIVITY_TIMEOUT_S = 180.0
@@ -26,6 +27,9 @@ class Settings:
     weights: str = "auto"  # auto | random-tiny | random-full | PATH (a checkpoint directory)
     device: str = "auto"
     dtype: str = "float32"
+    # CPU, float32 only: "bf16" stores T3's projection weights as bfloat16 (rounded once) and computes in fp32:
+    # one segment decodes 2-3x faster on a CPU (half the bytes streamed per step); see BENCHMARKS.md.
+    cpu_weights: str = "fp32"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
     max_slots: int = 16  # engine: segments generating at once
     # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
@@ -98,6 +102,8 @@ class Settings:
             raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.cpu_weights not in CPU_WEIGHTS:
+            raise ValueError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 < self.port < 65536):
@@ -130,6 +136,7 @@ class Settings:
             weights=self.weights,
             device=self.device,
             dtype=self.dtype,
+            cpu_weights=self.cpu_weights,
             max_slots=self.max_slots,
             alignment_analyzer=self.alignment_analyzer,
         )
@@ -147,6 +154,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "weights": ("AGENT_SERVER_WEIGHTS",),
     "device": ("AGENT_SERVER_DEVICE",),
     "dtype": ("AGENT_SERVER_DTYPE",),
+    "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
     "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from synth import default_voice
+from synth import default_voice, linear_bf16w
 from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant
 from synth.engine import Engine
 from synth.loading import ModelBundle, load_models
@@ -116,9 +116,10 @@ def run_batched(engine: Engine, n_segments: int, n_tokens: int, tag: str) -> tup
     return sum(len(t) for t in ordered) / elapsed, ordered, steady
 
 
-def time_to_first_audio(bundle: ModelBundle, n_tokens: int) -> dict[str, float]:
+def time_to_first_audio(bundle: ModelBundle, n_tokens: int, cpu_weights: str = "fp32") -> dict[str, float]:
     """One segment alone through the whole engine (T3 + streaming vocoder), after a warm-up segment."""
-    engine = Engine(bundle, EngineConfig(variant=bundle.variant, max_slots=1, max_context_tokens=1024))
+    engine = Engine(bundle, EngineConfig(variant=bundle.variant, max_slots=1, max_context_tokens=1024,
+                                         cpu_weights=cpu_weights))
     engine.voices.add(default_voice(bundle))
     engine.start()
     assert engine.wait_ready(600)
@@ -178,7 +179,8 @@ def throughput(bundle: ModelBundle, args: argparse.Namespace) -> dict[str, Any]:
     """Sequential reference (as shipped and on the engine's kernels) vs the engine at each batch size."""
     v = bundle.variant
     engine = Engine(bundle, EngineConfig(variant=v, max_slots=max(args.segments), dtype=args.dtype,
-                                         max_context_tokens=512, prefill_budget_segments=4),
+                                         max_context_tokens=512, prefill_budget_segments=4,
+                                         cpu_weights=args.cpu_weights),
                     render_audio=False)
     seq_tps, seq_tokens = sequential_reference(bundle, args.sequential_segments, args.tokens)
     print(f"   sequential T3.inference (as shipped): {seq_tps:.2f} tokens/s", flush=True)
@@ -229,6 +231,9 @@ def main() -> None:
     parser.add_argument("--ttfa-threads", type=int, default=1, help="torch threads for the time-to-first-audio run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cpu-weights", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: T3's projection weights rounded to bf16 and stored so (EngineConfig.cpu_weights); "
+                             "the sequential reference then runs chatterbox's inference on the same rounded model")
     parser.add_argument("--skip-ttfa", action="store_true")
     parser.add_argument("--ttfa-only", action="store_true", help="only the time-to-first-audio run")
     parser.add_argument("--weights", default="random-full", help="random-full (default) or random-tiny for a smoke run")
@@ -239,17 +244,21 @@ def main() -> None:
     report: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                           "torch": torch.__version__, "threads": args.threads,
                                           "ttfa_threads": args.ttfa_threads,
-                                          "device": args.device, "dtype": args.dtype},
+                                          "device": args.device, "dtype": args.dtype,
+                                          "cpu_weights": args.cpu_weights},
                               "tokens_per_segment": args.tokens, "variants": {}}
     for variant in args.variants:
         v: Variant = variant
         print(f"== {v}: loading weights ({args.weights})", flush=True)
         bundle = load_models(v, args.weights, args.device)
         bundle.t3.to(dtype=getattr(torch, args.dtype))  # the reference runs in the engine's dtype too
+        if args.cpu_weights == "bf16":  # the engines would do it when built; do it before anything runs on the model
+            changed = linear_bf16w.round_to_bf16_(projections(bundle.t3))
+            print(f"   cpu_weights=bf16: {changed} projection weights rounded to bf16 (reference and engine alike)")
         entry: dict[str, Any] = {} if args.ttfa_only else throughput(bundle, args)
         if not args.skip_ttfa:
             torch.set_num_threads(args.ttfa_threads)
-            entry["time_to_first_audio"] = time_to_first_audio(bundle, args.ttfa_tokens)
+            entry["time_to_first_audio"] = time_to_first_audio(bundle, args.ttfa_tokens, args.cpu_weights)
             torch.set_num_threads(args.threads)
             print(f"   time to first audio: {entry['time_to_first_audio']}", flush=True)
         report["variants"][v] = entry

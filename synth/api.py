@@ -221,6 +221,10 @@ class EngineConfig:
     weights: str = "auto"
     device: str = "auto"  # "auto" -> cuda if available else cpu
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16" (T3; S3Gen stays float32 on CPU)
+    # CPU only, with dtype float32: "bf16" stores T3's projection weights as bfloat16 (rounded once, in place) and
+    # runs them in fp32 on those exact values: half the bytes per decode step, so one segment decodes ~2-3x faster
+    # (BENCHMARKS.md). Lossy only in that rounding (an fp32 checkpoint's weights move by <= 2^-9 relative).
+    cpu_weights: str = "fp32"  # "fp32" | "bf16"
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
     # KV slot positions per row (text + BOS block + speech; the voice's conditioning is shared, not in the slot).

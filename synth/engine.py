@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from synth import alignment
+from synth import alignment, linear_bf16w
 from synth.cpu_threads import release_openmp_pool
 from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
@@ -30,7 +30,7 @@ from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
-from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner
+from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner, projections
 from synth.text import text_token_ids
 from synth.voices import Voice, VoiceRegistry, make_voice
 
@@ -84,7 +84,9 @@ class Engine(EngineLike):
         # a slot holds what follows the shared voice prefix: text, the BOS block, speech, one scratch position
         max_len = config.max_context_tokens or _round_up(
             MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1, KV_LEN_MULTIPLE)
-        self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype)
+        bf16_weights = self._round_weights_for(config)
+        self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype,
+                               bf16_weights=bf16_weights)
         # text tokens one segment may have: its slot keeps room for the BOS block and at least one speech token
         self.max_text_positions = self.runner.cache.usable_len - 4
         if self.is_llama:  # the learned text positions end somewhere too
@@ -157,6 +159,7 @@ class Engine(EngineLike):
         return {
             "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
             "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
+            "cpu_weights": self.config.cpu_weights,
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure,
@@ -612,6 +615,25 @@ class Engine(EngineLike):
         if self._seed_source is not None:
             return int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
         return int.from_bytes(os.urandom(8), "little") % (2**62)
+
+    def _round_weights_for(self, config: EngineConfig) -> bool:
+        """cpu_weights="bf16": round T3's projection weights to bf16 in place (once; the bundle's model then
+        holds the values the engine computes with, so chatterbox's own inference on it stays the reference)."""
+        if config.cpu_weights == "fp32":
+            return False
+        if config.cpu_weights != "bf16":
+            raise EngineError(f"cpu_weights must be 'fp32' or 'bf16', not {config.cpu_weights!r}")
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise EngineError("cpu_weights='bf16' is for the CPU with dtype float32 (on a GPU use dtype bfloat16)")
+        try:
+            linear_bf16w.available(raise_error=True)
+        except linear_bf16w.KernelUnavailable as exc:
+            raise EngineError(str(exc)) from exc
+        changed = linear_bf16w.round_to_bf16_(projections(self.bundle.t3))
+        if changed:
+            log.warning("cpu_weights=bf16: rounded %d T3 projection weights to bfloat16 (fp32 math on the rounded "
+                        "values; the model is no longer bit-identical to the checkpoint)", changed)
+        return True
 
     def _build_vocoder(self) -> Any:
         from synth.vocoder import StreamingVocoder

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 
+from synth.linear_bf16w import Bf16WeightLinears
 from synth.kv_cache import PrefixKV, SlotKVCache
 
 try:  # transformers >= 4.48 keeps it here
@@ -119,10 +120,15 @@ def projections(t3: T3) -> list[torch.nn.Module]:
 
 class T3Runner:
     def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
-                 packed_linears: bool = True) -> None:
+                 packed_linears: bool = True, bf16_weights: bool = False) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
-        use_packed = packed_linears and PackedLinears.available(device, dtype)
-        self.linears = PackedLinears(projections(t3)) if use_packed else None
+        self.linears: PackedLinears | Bf16WeightLinears | None = None
+        if bf16_weights:  # the caller rounded the projections (linear_bf16w.round_to_bf16_)
+            if device.type != "cpu" or dtype != torch.float32:
+                raise ValueError("bf16-stored weights are a CPU fp32 mode (on a GPU, use dtype bfloat16)")
+            self.linears = Bf16WeightLinears(projections(t3))
+        elif packed_linears and PackedLinears.available(device, dtype):
+            self.linears = PackedLinears(projections(t3))
         self.is_gpt = bool(t3.is_gpt)
         self.device = device
         self.dtype = dtype

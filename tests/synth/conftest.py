@@ -85,11 +85,14 @@ class Collector:
             time.sleep(0.002)
 
 
-def make_engine(variant: Variant, *, render_audio: bool, max_slots: int = 4, **overrides: object) -> Engine:
+def make_engine(variant: Variant, *, render_audio: bool, max_slots: int = 4, bundle: ModelBundle | None = None,
+                **overrides: object) -> Engine:
+    """An engine on the shared tiny bundle, or on `bundle` (an engine with cpu_weights="bf16" rounds its
+    bundle's weights in place, so give it one of its own)."""
     config = EngineConfig(variant=variant, weights="random-tiny", device=TEST_DEVICE, max_slots=max_slots,
                           max_context_tokens=overrides.pop("max_context_tokens", 1024),  # type: ignore[arg-type]
                           **overrides)  # type: ignore[arg-type]
-    engine = Engine(tiny_bundle(variant), config, render_audio=render_audio)
+    engine = Engine(bundle or tiny_bundle(variant), config, render_audio=render_audio)
     return engine
 
 

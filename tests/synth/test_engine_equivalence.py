@@ -19,7 +19,9 @@ from synth.api import EventKind, SamplingParams, SegmentRequest, Variant
 from synth.engine import Engine
 from synth.text import text_token_ids
 
-from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
+from synth.loading import random_bundle
+
+from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, synthetic_voice, tiny_bundle
 
 
 @dataclass(frozen=True)
@@ -111,11 +113,21 @@ def _run_schedule(engine: Engine, collector: Collector, cases: list[Case], sched
             collector.wait_done([case.request_id])
 
 
-@pytest.fixture(scope="module", params=["english", "turbo", "multilingual"])
+# cpu_weights="bf16": the engine rounds T3's projections to bf16 and runs its own kernel (synth/linear_bf16w.c)
+# on them; the reference is chatterbox's inference on the same, rounded, model (a bundle of its own).
+SETUPS = [("english", "fp32"), ("turbo", "fp32"), ("multilingual", "fp32")]
+if TEST_DEVICE == "cpu":
+    SETUPS += [("english", "bf16"), ("turbo", "bf16")]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{v}-{w}" for v, w in SETUPS])
 def variant_setup(request: pytest.FixtureRequest):  # noqa: ANN201
-    variant: Variant = request.param
-    engine = make_engine(variant, render_audio=False, max_slots=4)
-    bundle = tiny_bundle(variant)
+    variant: Variant
+    variant, cpu_weights = request.param
+    bundle = tiny_bundle(variant) if cpu_weights == "fp32" else random_bundle(variant, "tiny", torch.device("cpu"))
+    engine = make_engine(variant, render_audio=False, max_slots=4, bundle=bundle, cpu_weights=cpu_weights)
+    if cpu_weights == "bf16":
+        assert engine.runner.linears.__class__.__name__ == "Bf16WeightLinears"
     for i in range(3):
         engine.voices.add(synthetic_voice(bundle, f"v{i}", seed=i))
     cases = _cases(variant)
