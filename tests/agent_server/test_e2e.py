@@ -578,6 +578,11 @@ def test_settings_from_flags_and_environment() -> None:
     assert settings_from([], {"AGENT_SERVER_VARIANT": "multilingual",
                               "AGENT_SERVER_ALIGNMENT_ANALYZER": "on"}).alignment_analyzer is True
     assert settings_from([], {}).engine_config().alignment_analyzer is False
+    assert settings_from(["--cpu-weights", "bf16"], {}).engine_config().cpu_weights == "bf16"
+    assert settings_from([], {"AGENT_SERVER_CPU_WEIGHTS": "bf16"}).cpu_weights == "bf16"
+    assert settings_from([], {}).engine_config().cpu_weights == "fp32"
+    with pytest.raises(SystemExit):
+        settings_from(["--cpu-weights", "int4"], {})
     with pytest.raises(SystemExit):  # the analyzer reads the multilingual model's heads only
         settings_from(["--alignment-analyzer"], {})
     with pytest.raises(SystemExit):

@@ -31,3 +31,22 @@ def test_bench_engine_runs_on_tiny_weights(tmp_path: Path) -> None:
         ttfa = entry["time_to_first_audio"]
         assert ttfa["first_chunk_tokens"] == 12 and ttfa["steps_to_first_chunk"] >= 19
         assert 0 < ttfa["first_token_s"] < ttfa["first_chunk_s"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_engine_with_bf16_weights(tmp_path: Path) -> None:
+    """--cpu-weights bf16: the reference runs on the same rounded model, so the seeded tokens still agree."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "--weights", "random-tiny", "--variants", "turbo", "english",
+         "--segments", "1", "3", "--tokens", "8", "--sequential-segments", "3", "--skip-ttfa", "--threads", "1",
+         "--cpu-weights", "bf16", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "projection weights rounded to bf16" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu_weights"] == "bf16"
+    for variant in ("turbo", "english"):
+        entry = report["variants"][variant]
+        assert [row["equal_to_reference"] for row in entry["batched"]] == ["1/1", "3/3"]
+        assert entry["batch_invariant_segments"] == "1/1"
