@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +34,8 @@ def test_bench_engine_runs_on_tiny_weights(tmp_path: Path) -> None:
         assert 0 < ttfa["first_token_s"] < ttfa["first_chunk_s"]
 
 
+@pytest.mark.skipif("AVX512" not in torch.backends.cpu.get_cpu_capability(),
+                    reason="--cpu-weights bf16 needs an AVX-512 CPU")
 @pytest.mark.timeout(600)
 def test_bench_engine_with_bf16_weights(tmp_path: Path) -> None:
     """--cpu-weights bf16: the reference runs on the same rounded model, so the seeded tokens still agree."""

@@ -11,6 +11,11 @@ from synth.api import EngineConfig, EngineError
 from synth.engine import Engine
 from synth.loading import random_bundle
 
+# The kernel is built for AVX-512 CPUs only (elsewhere the engine refuses cpu_weights="bf16" with a clear
+# error, which test_refused_without_avx512 checks on every machine).
+HAS_AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="the bf16-weight kernel needs an AVX-512 CPU")
+
 SHAPES = [(1024, 200), (300, 130), (64, 64), (17, 5), (2048, 1)]  # (in K, out N): ragged blocks, odd K
 
 
@@ -20,6 +25,7 @@ def _case(k: int, n: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(rows, k, generator=g), weight, torch.randn(n, generator=g)
 
 
+@needs_avx512
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_matches_float64_within_the_fp32_summation_bound(k: int, n: int) -> None:
     x, weight, bias = _case(k, n, 9, seed=k + n)
@@ -34,6 +40,7 @@ def test_matches_float64_within_the_fp32_summation_bound(k: int, n: int) -> None
     assert (got - exact).abs().max() < 1e-3 * exact.abs().max()
 
 
+@needs_avx512
 @pytest.mark.parametrize("k,n", SHAPES[:3])
 def test_a_rows_result_does_not_depend_on_the_other_rows(k: int, n: int) -> None:
     x, weight, bias = _case(k, n, 40, seed=7)
@@ -44,6 +51,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(k: int, n: int) -> None
         assert torch.equal(part, full[start:stop]), (start, stop)
 
 
+@needs_avx512
 def test_threads_strides_and_bias_do_not_change_the_arithmetic() -> None:
     k, n = 256, 150
     x, weight, bias = _case(k, n, 5, seed=3)
@@ -68,6 +76,7 @@ def test_threads_strides_and_bias_do_not_change_the_arithmetic() -> None:
     assert linear_bf16w.linear(torch.empty(0, k), packed, n, bias).shape == (0, n)
 
 
+@needs_avx512
 def test_round_to_bf16_is_idempotent_and_required() -> None:
     layer = torch.nn.Linear(40, 30)
     with pytest.raises(ValueError, match="round_to_bf16_"):
@@ -82,6 +91,7 @@ def test_round_to_bf16_is_idempotent_and_required() -> None:
     assert linears.nbytes == 64 * 40 * 2  # 30 outputs padded to one block of 64, bf16
 
 
+@needs_avx512
 def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setenv("AGENT_SERVER_KERNEL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -104,3 +114,18 @@ def test_engine_refuses_bf16_weights_where_they_do_not_apply() -> None:
     with pytest.raises(EngineError, match="dtype float32"):
         Engine(bundle, EngineConfig(variant="turbo", weights="random-tiny", device="cpu", dtype="bfloat16",
                                     cpu_weights="bf16", max_slots=1, max_context_tokens=256), render_audio=False)
+
+
+def test_refused_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    linear_bf16w._library.cache_clear()
+    try:
+        with pytest.raises(linear_bf16w.KernelUnavailable, match="needs an AVX-512 CPU"):
+            linear_bf16w.available(raise_error=True)
+        bundle = random_bundle("turbo", "tiny", torch.device("cpu"))
+        with pytest.raises(EngineError, match="AVX-512"):
+            Engine(bundle, EngineConfig(variant="turbo", weights="random-tiny", device="cpu", cpu_weights="bf16",
+                                        max_slots=1, max_context_tokens=256), render_audio=False)
+    finally:
+        monkeypatch.undo()
+        linear_bf16w._library.cache_clear()
