@@ -65,8 +65,9 @@ def component_timer(vocoder: StreamingVocoder) -> Iterator[dict[str, float]]:
                 totals[name] += (time.perf_counter() - t0) * 1e3
         return wrapper
 
-    originals = {"_encode": vocoder._encode, "_solve": vocoder._solve, "vocode": vocoder.vocode}
-    names = {"_encode": "encoder_ms", "_solve": "decoder_ms", "vocode": "hift_ms"}
+    originals = {"_encode": vocoder._encode, "_encode_window": vocoder._encode_window, "_solve": vocoder._solve,
+                 "vocode": vocoder.vocode}
+    names = {"_encode": "encoder_ms", "_encode_window": "encoder_ms", "_solve": "decoder_ms", "vocode": "hift_ms"}
     for attr, fn in originals.items():
         setattr(vocoder, attr, timed(names[attr], fn))
     try:

@@ -9,13 +9,15 @@ absolute frame, so overlapping renders start from the same noise. The new mel fr
 (mel -> waveform) after the last few mel frames of the previous call, whose sine-source excitation is carried
 over; the waveform of those re-rendered frames is crossfaded with the tail held back last time.
 
-Prompt cache (`cache_prompt=True`, the default): the voice prompt's decoder activations (attention keys and
-values, causal-conv tails, at every Euler step) are computed once per voice, and each render then runs the
-decoder on the window's frames only. That requires that prompt frames not attend to the frames after them,
-which the library's full attention does (a prefix mask, as the chunk-causal mask of CosyVoice2 streaming does
-for a prompt that ends on a chunk boundary); the prompt's encoder output is likewise computed from the prompt
-alone. With `cache_prompt=False` every render runs the library's exact one-shot semantics on
-[prompt | window] (and pays for the prompt's frames each time).
+Prompt cache (`cache_prompt=True`, the default): the voice prompt's activations are computed once per voice,
+in the encoder (every layer's attention keys and values, the conv inputs at the prompt's end:
+`synth/flow_encoder.py`) and in the decoder (attention keys and values and causal-conv tails at every Euler
+step), and each render then runs both on the window's positions only, so no chunk re-processes the prompt.
+That requires that prompt positions not attend to the positions after them, which the library's full
+attention lets them do: the cache uses a prefix mask instead (as the chunk-causal mask of CosyVoice2 streaming
+does for a prompt that ends on a chunk boundary), i.e. the prompt is encoded and denoised as if alone. With
+`cache_prompt=False` every render runs the library's exact one-shot semantics on [prompt | window] (and pays
+for the prompt's positions each time).
 
 The library's own modules do the work (`flow.input_embedding`, `flow.encoder`, `flow.encoder_proj`,
 `flow.decoder.estimator`, `s3gen.hift_inference`); this module only calls them on windows, taps the
@@ -62,6 +64,8 @@ from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
 from chatterbox.models.s3gen.decoder import CausalConv1d
 from diffusers.models.attention_processor import Attention
 
+from synth.flow_encoder import EncoderPrefix, PrefixCachedEncoder
+
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = S3GEN_SR  # 24 kHz mono out
@@ -76,8 +80,9 @@ LOOKAHEAD_TOKENS = 3  # the encoder's pre-lookahead conv reads 3 tokens ahead (f
 # Prompt: the last 100 tokens (4 s, 200 mel frames) of the reference. 4 s is within the 3-10 s prompts
 # S3Gen/CosyVoice zero-shot voices use (the speaker x-vector still comes from the whole reference). Uncached,
 # every render pays for these frames (time to first chunk is linear in them: scripts/bench_vocoder.py);
-# cached, the prompt costs memory instead: per prompt frame, steps x CFG rows x attention layers x (K, V),
-# i.e. 4.6 MB (English, fp32) or 0.46 MB (Turbo), so 0.9 GB / 92 MB per voice at 100 tokens.
+# cached, the prompt costs memory instead: per prompt frame, steps x CFG rows x attention layers x (K, V)
+# in the decoder, i.e. 4.6 MB (English, fp32) or 0.46 MB (Turbo), so 0.9 GB / 92 MB per voice at 100
+# tokens, plus 5.8 MB for the encoder's keys/values.
 DEFAULT_PROMPT_MAX_TOKENS = 100
 # Tokens before the new ones that are re-rendered as context (1 s); bounds a window at
 # 25 + chunk + 3 tokens (plus the prompt when uncached) whatever the utterance length.
@@ -88,6 +93,7 @@ DEFAULT_LEFT_CONTEXT_TOKENS = 25
 DEFAULT_CROSSFADE_MEL_FRAMES = 8
 DEFAULT_PROMPT_CACHE_BYTES = 2 * 2**30  # LRU budget for prompt caches (a voice's is rebuilt when evicted)
 PROMPT_NOISE_SEED = 0  # the prompt region's flow noise is fixed per voice (not per stream)
+MIN_CACHED_PROMPT_TOKENS = 2  # the encoder's convs read 2 prompt tokens across the boundary; shorter: uncached
 NOISE_BLOCK_FRAMES = 64  # stream noise is drawn block by block, so frame f's noise depends on (seed, f) only
 
 _voice_keys = itertools.count()
@@ -155,6 +161,7 @@ class StreamingVocoder:
         self._fade_in = torch.from_numpy(fade_in_np).to(self.device, self.dtype)  # [crossfade samples]
         self._trim_fade = s3gen.trim_fade.to(self.device, self.dtype)  # [960]: 20 ms of silence, 20 ms rise
         self._tap = _EstimatorTap(flow.decoder.estimator)
+        self._encoder = PrefixCachedEncoder(flow) if cache_prompt else None
         self._prompt_caches: OrderedDict[int, _PromptCache] = OrderedDict()  # voice key -> cache, LRU order
 
     @property
@@ -216,13 +223,13 @@ class StreamingVocoder:
         assert noise.shape == (1, MEL_BINS, window_frames), noise.shape
         noise = noise.to(self.device, self.dtype)
         window = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, W]
-        mu = self._encode(torch.cat([voice.prompt_tokens, window], dim=1))  # [1, 80, 2 (P + W)]
-        mu = mu[:, :, :voice.prompt_frames + window_frames]  # without the lookahead frames (finalize=False)
         cache = self._prompt_cache(voice)
         if cache is not None:
-            mel = self._solve(noise, mu[:, :, voice.prompt_frames:], torch.zeros_like(noise), voice.speaker,
-                              cache)  # [1, 80, window frames]
+            mu = self._encode_window(cache.encoder, window)[:, :, :window_frames]  # [1, 80, window frames]
+            mel = self._solve(noise, mu, torch.zeros_like(noise), voice.speaker, cache)  # [1, 80, window frames]
         else:
+            mu = self._encode(torch.cat([voice.prompt_tokens, window], dim=1))  # [1, 80, 2 (P + W)]
+            mu = mu[:, :, :voice.prompt_frames + window_frames]  # without the lookahead frames (finalize=False)
             x = torch.cat([voice.prompt_noise, noise], dim=2)  # [1, 80, P + window frames]
             cond = F.pad(voice.prompt_mels, (0, window_frames))  # [1, 80, P + window frames]
             mel = self._solve(x, mu, cond, voice.speaker)[:, :, voice.prompt_frames:]
@@ -240,6 +247,11 @@ class StreamingVocoder:
         lengths = torch.tensor([tokens.shape[1]], device=self.device)  # [1]
         h, _ = flow.encoder(flow.input_embedding(tokens), lengths)  # [1, 2N, 512]
         return flow.encoder_proj(h).transpose(1, 2).contiguous()  # [1, 80, 2N]
+
+    def _encode_window(self, prefix: EncoderPrefix, window: torch.Tensor) -> torch.Tensor:
+        """window [1, W] after the cached prompt -> mu [1, 80, 2W]."""
+        assert self._encoder is not None
+        return self._encoder.encode_window(prefix, window)
 
     def _solve(self, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, speaker: torch.Tensor,
                prompt_cache: "_PromptCache | None" = None, record: bool = False) -> torch.Tensor:
@@ -275,16 +287,16 @@ class StreamingVocoder:
 
     def _prompt_cache(self, voice: VocoderVoice) -> "_PromptCache | None":
         """The voice's prompt activations (LRU within `prompt_cache_bytes`; rebuilt identically on a miss)."""
-        if not self.cache_prompt or voice.prompt_frames == 0:
+        if self._encoder is None or voice.prompt_token_count < MIN_CACHED_PROMPT_TOKENS:
             return None
         cache = self._prompt_caches.get(voice.key)
         if cache is not None:
             self._prompt_caches.move_to_end(voice.key)
             return cache
         with torch.inference_mode():
-            cache = _PromptCache.empty(self.n_cfm_timesteps, self._tap)
-            mu = self._encode(voice.prompt_tokens)  # [1, 80, P]: the prompt encoded alone
-            self._solve(voice.prompt_noise, mu, voice.prompt_mels, voice.speaker, cache, record=True)
+            encoder = self._encoder.encode_prefix(voice.prompt_tokens)  # the prompt encoded alone
+            cache = _PromptCache.empty(self.n_cfm_timesteps, self._tap, encoder)
+            self._solve(voice.prompt_noise, encoder.mu, voice.prompt_mels, voice.speaker, cache, record=True)
         cache.seal()
         self._prompt_caches[voice.key] = cache
         while len(self._prompt_caches) > 1 and self.prompt_cache_nbytes > self.prompt_cache_bytes:
@@ -411,16 +423,18 @@ class _TapMode(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class _PromptCache:
-    """A prompt's decoder activations at every Euler step; read-only once sealed."""
+    """A prompt's encoder state and decoder activations at every Euler step; read-only once sealed."""
 
     keys: list[list[torch.Tensor | None]]  # [step][attention layer] -> [rows, P, inner]
     values: list[list[torch.Tensor | None]]  # [step][attention layer] -> [rows, P, inner]
     conv_tails: list[list[torch.Tensor | None]]  # [step][causal conv] -> [rows, C_in, kernel - 1]
+    encoder: EncoderPrefix  # the prompt's encoder state (synth/flow_encoder.py)
     nbytes: int = 0
 
     @staticmethod
-    def empty(steps: int, tap: "_EstimatorTap") -> "_PromptCache":
+    def empty(steps: int, tap: "_EstimatorTap", encoder: EncoderPrefix) -> "_PromptCache":
         return _PromptCache(
+            encoder=encoder,
             keys=[[None] * len(tap.attentions) for _ in range(steps)],
             values=[[None] * len(tap.attentions) for _ in range(steps)],
             conv_tails=[[None] * len(tap.convs) for _ in range(steps)],
@@ -429,7 +443,7 @@ class _PromptCache:
     def seal(self) -> None:
         tensors = [t for table in (self.keys, self.values, self.conv_tails) for row in table for t in row]
         assert all(t is not None for t in tensors), "prompt cache incomplete"
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        self.nbytes = self.encoder.nbytes + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class _EstimatorTap:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from chatterbox.models.s3gen import S3Gen
+from chatterbox.models.s3gen.transformer import upsample_encoder
 
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import (SAMPLES_PER_TOKEN, SILENCE_TOKEN, StreamingVocoder, VocoderStream,
@@ -268,11 +271,73 @@ def test_uncached_render_is_the_library_flow(tiny: Setup) -> None:
     torch.testing.assert_close(ours, library, rtol=1e-5, atol=1e-5)
 
 
-def test_prompt_cache_is_exact(tiny: Setup) -> None:
-    """The cached render equals a render of [prompt | window] in which prompt frames see only the prompt.
+@contextlib.contextmanager
+def library_encoder_with_prompt_alone(flow: torch.nn.Module, prompt: torch.Tensor) -> Iterator[None]:
+    """The library's own encoder, run on [prompt | window], with prompt positions seeing only the prompt.
 
-    With the estimator's static_chunk_size set to the prompt length, the library's own chunk mask is exactly
-    that prefix mask (for a window no longer than the prompt), and its causal convs see the prompt's tail.
+    Its attention masks are replaced by a prefix mask (prompt positions see the prompt; the window sees
+    everything), and the pre-lookahead conv's outputs at prompt positions by those of the prompt alone (where
+    the conv reads zeros past the prompt's end instead of the window's first tokens).
+    """
+    encoder = flow.encoder
+    prompt_tokens = prompt.shape[1]
+    with torch.inference_mode():
+        embedded, _, _ = encoder.embed(flow.input_embedding(prompt), torch.ones(1, 1, prompt_tokens, dtype=torch.bool))
+        prompt_alone = encoder.pre_lookahead_layer(embedded)  # [1, P, 512]
+    calls: list[int] = []
+
+    def prefix_mask(xs: torch.Tensor, *_: object) -> torch.Tensor:
+        positions = xs.shape[1]
+        calls.append(positions)
+        prefix = prompt_tokens * (1 if len(calls) == 1 else 2)  # token rate, then frame rate
+        mask = torch.ones(1, positions, positions, dtype=torch.bool)
+        mask[:, :prefix, prefix:] = False
+        return mask
+
+    def prompt_positions_alone(_module: torch.nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+        return torch.cat([prompt_alone, out[:, prompt_tokens:]], dim=1)
+
+    original = upsample_encoder.add_optional_chunk_mask
+    handle = encoder.pre_lookahead_layer.register_forward_hook(prompt_positions_alone)
+    upsample_encoder.add_optional_chunk_mask = prefix_mask
+    try:
+        yield
+    finally:
+        upsample_encoder.add_optional_chunk_mask = original
+        handle.remove()
+    assert len(calls) == 2
+
+
+def prompt_alone_mu(vocoder: StreamingVocoder, voice: VocoderVoice, window: list[int]) -> torch.Tensor:
+    """mu [1, 80, 2W] of the window after the prompt, by the library's encoder under the prompt-alone mask."""
+    flow = vocoder.s3gen.flow
+    with library_encoder_with_prompt_alone(flow, voice.prompt_tokens):
+        mu = vocoder._encode(torch.cat([voice.prompt_tokens, torch.tensor([window])], dim=1))
+    return mu[:, :, voice.prompt_frames:]
+
+
+@pytest.mark.parametrize("window_tokens", [1, 19, 52, 124])  # up to longer than the prompt (50)
+def test_encoder_prefix_cache_is_the_library_encoder_with_the_prompt_alone(tiny: Setup, window_tokens: int) -> None:
+    """A window encoded after the cached prompt equals the library's encoder on [prompt | window] in which
+    prompt positions see only the prompt; and it is not the unmasked encoding (the mask does something)."""
+    vocoder, voice = tiny.vocoder, tiny.voice
+    window = utterance(window_tokens, seed=window_tokens)
+    cached = vocoder._encode_window(vocoder._prompt_cache(voice).encoder, torch.tensor([window]))
+    reference = prompt_alone_mu(vocoder, voice, window)
+    assert cached.shape == reference.shape == (1, 80, 2 * window_tokens)
+    torch.testing.assert_close(cached, reference, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        unmasked = vocoder._encode(torch.cat([voice.prompt_tokens, torch.tensor([window])], dim=1))
+    assert not torch.allclose(unmasked[:, :, voice.prompt_frames:], reference, atol=1e-3)
+    torch.testing.assert_close(vocoder._prompt_cache(voice).encoder.mu, vocoder._encode(voice.prompt_tokens))
+
+
+def test_prompt_cache_is_exact(tiny: Setup) -> None:
+    """The cached render equals a render of [prompt | window] in which prompt positions see only the prompt.
+
+    Encoder: the library's encoder under the prompt-alone mask (above). Decoder: with the estimator's
+    static_chunk_size set to the prompt length, the library's own chunk mask is exactly that prefix mask (for
+    a window no longer than the prompt), and its causal convs see the prompt's tail.
     """
     vocoder, voice = tiny.vocoder, tiny.voice
     window = utterance(30)
@@ -281,8 +346,7 @@ def test_prompt_cache_is_exact(tiny: Setup) -> None:
     estimator = tiny.s3gen.flow.decoder.estimator
     with torch.inference_mode():
         prompt_mu = vocoder._encode(voice.prompt_tokens)
-        window_mu = vocoder._encode(torch.cat([voice.prompt_tokens, torch.tensor([window])], dim=1))
-        mu = torch.cat([prompt_mu, window_mu[:, :, voice.prompt_frames:]], dim=2)
+        mu = torch.cat([prompt_mu, prompt_alone_mu(vocoder, voice, window)], dim=2)
         x = torch.cat([voice.prompt_noise, noise], dim=2)
         cond = F.pad(voice.prompt_mels, (0, 60))
         estimator.static_chunk_size = voice.prompt_frames
