@@ -38,6 +38,7 @@ from chatterbox.models.s3gen.transformer.upsample_encoder import UpsampleConform
 # left-padded) reads 4 frames = 2 tokens back.
 PRE_LOOKAHEAD_CONTEXT_TOKENS = 2
 UPSAMPLE_CONTEXT_TOKENS = 2
+MIN_PREFIX_TOKENS = max(PRE_LOOKAHEAD_CONTEXT_TOKENS, UPSAMPLE_CONTEXT_TOKENS)  # shorter prompts: no cache
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -82,8 +83,9 @@ class PrefixCachedEncoder:
     @torch.inference_mode()
     def encode_prefix(self, tokens: torch.Tensor) -> EncoderPrefix:
         """tokens [1, P] (P >= 2): the library's encoder on the prompt alone, with what windows need kept."""
-        if tokens.shape[0] != 1 or tokens.shape[1] < max(PRE_LOOKAHEAD_CONTEXT_TOKENS, UPSAMPLE_CONTEXT_TOKENS):
-            raise ValueError(f"a cached prompt needs batch 1 and >= 2 tokens, got {tuple(tokens.shape)}")
+        if tokens.shape[0] != 1 or tokens.shape[1] < MIN_PREFIX_TOKENS:
+            raise ValueError(f"a cached prompt needs batch 1 and >= {MIN_PREFIX_TOKENS} tokens, "
+                             f"got {tuple(tokens.shape)}")
         encoder = self.encoder
         captured: dict[str, torch.Tensor] = {}
         layer_kv: list[torch.Tensor] = []

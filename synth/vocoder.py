@@ -64,7 +64,7 @@ from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
 from chatterbox.models.s3gen.decoder import CausalConv1d
 from diffusers.models.attention_processor import Attention
 
-from synth.flow_encoder import EncoderPrefix, PrefixCachedEncoder
+from synth.flow_encoder import MIN_PREFIX_TOKENS, EncoderPrefix, PrefixCachedEncoder
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,6 @@ DEFAULT_LEFT_CONTEXT_TOKENS = 25
 DEFAULT_CROSSFADE_MEL_FRAMES = 8
 DEFAULT_PROMPT_CACHE_BYTES = 2 * 2**30  # LRU budget for prompt caches (a voice's is rebuilt when evicted)
 PROMPT_NOISE_SEED = 0  # the prompt region's flow noise is fixed per voice (not per stream)
-MIN_CACHED_PROMPT_TOKENS = 2  # the encoder's convs read 2 prompt tokens across the boundary; shorter: uncached
 NOISE_BLOCK_FRAMES = 64  # stream noise is drawn block by block, so frame f's noise depends on (seed, f) only
 
 _voice_keys = itertools.count()
@@ -287,7 +286,7 @@ class StreamingVocoder:
 
     def _prompt_cache(self, voice: VocoderVoice) -> "_PromptCache | None":
         """The voice's prompt activations (LRU within `prompt_cache_bytes`; rebuilt identically on a miss)."""
-        if self._encoder is None or voice.prompt_token_count < MIN_CACHED_PROMPT_TOKENS:
+        if self._encoder is None or voice.prompt_token_count < MIN_PREFIX_TOKENS:
             return None
         cache = self._prompt_caches.get(voice.key)
         if cache is not None:

@@ -383,3 +383,14 @@ def test_tiny_s3gen_is_the_library_class_deterministic_and_works(tiny: Setup) ->
     mel = s3gen.flow_inference(tokens, ref_dict=tiny.ref_dict, finalize=True)
     assert mel.shape == (1, 80, 50)
     assert s3gen.hift_inference(mel)[0].shape == (1, 25 * SAMPLES_PER_TOKEN)
+
+
+def test_one_token_prompt_renders_uncached(tiny: Setup) -> None:
+    """A prompt too short for the encoder's cross-boundary convs is not cached; it still renders."""
+    short = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                             append_silence_tokens=tiny.silence, prompt_max_tokens=1)
+    voice = short.prepare_voice(tiny.ref_dict)
+    assert voice.prompt_token_count == 1 and short._prompt_cache(voice) is None and short.prompt_cache_nbytes == 0
+    s = short.open(voice, seed=7)
+    pcm, n_tokens = s.push(utterance(20), final=True)
+    assert n_tokens == 20 + tiny.silence and np.isfinite(pcm).all()
