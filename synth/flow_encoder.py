@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,11 @@ class EncoderPrefix:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.mu, self.embedded_tail, self.hidden_tail, *self.layer_kv)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return nbytes_of((self.mu, self.embedded_tail, self.hidden_tail, *self.layer_kv))
+
+
+def nbytes_of(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class PrefixCachedEncoder:

@@ -64,7 +64,7 @@ from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
 from chatterbox.models.s3gen.decoder import CausalConv1d
 from diffusers.models.attention_processor import Attention
 
-from synth.flow_encoder import MIN_PREFIX_TOKENS, EncoderPrefix, PrefixCachedEncoder
+from synth.flow_encoder import MIN_PREFIX_TOKENS, EncoderPrefix, PrefixCachedEncoder, nbytes_of
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,6 @@ class StreamingVocoder:
         self.prompt_max_tokens = prompt_max_tokens
         self.left_context_tokens = left_context_tokens
         self.crossfade_mel_frames = crossfade_mel_frames
-        self.cache_prompt = cache_prompt
         self.prompt_cache_bytes = prompt_cache_bytes
         param = next(flow.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -162,6 +161,10 @@ class StreamingVocoder:
         self._tap = _EstimatorTap(flow.decoder.estimator)
         self._encoder = PrefixCachedEncoder(flow) if cache_prompt else None
         self._prompt_caches: OrderedDict[int, _PromptCache] = OrderedDict()  # voice key -> cache, LRU order
+
+    @property
+    def cache_prompt(self) -> bool:
+        return self._encoder is not None
 
     @property
     def latency_tokens(self) -> int:
@@ -442,7 +445,7 @@ class _PromptCache:
     def seal(self) -> None:
         tensors = [t for table in (self.keys, self.values, self.conv_tails) for row in table for t in row]
         assert all(t is not None for t in tensors), "prompt cache incomplete"
-        self.nbytes = self.encoder.nbytes + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        self.nbytes = self.encoder.nbytes + nbytes_of(tensors)
 
 
 class _EstimatorTap:
