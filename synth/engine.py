@@ -108,8 +108,9 @@ class Engine(EngineLike):
         vocab = bundle.t3.hp.speech_tokens_dict_size
         # seen[row]: ids that count for the repetition penalty of the segment whose cond row is `row`
         self._seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=self.device)
-        self._prefixes: OrderedDict[tuple[int, float], PrefixKV] = OrderedDict()
-        self._vocoder_voices: OrderedDict[int, Any] = OrderedDict()
+        # keyed by Voice.key (a content hash), never by id(): a freed voice's address is reused at once
+        self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
+        self._vocoder_voices: OrderedDict[str, Any] = OrderedDict()
         self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
         self._live: dict[str, SegmentState] = {}  # request_id -> state, engine thread only
         self._emit_lock = threading.Lock()
@@ -365,7 +366,7 @@ class Engine(EngineLike):
         return items
 
     def _prefix_for(self, voice: Voice, exaggeration: float) -> PrefixKV:
-        key = (id(voice), float(exaggeration) if self.is_llama else 0.0)
+        key = (voice.key, float(exaggeration) if self.is_llama else 0.0)
         prefix = self._prefixes.get(key)
         if prefix is None:
             cond = voice.t3_cond(exaggeration, self.device)
@@ -511,7 +512,7 @@ class Engine(EngineLike):
         return pcm.size / OUTPUT_SAMPLE_RATE_HZ
 
     def _vocoder_voice(self, voice: Voice) -> Any:
-        key = id(voice)
+        key = voice.key
         prepared = self._vocoder_voices.get(key)
         if prepared is None:
             prepared = self.vocoder.prepare_voice(voice.s3gen_ref)

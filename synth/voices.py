@@ -6,9 +6,10 @@ step, using the library's own S3 tokenizer, CAMPPlus x-vector, mel extractor and
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import librosa
@@ -34,11 +35,38 @@ class Voice:
     prompt_speech_tokens: torch.Tensor | None  # [1, P] S3 tokens of the reference (T3 conditioning prompt)
     s3gen_ref: dict[str, Any]  # S3Gen.embed_ref output: prompt_token, prompt_token_len, prompt_feat, ..., embedding
     builtin: bool = False
+    # SHA-256 of the conditioning (not of the id): what the engine's per-voice caches are keyed by, so a voice
+    # removed and re-added under the same id with another clip never reuses the old voice's prefix or prompt.
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = conditioning_key(self.speaker_emb, self.prompt_speech_tokens, self.s3gen_ref)
 
     def t3_cond(self, exaggeration: float, device: torch.device) -> T3Cond:
         """A fresh T3Cond (T3.prepare_conditioning writes into the object it is given)."""
         return T3Cond(speaker_emb=self.speaker_emb, cond_prompt_speech_tokens=self.prompt_speech_tokens,
                       emotion_adv=exaggeration * torch.ones(1, 1, 1)).to(device=device)
+
+
+def conditioning_key(speaker_emb: torch.Tensor, prompt_speech_tokens: torch.Tensor | None,
+                     s3gen_ref: dict[str, Any]) -> str:
+    """Content hash of a voice's conditioning: equal conditioning, equal key; anything else differs."""
+    digest = hashlib.sha256()
+
+    def add(name: str, value: object) -> None:
+        digest.update(name.encode() + b"\0")
+        if torch.is_tensor(value):
+            tensor = value.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{tensor.dtype}{tuple(value.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        else:
+            digest.update(repr(value).encode())
+
+    add("speaker_emb", speaker_emb)
+    add("prompt_speech_tokens", prompt_speech_tokens)
+    for name in sorted(s3gen_ref):
+        add(f"s3gen.{name}", s3gen_ref[name])
+    return digest.hexdigest()
 
 
 def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device) -> Voice:

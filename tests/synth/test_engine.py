@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from synth.api import (SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams,
                        SegmentRequest)
@@ -187,3 +189,62 @@ def test_derived_kv_length_fits_the_longest_segment() -> None:
         assert eng.runner.cache.usable_len >= MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS
         assert eng.max_text_positions >= MAX_SEGMENT_TEXT_TOKENS
         assert eng.runner.cache.max_len % 64 == 0
+
+
+def _swap_voices(bundle, n: int) -> list[dict[str, object]]:  # noqa: ANN001
+    """Conditioning for n cloned voices whose T3 and S3Gen conditioning both differ."""
+    from synth import default_voice
+
+    base = default_voice(bundle)
+    voices = []
+    for cycle in range(n):
+        noise = torch.randn(base.s3gen_ref["embedding"].shape, generator=torch.Generator().manual_seed(cycle))
+        ref = {**base.s3gen_ref, "embedding": base.s3gen_ref["embedding"] + noise.to(base.s3gen_ref["embedding"])}
+        voices.append({"speaker_emb": synthetic_voice(bundle, "x", 100 + cycle).speaker_emb,
+                       "prompt_speech_tokens": base.prompt_speech_tokens, "s3gen_ref": ref})
+    return voices
+
+
+def test_a_voice_removed_and_re_added_under_its_id_speaks_with_its_new_conditioning(engine: Engine) -> None:
+    from synth.voices import Voice
+
+    # Whether CPython gives the new object the freed one's address depends on its allocator's pool order, so
+    # cycle until it has happened twice (about every other cycle here); the bug needs that reuse to show.
+    conditioning = _swap_voices(tiny_bundle("english"), 16)
+    swapped: list[tuple[list[int], np.ndarray]] = []
+    addresses: set[int] = set()
+    for cycle, fields in enumerate(conditioning):
+        if len(swapped) - len(addresses) >= 2:  # reuses so far
+            break
+        voice = Voice(voice_id="swap", **fields)  # type: ignore[arg-type]
+        addresses.add(id(voice))
+        engine.voices.add(voice)
+        col = Collector()
+        engine.submit(_request(col, f"swap{cycle}", TEXTS[5], seed=77, n_tokens=24, voice="swap"))
+        col.wait_done([f"swap{cycle}"])
+        swapped.append((col.tokens(f"swap{cycle}"), _pcm(col, f"swap{cycle}")))
+        engine.remove_voice("swap")
+        deadline = time.monotonic() + 30
+        while sys.getrefcount(voice) > 2:  # the engine thread lets go of its segment (and so of the voice)
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        del voice  # freed now: the next Voice is allocated at its address, which id()-keyed caches confuse
+    assert len(swapped) - len(addresses) >= 2, "addresses were not reused: the test proves nothing this run"
+    conditioning = conditioning[:len(swapped)]
+    # the truth: a fresh engine (empty caches) holding all those voices at once, under their own ids
+    fresh = make_engine("english", render_audio=True, max_slots=4, first_chunk_tokens=6, chunk_schedule_tokens=(8, 16))
+    for cycle, fields in enumerate(conditioning):
+        fresh.voices.add(Voice(voice_id=f"v{cycle}", **fields))  # type: ignore[arg-type]
+    fresh.start()
+    try:
+        assert fresh.wait_ready(120)
+        col = Collector()
+        for cycle in range(len(swapped)):
+            fresh.submit(_request(col, f"v{cycle}", TEXTS[5], seed=77, n_tokens=24, voice=f"v{cycle}"))
+        col.wait_done([f"v{cycle}" for cycle in range(len(swapped))])
+        for cycle, (tokens, pcm) in enumerate(swapped):
+            assert tokens == col.tokens(f"v{cycle}"), f"cycle {cycle}: T3 used another voice's prefix"
+            assert np.array_equal(pcm, _pcm(col, f"v{cycle}")), f"cycle {cycle}: S3Gen used another voice's prompt"
+        assert len({pcm.tobytes() for _, pcm in swapped}) == len(swapped)  # the voices really differ
+    finally:
+        fresh.stop()
