@@ -310,7 +310,9 @@ class _AvSetup:
     held_packets: int = 0  # packets the muxer keeps until the next one comes (Ogg keeps its last page open)
 
 
-_FLUSH_EACH_PACKET = {"flush_packets": "1"}
+# every packet written through at once; bitexact: no random serials/UIDs nor version tags, so the same audio
+# gives the same bytes (as the engine's seeds promise)
+_FLUSH_EACH_PACKET = {"flush_packets": "1", "fflags": "+bitexact"}
 _AV_SETUPS: Mapping[Container, _AvSetup] = {
     # no ID3 tag and no Xing frame (a stream cannot go back to fill it in): plain MPEG frames
     "mp3": _AvSetup("libmp3lame", "mp3", "fltp", {**_FLUSH_EACH_PACKET, "id3v2_version": "0", "write_xing": "0"}),

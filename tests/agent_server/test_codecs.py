@@ -107,6 +107,7 @@ def test_streamed_pieces_concatenate_to_a_file_of_the_pushed_duration(fmt: Strea
     assert_duration(fmt, decoded, enc.samples_out)
     pushed_at_rate = len(pcm) * fmt.sample_rate_hz / ENGINE_SAMPLE_RATE_HZ
     assert abs(enc.samples_resampled - pushed_at_rate) <= 1  # no drain: only real audio was resampled
+    assert enc.samples_out == enc.samples_resampled  # and all of it is in the stream, unpadded
 
 
 @pytest.mark.parametrize("fmt", STREAMED, ids=lambda f: f"{f.container}-{f.codec}-{f.sample_rate_hz}")
@@ -237,3 +238,34 @@ def test_compressed_encoder_refuses_pcm_formats() -> None:
     with pytest.raises(ValueError):
         CompressedEncoder(StreamFormat("wav", "pcm_s16le", 24_000))
 
+
+
+@pytest.mark.parametrize("rate", [24_000, 16_000])
+def test_lossless_stream_is_the_pcm16_stream_with_drain_padding_in_place(rate: int) -> None:
+    """FLAC decodes bit-exactly: push, drain, push, finish equals the PCM16 encoder's output for the same
+    calls, with the drain's codec-frame padding (silence) where the drain was."""
+    pcm = speechy(1.5, seed=3)
+    first, second = pcm[:17_000], pcm[17_000:]
+    enc = make_encoder(StreamFormat("flac", "flac", rate))
+    ref = AudioEncoder(OutputFormat("pcm_s16le", rate))
+    data = enc.push(first) + enc.drain()
+    padding = enc.samples_out - enc.samples_resampled
+    data += enc.push(second) + enc.finish()
+    before = b"".join(ref.push(first) + ref.drain())
+    after = b"".join(ref.push(second) + ref.finish())
+    expected = np.concatenate([np.frombuffer(before, "<i2"), np.zeros(padding, np.int16), np.frombuffer(after, "<i2")])
+    with av.open(io.BytesIO(b"".join(data))) as container:
+        decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+    assert padding > 0
+    np.testing.assert_array_equal(decoded, expected)
+
+
+@pytest.mark.parametrize("fmt", STREAMED, ids=lambda f: f"{f.container}-{f.codec}-{f.sample_rate_hz}")
+def test_same_audio_same_bytes(fmt: StreamFormat) -> None:
+    """No random stream serials or container UIDs: a seeded context's bytes repeat exactly."""
+    pcm = speechy(1.0, seed=4)
+    outputs = []
+    for _ in range(2):
+        enc = make_encoder(fmt)
+        outputs.append(b"".join(enc.push(pcm[:FIRST_CHUNK]) + enc.push(pcm[FIRST_CHUNK:]) + enc.finish()))
+    assert outputs[0] == outputs[1]
