@@ -33,11 +33,14 @@ thread-safe; one context's operations must run one at a time, in order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol, get_args
+from typing import Literal, Protocol, get_args
 
 import av
 import numpy as np
+import numpy.typing as npt
+from av.audio.stream import AudioStream
 
 from agent_server.audio import (
     PCM_SAMPLE_RATES_HZ,
@@ -194,13 +197,18 @@ class StreamFormat:
 class StreamEncoder(Protocol):
     """One per context. Not thread-safe: one operation at a time, in order."""
 
-    samples_in: int
-    samples_fed: int
-    samples_resampled: int
-    samples_out: int
-    finished: bool
+    @property
+    def samples_in(self) -> int: ...
+    @property
+    def samples_fed(self) -> int: ...
+    @property
+    def samples_resampled(self) -> int: ...
+    @property
+    def samples_out(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
 
-    def push(self, pcm_24k: np.ndarray) -> list[bytes]: ...
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> list[bytes]: ...
     def drain(self) -> list[bytes]: ...
     def finish(self) -> list[bytes]: ...
     def close(self) -> None: ...
@@ -261,7 +269,7 @@ class _Wrapper:
 class Float32Encoder(_Wrapper):
     """Little-endian float32 PCM made from the PCM16 stream (each sample exactly int16 / 32768)."""
 
-    def push(self, pcm_24k: np.ndarray) -> list[bytes]:
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> list[bytes]:
         return self._convert(self._inner.push(pcm_24k))
 
     def drain(self) -> list[bytes]:
@@ -282,7 +290,7 @@ class WavEncoder(_Wrapper):
         super().__init__(inner)
         self._header: bytes | None = header
 
-    def push(self, pcm_24k: np.ndarray) -> list[bytes]:
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> list[bytes]:
         return self._with_header(self._inner.push(pcm_24k))
 
     def drain(self) -> list[bytes]:
@@ -355,6 +363,8 @@ class CompressedEncoder:
         self._sink = _Sink()
         self._container = av.open(self._sink, "w", format=setup.muxer, options=dict(setup.muxer_options))
         stream = self._container.add_stream(setup.codec, rate=fmt.sample_rate_hz)
+        if not isinstance(stream, AudioStream):
+            raise TypeError(f"{setup.codec} did not make an audio stream")
         ctx = stream.codec_context
         ctx.layout = "mono"
         ctx.format = setup.sample_format
@@ -366,7 +376,7 @@ class CompressedEncoder:
         self._sample_format = setup.sample_format
         self._held_packets = setup.held_packets
         self._frame_samples: int = ctx.frame_size
-        self._pending = np.zeros(0, dtype=np.int16)  # output-rate samples short of a codec frame
+        self._pending: npt.NDArray[np.int16] = np.zeros(0, dtype=np.int16)  # output-rate samples short of a codec frame
         self._next_pts = 0  # output-rate samples given to the codec so far
         self._encoded_end = 0  # end (in samples) of the audio the packets so far cover
         self.finished = False
@@ -391,7 +401,7 @@ class CompressedEncoder:
 
     # ---- the interface ----
 
-    def push(self, pcm_24k: np.ndarray) -> list[bytes]:
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> list[bytes]:
         self._require_open("push")
         self._queue(self._front.push(pcm_24k))
         self._encode_whole_frames()
@@ -455,8 +465,9 @@ class CompressedEncoder:
             self._encode(self._pending[i : i + n])
         self._pending = self._pending[whole:]
 
-    def _encode(self, pcm16: np.ndarray) -> None:
+    def _encode(self, pcm16: npt.NDArray[np.int16]) -> None:
         # pcm16: [samples] int16 at the codec's rate
+        planes: npt.NDArray[np.generic]  # [1, samples]: one plane (mono), the encoder's sample type
         if self._sample_format == "s16":
             planes = pcm16[None, :]
         else:
@@ -467,7 +478,7 @@ class CompressedEncoder:
         self._next_pts += pcm16.size
         self._mux(self._stream.encode(frame))
 
-    def _mux(self, packets: list[av.Packet]) -> None:
+    def _mux(self, packets: list[av.Packet]) -> None:  # type: ignore[type-arg]
         for packet in packets:
             if packet.pts is not None and packet.duration:
                 self._encoded_end = max(self._encoded_end, packet.pts + packet.duration)

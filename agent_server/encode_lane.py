@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 Post = Callable[..., object]  # loop.call_soon_threadsafe
@@ -41,9 +42,9 @@ class LaneFull(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Item(Generic[T]):
-    work: Callable[[], T] | None
-    done: Callable[[T | None], None]
+class _Item:
+    work: Work | None
+    done: Done
 
 
 class EncoderPool:
@@ -55,7 +56,7 @@ class EncoderPool:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode")
 
     def lane(
-        self, post: Post, *, max_pending: int, close: Callable[[], None], on_error: Callable[[BaseException], None]
+        self, post: Post, *, max_pending: int, close: Callable[[], None], on_error: Callable[[Exception], None]
     ) -> Lane:
         return Lane(self._executor, post, max_pending=max_pending, close=close, on_error=on_error)
 
@@ -73,7 +74,7 @@ class Lane:
         *,
         max_pending: int,
         close: Callable[[], None],
-        on_error: Callable[[BaseException], None],
+        on_error: Callable[[Exception], None],
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1 (got {max_pending})")
@@ -83,7 +84,7 @@ class Lane:
         self._close: Callable[[], None] | None = close
         self._on_error = on_error
         self._lock = threading.Lock()  # guards the fields below (loop thread vs worker)
-        self._queue: deque[_Item[Any]] = deque()
+        self._queue: deque[_Item] = deque()
         self._running = False  # an item of this lane is in a worker (or queued in the executor)
         self._stopped = False  # cancelled or failed: nothing more runs
         self._delivering = True  # loop thread only: False once cancelled or failed (results then dropped)
@@ -98,7 +99,7 @@ class Lane:
     def stopped(self) -> bool:
         return not self._delivering
 
-    def submit(self, work: Callable[[], T] | None, done: Callable[[T | None], None]) -> None:
+    def submit(self, work: Work | None, done: Done) -> None:
         with self._lock:
             if self._stopped:
                 return  # a cancelled context's late output: nothing to do
@@ -136,7 +137,7 @@ class Lane:
             return
         try:
             result = None if item.work is None else item.work()
-        except BaseException as exc:  # the encoder failed: the lane stops, the loop hears of it
+        except Exception as exc:  # noqa: BLE001 - any encoder failure fails its lane; the loop hears of it
             with self._lock:
                 self._stopped = True
                 self._queue.clear()
@@ -159,7 +160,7 @@ class Lane:
         if self._delivering:
             done(result)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: Exception) -> None:
         if self._delivering:  # results posted before the failure were delivered; nothing after it is
             self._delivering = False
             self._on_error(exc)

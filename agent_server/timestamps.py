@@ -22,8 +22,8 @@ wild disagree: Pipecat adds the spans up (message-relative times), LiveKit takes
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 MS_PER_S = 1_000.0
 _WORD = re.compile(r"\S+")

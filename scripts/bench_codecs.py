@@ -22,18 +22,20 @@ import asyncio
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import orjson  # noqa: E402
+import orjson
 
-from agent_server.codecs import StreamFormat, make_encoder  # noqa: E402
-from agent_server.encode_lane import EncoderPool  # noqa: E402
-from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN  # noqa: E402
+from agent_server.codecs import StreamFormat, make_encoder
+from agent_server.encode_lane import EncoderPool
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 
 FORMATS: dict[str, StreamFormat] = {
     "mp3-24000": StreamFormat("mp3", "mp3", 24_000, 64_000),
@@ -56,16 +58,17 @@ SEGMENT_S = 4.0
 TARGET_FIRST_BYTES_MS = 50.0
 
 
-def audio(seconds: float, seed: int = 0) -> np.ndarray:
+def audio(seconds: float, seed: int = 0) -> npt.NDArray[np.float32]:
     """Speech-like: band-limited noise under a syllable-rate envelope (codecs do real work on it)."""
     rng = np.random.default_rng(seed)
     n = int(seconds * OUTPUT_SAMPLE_RATE_HZ)
     noise = np.convolve(rng.standard_normal(n), np.ones(8) / 8, mode="same")
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * np.arange(n) / OUTPUT_SAMPLE_RATE_HZ)
-    return (0.3 * noise * envelope).astype(np.float32)
+    out: npt.NDArray[np.float32] = (0.3 * noise * envelope).astype(np.float32)
+    return out
 
 
-def chunks(pcm: np.ndarray) -> list[np.ndarray]:
+def chunks(pcm: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
     sizes = [FIRST_CHUNK_TOKENS, *CHUNK_TOKENS]
     out, i, k = [], 0, 0
     while i < len(pcm):
@@ -75,7 +78,7 @@ def chunks(pcm: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def first_bytes(fmt: StreamFormat, pcm: np.ndarray) -> tuple[float, float]:
+def first_bytes(fmt: StreamFormat, pcm: npt.NDArray[np.float32]) -> tuple[float, float]:
     t0 = time.perf_counter()
     enc = make_encoder(fmt)
     t1 = time.perf_counter()
@@ -87,7 +90,7 @@ def first_bytes(fmt: StreamFormat, pcm: np.ndarray) -> tuple[float, float]:
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
-def encode_segments(fmt: StreamFormat, segments: list[list[np.ndarray]]) -> int:
+def encode_segments(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]]) -> int:
     enc = make_encoder(fmt)
     n = 0
     for seg in segments:
@@ -97,13 +100,13 @@ def encode_segments(fmt: StreamFormat, segments: list[list[np.ndarray]]) -> int:
     return n + sum(len(b) for b in enc.finish())
 
 
-def cpu_per_audio_s(fmt: StreamFormat, segments: list[list[np.ndarray]], seconds: float) -> float:
+def cpu_per_audio_s(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], seconds: float) -> float:
     t0 = time.thread_time()
     encode_segments(fmt, segments)
     return (time.thread_time() - t0) * 1e3 / seconds
 
 
-async def concurrent(fmt: StreamFormat, segments: list[list[np.ndarray]], contexts: int, workers: int) -> float:
+async def concurrent(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], contexts: int, workers: int) -> float:
     loop = asyncio.get_running_loop()
     pool = EncoderPool(workers)
     done = [asyncio.Event() for _ in range(contexts)]
@@ -113,15 +116,23 @@ async def concurrent(fmt: StreamFormat, segments: list[list[np.ndarray]], contex
         lane = pool.lane(loop.call_soon_threadsafe, max_pending=10_000, close=enc.close, on_error=print)
         for seg in segments:
             for c in seg:
-                lane.submit(lambda e=enc, c=c: e.push(c), lambda _r: None)
-            lane.submit(enc.drain, lambda _r: None)
-        lane.submit(enc.finish, lambda _r: None)
-        lane.submit(None, lambda _r, k=k: done[k].set())
+                lane.submit(partial(enc.push, c), _ignore)
+            lane.submit(enc.drain, _ignore)
+        lane.submit(enc.finish, _ignore)
+        lane.submit(None, partial(_set, done[k]))
     for event in done:
         await event.wait()
     wall = time.perf_counter() - t0
     pool.shutdown()
     return wall
+
+
+def _ignore(_result: object) -> None:
+    pass
+
+
+def _set(event: asyncio.Event, _result: object) -> None:
+    event.set()
 
 
 def main() -> None:

@@ -24,7 +24,14 @@ import orjson
 from agent_server.codecs import StreamFormat
 from agent_server.compat.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS
 from agent_server.compat.cartesia import _voice_id as parse_voice
-from agent_server.compat.common import CompatError, b64, check_model, load_object, parse_seed, resolve_language
+from agent_server.compat.common import (
+    CompatError,
+    b64,
+    check_model,
+    load_object,
+    parse_seed,
+    resolve_language,
+)
 from agent_server.compat.formats import cartesia_format
 from agent_server.timestamps import SegmentTimes, seconds
 

@@ -10,8 +10,9 @@ call out. The response streams the audio; headers `content-type`, `dg-request-id
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from agent_server.codecs import StreamFormat
 from agent_server.compat.common import CompatError, check_model, load_object, parse_seed

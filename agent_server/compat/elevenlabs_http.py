@@ -21,13 +21,21 @@ SDK's `UnprocessableEntityError`); other failures `{"detail": {"status", "messag
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import CompatError, b64, check_model, load_object, parse_seed, resolve_language
+from agent_server.compat.common import (
+    CompatError,
+    b64,
+    check_model,
+    load_object,
+    parse_seed,
+    resolve_language,
+)
 from agent_server.compat.formats import elevenlabs_format
 from agent_server.timestamps import seconds
 

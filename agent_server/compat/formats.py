@@ -17,7 +17,7 @@ Where a vendor documents a bit rate our codec cannot reach at that sample rate (
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from agent_server.codecs import Codec, Container, StreamFormat, clamp_bitrate_bps
 from agent_server.compat.common import CompatError
@@ -138,7 +138,7 @@ def cartesia_format(value: object, *, required: bool) -> StreamFormat:
         if bit_rate not in CARTESIA_MP3_BITRATES_BPS or isinstance(bit_rate, bool):
             allowed = ", ".join(str(b) for b in CARTESIA_MP3_BITRATES_BPS)
             raise CompatError("output_format.bit_rate", f"an mp3 output_format needs bit_rate, one of {allowed}")
-        return StreamFormat("mp3", "mp3", rate, clamp_bitrate_bps("mp3", rate, bit_rate))  # type: ignore[arg-type]
+        return StreamFormat("mp3", "mp3", rate, clamp_bitrate_bps("mp3", rate, int(bit_rate)))
     if container not in ("raw", "wav"):
         raise CompatError("output_format.container", f"container must be raw, wav or mp3 (got {container!r})")
     if value.get("bit_rate") is not None:
@@ -214,7 +214,7 @@ def _positive_int(params: Mapping[str, str], name: str, default: int) -> int:
     raw = params.get(name)
     if raw is None or raw == "":
         return default
-    value = raw[:-2] if raw.endswith(".0") else raw  # the SDK sends floats (24000.0)
+    value = raw.removesuffix(".0")  # the SDK sends floats (24000.0)
     if not value.isdigit() or int(value) <= 0:
         raise CompatError(name, f"{name} must be a positive integer (got {raw!r})")
     return int(value)

@@ -21,9 +21,10 @@ sends `{"type": "stream", "text"}` pieces, `{"type": "flush"}` (speak what was s
 from __future__ import annotations
 
 import enum
-import xml.etree.ElementTree as ElementTree
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from xml.etree import ElementTree
 
 import orjson
 
@@ -162,7 +163,7 @@ def parse_message(raw: str | bytes) -> Message:
         raise CompatError("text", "text must be a string")
     if kind != Kind.STREAM and obj.get("text") is not None:
         raise CompatError("text", f"a {kind} message carries no text")
-    return Message(Kind(kind), text if kind == Kind.STREAM else "")
+    return Message(Kind(str(kind)), text if kind == Kind.STREAM else "")
 
 
 def error_message(message: str) -> str:

@@ -22,8 +22,8 @@ Mapping:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import riva.client.proto.riva_audio_pb2 as riva_audio
 import riva.client.proto.riva_common_pb2 as riva_common
@@ -35,9 +35,6 @@ from agent_server.compat.common import CompatError, resolve_language
 from agent_server.timestamps import WordTime
 
 AudioEncoding = riva_audio.AudioEncoding
-SynthesizeSpeechRequest = riva_tts.SynthesizeSpeechRequest
-SynthesizeSpeechResponse = riva_tts.SynthesizeSpeechResponse
-RivaSynthesisConfigResponse = riva_tts.RivaSynthesisConfigResponse
 G711_RATE_HZ = 8_000
 MODEL_NAME_PREFIX = "chatterbox-"
 DEFAULT_LANGUAGE_CODE = "en-US"
@@ -54,7 +51,7 @@ class Synthesis:
     request_id: str  # RequestId.value, echoed in every response
 
 
-def parse_request(request: SynthesizeSpeechRequest, variant: str) -> Synthesis:
+def parse_request(request: riva_tts.SynthesizeSpeechRequest, variant: str) -> Synthesis:
     """Raises CompatError (the service answers INVALID_ARGUMENT)."""
     if request.HasField("zero_shot_data"):
         raise CompatError("zero_shot_data", "zero-shot voice prompts are not served: create a voice with "
@@ -84,25 +81,25 @@ def output_format(encoding: int, sample_rate_hz: int) -> StreamFormat:
     raise CompatError("encoding", f"encoding {encoding} is not one of LINEAR_PCM, MULAW, ALAW, FLAC, OGGOPUS")
 
 
-def same_settings(first: SynthesizeSpeechRequest, later: SynthesizeSpeechRequest) -> None:
+def same_settings(first: riva_tts.SynthesizeSpeechRequest, later: riva_tts.SynthesizeSpeechRequest) -> None:
     """A SynthesizeOnline stream's later requests carry more text; their settings must be the first's."""
     for name in ("encoding", "sample_rate_hz", "voice_name", "language_code"):
         if getattr(later, name) != getattr(first, name):
             raise CompatError(name, f"{name} cannot change within one SynthesizeOnline call")
 
 
-def response(audio: bytes, words: Sequence[WordTime], synthesis: Synthesis, text: str = "") -> SynthesizeSpeechResponse:
+def response(audio: bytes, words: Sequence[WordTime], synthesis: Synthesis, text: str = "") -> riva_tts.SynthesizeSpeechResponse:
     """One response: audio (raw PCM/G.711 bytes, or the next bytes of the FLAC/Ogg stream), with the
     words it completes when word offsets were asked for."""
     meta = riva_tts.SynthesizeSpeechResponseMetadata(text=text, processed_text=text)
     if synthesis.word_offsets:
         meta.words.extend(riva_tts.WordTiming(word=w.word, start_time=w.start_ms, end_time=w.end_ms) for w in words)
-    return SynthesizeSpeechResponse(audio=audio, meta=meta, id=riva_common.RequestId(value=synthesis.request_id))
+    return riva_tts.SynthesizeSpeechResponse(audio=audio, meta=meta, id=riva_common.RequestId(value=synthesis.request_id))
 
 
-def synthesis_config(variant: str, voice_ids: Sequence[str], language_code: str = DEFAULT_LANGUAGE_CODE) -> RivaSynthesisConfigResponse:
+def synthesis_config(variant: str, voice_ids: Sequence[str], language_code: str = DEFAULT_LANGUAGE_CODE) -> riva_tts.RivaSynthesisConfigResponse:
     """GetRivaSynthesisConfig: one model (the variant) listing our voices, in the keys Riva's clients read."""
-    config = RivaSynthesisConfigResponse.Config(
+    config = riva_tts.RivaSynthesisConfigResponse.Config(
         model_name=MODEL_NAME_PREFIX + variant,
         parameters={
             "language_code": language_code,
@@ -111,4 +108,4 @@ def synthesis_config(variant: str, voice_ids: Sequence[str], language_code: str 
             "sample_rate": str(ENGINE_SAMPLE_RATE_HZ),
         },
     )
-    return RivaSynthesisConfigResponse(model_config=[config])
+    return riva_tts.RivaSynthesisConfigResponse(model_config=[config])

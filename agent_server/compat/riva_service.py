@@ -12,8 +12,9 @@ core: the `RivaBackend` below is the seam (auth, voices, one context per call).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Protocol
 
 import grpc
 import riva.client.proto.riva_tts_pb2 as riva_tts
@@ -46,7 +47,7 @@ class RivaBackend(Protocol):
         made. Closing the returned iterator early cancels the context."""
 
 
-class RivaSpeechSynthesis(riva_tts_grpc.RivaSpeechSynthesisServicer):
+class RivaSpeechSynthesis(riva_tts_grpc.RivaSpeechSynthesisServicer):  # type: ignore[misc]  # generated, untyped
     def __init__(self, backend: RivaBackend) -> None:
         self._backend = backend
 

@@ -19,8 +19,9 @@ import base64
 import binascii
 import enum
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 
@@ -64,7 +65,7 @@ def parse_incoming(raw: str | bytes) -> Incoming:
     name = obj.get("event")
     if name not in Event.__members__.values():
         raise CompatError("event", f"event must be one of {', '.join(e.value for e in Event)} (got {name!r})")
-    event = Event(name)
+    event = Event(str(name))
     if event == Event.CONNECTED:
         return Incoming(event)
     sid = obj.get("streamSid")

@@ -13,6 +13,7 @@ import wave
 
 import av
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from agent_server.audio import ENGINE_SAMPLE_RATE_HZ, AudioEncoder, OutputFormat
@@ -47,16 +48,17 @@ STREAMED = [
 ]
 
 
-def speechy(seconds: float, seed: int = 0) -> np.ndarray:
+def speechy(seconds: float, seed: int = 0) -> npt.NDArray[np.float32]:
     """Band-limited noise with a syllable-rate envelope: codecs treat it like speech, not a pure tone."""
     rng = np.random.default_rng(seed)
     n = int(seconds * ENGINE_SAMPLE_RATE_HZ)
     noise = np.convolve(rng.standard_normal(n), np.ones(8) / 8, mode="same")
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * np.arange(n) / ENGINE_SAMPLE_RATE_HZ)
-    return (0.3 * noise * envelope).astype(np.float32)
+    out: npt.NDArray[np.float32] = (0.3 * noise * envelope).astype(np.float32)
+    return out
 
 
-def chunks_of(pcm: np.ndarray) -> list[np.ndarray]:
+def chunks_of(pcm: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
     out = [pcm[:FIRST_CHUNK]]
     i, k = FIRST_CHUNK, 0
     while i < len(pcm):
@@ -68,7 +70,7 @@ def chunks_of(pcm: np.ndarray) -> list[np.ndarray]:
 
 def decode(data: bytes) -> tuple[int, int, int]:
     """(samples, sample rate, channels) of the first audio stream."""
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), "r") as container:
         stream = container.streams.audio[0]
         samples = sum(frame.samples for frame in container.decode(stream))
         return samples, stream.rate, stream.channels
@@ -157,16 +159,16 @@ def test_raw_formats_are_the_audio_encoder_itself() -> None:
     assert isinstance(enc, AudioEncoder) and enc.fmt == OutputFormat("mulaw", 8_000, 20)
 
 
-@pytest.mark.parametrize(("bitrate_bps", "container", "codec", "rate"), [
+@pytest.mark.parametrize(("bitrate_bps", "kind", "codec", "rate"), [
     (32_000, "mp3", "mp3", 44_100), (192_000, "mp3", "mp3", 44_100), (24_000, "ogg", "opus", 48_000),
     (96_000, "ogg", "opus", 48_000), (48_000, "adts", "aac", 24_000),
 ])
-def test_bitrate_is_what_was_asked(bitrate_bps: int, container: str, codec: str, rate: int) -> None:
-    fmt = StreamFormat(container, codec, rate, bitrate_bps)  # type: ignore[arg-type]
+def test_bitrate_is_what_was_asked(bitrate_bps: int, kind: str, codec: str, rate: int) -> None:
+    fmt = StreamFormat(kind, codec, rate, bitrate_bps)  # type: ignore[arg-type]
     enc = make_encoder(fmt)
     seconds = 4.0
     data = b"".join(enc.push(speechy(seconds, seed=2)) + enc.finish())
-    with av.open(io.BytesIO(data)) as container:  # the codec's bytes, without the container's framing
+    with av.open(io.BytesIO(data), "r") as container:  # the codec's bytes, without the container's framing
         payload_bytes = sum(p.size for p in container.demux(container.streams.audio[0]))
     measured_bps = payload_bytes * 8 / seconds
     assert 0.75 * bitrate_bps <= measured_bps <= 1.25 * bitrate_bps
@@ -254,7 +256,7 @@ def test_lossless_stream_is_the_pcm16_stream_with_drain_padding_in_place(rate: i
     before = b"".join(ref.push(first) + ref.drain())
     after = b"".join(ref.push(second) + ref.finish())
     expected = np.concatenate([np.frombuffer(before, "<i2"), np.zeros(padding, np.int16), np.frombuffer(after, "<i2")])
-    with av.open(io.BytesIO(b"".join(data))) as container:
+    with av.open(io.BytesIO(b"".join(data)), "r") as container:
         decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
     assert padding > 0
     np.testing.assert_array_equal(decoded, expected)

@@ -11,7 +11,9 @@ import asyncio
 import random
 import threading
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,10 +35,18 @@ async def through_loop(loop: asyncio.AbstractEventLoop) -> None:
     await marker.wait()
 
 
+def ignore(_result: object) -> None:
+    pass
+
+
+def set_event(event: asyncio.Event, _result: object) -> None:
+    event.set()
+
+
 def make_lane(pool: EncoderPool, loop: asyncio.AbstractEventLoop, *, max_pending: int = 1_000,
               close: Callable[[], None] = lambda: None,
-              errors: list[BaseException] | None = None) -> Lane:
-    sink = errors if errors is not None else []
+              errors: list[Exception] | None = None) -> Lane:
+    sink: list[Exception] = errors if errors is not None else []
     return pool.lane(loop.call_soon_threadsafe, max_pending=max_pending, close=close, on_error=sink.append)
 
 
@@ -72,8 +82,7 @@ def test_each_lane_delivers_in_submission_order_and_runs_one_item_at_a_time() ->
         for item in range(items_n):
             for lane_i, lane in enumerate(lanes):
                 spin = rng.randrange(1, 20_000)
-                lane.submit(lambda li=lane_i, it=item, sp=spin: work(li, it, sp),
-                            lambda r, li=lane_i: done(li, r))
+                lane.submit(partial(work, lane_i, item, spin), partial(done, lane_i))
         await all_done.wait()
         pool.shutdown()
         assert all(delivered[i] == list(range(items_n)) for i in range(lanes_n))
@@ -89,17 +98,17 @@ def test_lanes_run_side_by_side_on_the_pool() -> None:
         loop = asyncio.get_running_loop()
         pool = EncoderPool(workers=2)
         barrier = threading.Barrier(2, timeout=WAIT_S)
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
         got: list[str] = []
         both = asyncio.Event()
 
-        def done(name: str) -> None:
+        def done(name: str, _result: object) -> None:
             got.append(name)
             if len(got) == 2:
                 both.set()
 
         for name in ("a", "b"):
-            make_lane(pool, loop, errors=errors).submit(barrier.wait, lambda _r, n=name: done(n))
+            make_lane(pool, loop, errors=errors).submit(barrier.wait, partial(done, name))
         await both.wait()
         pool.shutdown()
         assert sorted(got) == ["a", "b"] and errors == []
@@ -117,11 +126,14 @@ def test_a_long_backlog_does_not_hold_a_worker() -> None:
         finished = asyncio.Event()
         lane_a, lane_b = make_lane(pool, loop), make_lane(pool, loop)
         gate = threading.Event()
-        lane_a.submit(gate.wait, lambda _r: order.append("a0"))
+        def note(name: str, _result: object) -> None:
+            order.append(name)
+
+        lane_a.submit(gate.wait, partial(note, "a0"))
         for i in range(1, 20):
-            lane_a.submit(None, lambda _r, i=i: order.append(f"a{i}"))
-        lane_b.submit(None, lambda _r: order.append("b"))
-        lane_a.submit(None, lambda _r: finished.set())
+            lane_a.submit(None, partial(note, f"a{i}"))
+        lane_b.submit(None, partial(note, "b"))
+        lane_a.submit(None, partial(set_event, finished))
         gate.set()
         await finished.wait()
         pool.shutdown()
@@ -152,7 +164,7 @@ def test_cancel_drops_queued_items_delivers_nothing_and_closes_after_the_item_in
         lane = make_lane(pool, loop, close=close)
         lane.submit(blocking, delivered.append)
         for i in range(1, 10):
-            lane.submit(lambda i=i: ran.append(i), delivered.append)
+            lane.submit(partial(ran.append, i), delivered.append)
         await asyncio.to_thread(started.wait, WAIT_S)
         lane.cancel()
         lane.cancel()  # idempotent
@@ -186,11 +198,15 @@ def test_a_failing_item_stops_the_lane_after_delivering_what_came_before() -> No
         loop = asyncio.get_running_loop()
         pool = EncoderPool(workers=1)
         delivered: list[object] = []
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
         closes: list[int] = []
         gate = threading.Event()
         lane = make_lane(pool, loop, close=lambda: closes.append(1), errors=errors)
-        lane.submit(lambda: (gate.wait(WAIT_S), "first")[1], delivered.append)
+        def first() -> str:
+            gate.wait(WAIT_S)
+            return "first"
+
+        lane.submit(first, delivered.append)
 
         def boom() -> None:
             raise ValueError("codec failed")
@@ -215,12 +231,16 @@ def test_a_full_lane_refuses_more() -> None:
         pool = EncoderPool(workers=1)
         started, release = threading.Event(), threading.Event()
         lane = make_lane(pool, loop, max_pending=2)
-        lane.submit(lambda: (started.set(), release.wait(WAIT_S)), lambda _r: None)
+        def blocking() -> None:
+            started.set()
+            release.wait(WAIT_S)
+
+        lane.submit(blocking, ignore)
         await asyncio.to_thread(started.wait, WAIT_S)
-        lane.submit(None, lambda _r: None)
-        lane.submit(None, lambda _r: None)
+        lane.submit(None, ignore)
+        lane.submit(None, ignore)
         with pytest.raises(LaneFull):
-            lane.submit(None, lambda _r: None)
+            lane.submit(None, ignore)
         release.set()
         lane.cancel()
         pool.shutdown()
@@ -248,10 +268,10 @@ def test_real_encoders_through_lanes_give_the_bytes_of_direct_calls(fmt: StreamF
         for k, enc in enumerate(encoders):
             lane = make_lane(pool, loop, close=enc.close)
             for c in chunks:
-                lane.submit(lambda e=enc, c=c: e.push(c), lambda r, k=k: outputs[k].extend(r or []))
-            lane.submit(enc.drain, lambda r, k=k: outputs[k].extend(r or []))
-            lane.submit(enc.finish, lambda r, k=k: outputs[k].extend(r or []))
-            lane.submit(None, lambda _r, k=k: ended[k].set())
+                lane.submit(partial(enc.push, c), outputs[k].extend)
+            lane.submit(enc.drain, outputs[k].extend)
+            lane.submit(enc.finish, outputs[k].extend)
+            lane.submit(None, partial(set_event, ended[k]))
         for event in ended:
             await event.wait()
         pool.shutdown()

@@ -79,7 +79,7 @@ def test_livekit_elevenlabs_consumer_reads_context_relative_messages() -> None:
     timed: list[Any] = []
     emitter = SimpleNamespace(push_timed_transcript=timed.extend)
     for seg in ctx.segments:  # one alignment message per segment, as the WebSocket sends them
-        _accumulate_alignment(stream, emitter, list(seg.chars), list(seg.start_ms), list(seg.duration_ms))
+        _accumulate_alignment(stream, emitter, list(seg.chars), list(seg.start_ms), list(seg.duration_ms))  # type: ignore[arg-type]
     final, _ = _to_timed_words(stream._text_buffer, stream._start_times_ms, stream._durations_ms, flush=True)
     timed.extend(final)
     got = [(str(t).strip(), t.start_time) for t in timed]

@@ -155,7 +155,9 @@ def test_deepgram_rest(params: dict[str, str], expected: StreamFormat) -> None:
 
 
 def test_deepgram_sdk_encodings_are_all_served_over_rest() -> None:
-    from deepgram.speak.v1.audio.types.audio_generate_request_encoding import AudioGenerateRequestEncoding
+    from deepgram.speak.v1.audio.types.audio_generate_request_encoding import (
+        AudioGenerateRequestEncoding,
+    )
 
     for encoding in literal_values(AudioGenerateRequestEncoding):
         make_encoder(deepgram_format({"encoding": encoding}, rest=True)).close()

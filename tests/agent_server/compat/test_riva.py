@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import av
 import grpc
@@ -121,7 +121,7 @@ def check_synthesize_online_ogg_opus_decodes(uri: str, backend: FakeBackend) -> 
     responses = client(uri).synthesize_online(["One.", "Two."], encoding=riva.client.AudioEncoding.OGGOPUS,
                                               sample_rate_hz=48_000)
     data = b"".join(r.audio for r in responses)
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), "r") as container:
         samples = sum(f.samples for f in container.decode(audio=0))
     assert samples / 48_000 >= 2 * SECONDS_PER_TEXT
 
@@ -145,10 +145,10 @@ def test_wrong_key_is_refused() -> None:
 def check_wrong_key_is_refused(uri: str, backend: FakeBackend) -> None:
     with pytest.raises(grpc.RpcError) as exc:
         client(uri, key="wrong").synthesize("Hi.")
-    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as exc:
         list(client(uri, key="wrong").synthesize_online(["Hi."]))
-    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert backend.texts == []
 
 
@@ -161,7 +161,7 @@ def check_bad_requests_are_invalid_argument(uri: str, backend: FakeBackend) -> N
                    {"encoding": riva.client.AudioEncoding.OGGOPUS, "sample_rate_hz": 44_100}):
         with pytest.raises(grpc.RpcError) as exc:
             client(uri).synthesize("Hi.", **kwargs)
-        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert backend.texts == []
 
 
@@ -178,9 +178,8 @@ def check_settings_changed_mid_stream_are_refused_after_earlier_audio(uri: str, 
     call = svc.stub.SynthesizeOnline(iter([base, changed]), metadata=[("authorization", f"Bearer {KEY}")])
     got = []
     with pytest.raises(grpc.RpcError) as exc:
-        for resp in call:
-            got.append(resp)
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sample_rate_hz" in exc.value.details()  # type: ignore[attr-defined]
+        got.extend(call)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sample_rate_hz" in exc.value.details()
     assert backend.texts == [["One."]] and got and got[0].audio
 
 
@@ -201,7 +200,7 @@ def check_client_cancel_closes_the_backend_context(uri: str, backend: FakeBacken
     call = client(uri).stub.SynthesizeOnline(requests(), metadata=[("authorization", f"Bearer {KEY}")])
     first = next(iter(call))
     assert first.audio
-    call.cancel()  # type: ignore[attr-defined]
+    call.cancel()
     gate.set()
     assert backend.closed.wait(WAIT_S)
     assert backend.texts == [["First."]]

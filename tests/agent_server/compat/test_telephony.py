@@ -8,6 +8,7 @@ import io
 
 import av
 import numpy as np
+import numpy.typing as npt
 import orjson
 import pytest
 
@@ -17,9 +18,10 @@ from agent_server.compat import jambonz, twilio
 from agent_server.compat.common import CompatError
 
 
-def speech(seconds: float) -> np.ndarray:
+def speech(seconds: float) -> npt.NDArray[np.float32]:
     t = np.arange(int(seconds * 24_000)) / 24_000
-    return (0.4 * np.sin(2 * np.pi * 300 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    out: npt.NDArray[np.float32] = (0.4 * np.sin(2 * np.pi * 300 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    return out
 
 
 # ---- jambonz: HTTP ----------------------------------------------------------------------------------
@@ -31,7 +33,7 @@ def test_jambonz_http_default_is_mp3_it_can_decode() -> None:
     assert req.output == StreamFormat("mp3", "mp3", 24_000, 64_000) and req.content_type == "audio/mpeg"
     enc = make_encoder(req.output)
     data = b"".join(enc.push(speech(1.0)) + enc.finish())
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), "r") as container:
         assert container.streams.audio[0].codec_context.name in ("mp3", "mp3float")
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import io
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import av
 import httpx
 import numpy as np
+import numpy.typing as npt
 import orjson
 import pytest
 
@@ -28,7 +30,7 @@ PCM_S = 1.2
 TEXT = "Hello there, friend. How are you?"
 
 
-def pcm() -> np.ndarray:
+def pcm() -> npt.NDArray[np.float32]:
     rng = np.random.default_rng(7)
     return (0.2 * rng.standard_normal(int(24_000 * PCM_S))).astype(np.float32)
 
@@ -39,7 +41,7 @@ def encode(fmt: StreamFormat) -> bytes:
 
 
 def decoded_seconds(data: bytes) -> float:
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), "r") as container:
         stream = container.streams.audio[0]
         return sum(f.samples for f in container.decode(stream)) / stream.rate
 
@@ -207,7 +209,7 @@ def cartesia() -> tuple[Any, list[cartesia_http.TtsRequest]]:
 def test_cartesia_bytes(cartesia: tuple[Any, list[Any]], output_format: dict[str, Any], expected: StreamFormat) -> None:
     client, seen = cartesia
     audio = b"".join(client.tts.bytes(model_id="sonic-2", transcript=TEXT, voice={"mode": "id", "id": "a0e99841"},
-                                      output_format=output_format))  # type: ignore[arg-type]
+                                      output_format=output_format))
     assert seen[0].output == expected and seen[0].voice_id == "a0e99841"
     if expected.container == "raw":
         assert len(audio) == int(PCM_S * 24_000) * 2
@@ -222,6 +224,7 @@ def test_cartesia_sse_events_parse_in_the_sdk(cartesia: tuple[Any, list[Any]]) -
         output_format={"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16_000},
     ))
     assert [e.type for e in events] == ["chunk", "timestamps", "done"]
+    assert seen[0].sse and seen[0].add_timestamps and seen[0].output == StreamFormat("raw", "pcm_f32le", 16_000)
     assert all(e.context_id == "c1" for e in events)
     audio = np.frombuffer(events[0].audio, "<f4")
     assert len(audio) == int(PCM_S * 16_000) and np.abs(audio).max() <= 1.0
@@ -235,8 +238,9 @@ def test_cartesia_refusal_reaches_the_sdk(cartesia: tuple[Any, list[Any]]) -> No
     client, _ = cartesia
     with pytest.raises(BadRequestError) as exc:
         b"".join(client.tts.bytes(model_id="sonic-2", transcript=TEXT, voice={"mode": "id", "id": "v"},
-                                  output_format={"container": "mp3", "sample_rate": 44_100}))  # type: ignore[typeddict-item]
-    assert exc.value.body["title"] == "Invalid request" and "bit_rate" in exc.value.body["message"]
+                                  output_format={"container": "mp3", "sample_rate": 44_100}))
+    body: dict[str, Any] = exc.value.body  # type: ignore[assignment]
+    assert body["title"] == "Invalid request" and "bit_rate" in body["message"]
 
 
 @pytest.mark.parametrize(("body", "sse", "field"), [
