@@ -56,11 +56,9 @@ from agent_server.audio import (
 Container = Literal["raw", "wav", "mp3", "ogg", "webm", "adts", "flac"]
 Codec = Literal["pcm_s16le", "pcm_f32le", "mulaw", "alaw", "mp3", "opus", "aac", "flac"]
 CONTAINERS: tuple[Container, ...] = get_args(Container)
-CODECS: tuple[Codec, ...] = get_args(Codec)
 CHANNELS = 1  # every vendor format served is mono
 PCM16_SCALE = 32_768.0  # int16 -> float in [-1, 1)
 WAVE_FORMAT_IEEE_FLOAT = 3
-BITS_PER_BYTE = 8
 
 # Which codecs each container carries.
 CONTAINER_CODECS: Mapping[Container, tuple[Codec, ...]] = {
@@ -98,9 +96,6 @@ MIME_TYPES: Mapping[Container, str] = {
     "webm": "audio/webm",
     "adts": "audio/aac",
     "flac": "audio/flac",
-}
-FILE_EXTENSIONS: Mapping[Container, str] = {
-    "raw": "pcm", "wav": "wav", "mp3": "mp3", "ogg": "ogg", "webm": "webm", "adts": "aac", "flac": "flac",
 }
 
 
@@ -188,10 +183,6 @@ class StreamFormat:
                 return f"audio/pcm;rate={self.sample_rate_hz};encoding=float"
             return self.pcm_format.mime_type
         return MIME_TYPES[self.container]
-
-    @property
-    def file_extension(self) -> str:
-        return FILE_EXTENSIONS[self.container]
 
 
 class StreamEncoder(Protocol):

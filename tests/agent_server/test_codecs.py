@@ -233,7 +233,7 @@ def test_mime_types_and_extensions() -> None:
     assert StreamFormat("mp3", "mp3", 44_100).mime_type == "audio/mpeg"
     assert StreamFormat("ogg", "opus", 48_000).mime_type == "audio/ogg"
     assert StreamFormat("raw", "pcm_s16le", 16_000).mime_type == "audio/pcm;rate=16000"
-    assert StreamFormat("adts", "aac", 24_000).file_extension == "aac"
+    assert StreamFormat("adts", "aac", 24_000).mime_type == "audio/aac"
 
 
 def test_compressed_encoder_refuses_pcm_formats() -> None:
