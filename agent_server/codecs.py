@@ -89,6 +89,10 @@ MP3_MPEG1_MIN_RATE_HZ = 32_000  # MPEG-1 layer III: 32-48 kHz, 32-320 kbit/s
 MP3_MPEG2_MIN_RATE_HZ = 16_000  # MPEG-2: 16-24 kHz, 8-160 kbit/s; below: MPEG-2.5, 8-64 kbit/s
 MP3_BITRATE_RANGES_BPS = ((32_000, 320_000), (8_000, 160_000), (8_000, 64_000))
 DEFAULT_BITRATES_BPS: Mapping[Codec, int] = {"mp3": 128_000, "opus": 64_000, "aac": 64_000}
+# What a decoder plays before the first pushed sample in streams without gapless metadata (MP3 frames,
+# ADTS): LAME's encoder delay, AAC's priming frame. Ogg/WebM Opus and FLAC signal theirs: zero lead.
+PRIMING_SAMPLES: Mapping[Codec, int] = {"mp3": 1_105, "aac": 1_024}
+MS_PER_S = 1_000.0
 MIME_TYPES: Mapping[Container, str] = {
     "wav": "audio/wav",
     "mp3": "audio/mpeg",
@@ -175,6 +179,11 @@ class StreamFormat:
         if self.bitrate_bps is not None or bitrate_range_bps(self.codec, self.sample_rate_hz) is None:
             return self.bitrate_bps
         return clamp_bitrate_bps(self.codec, self.sample_rate_hz, DEFAULT_BITRATES_BPS[self.codec])
+
+    @property
+    def lead_ms(self) -> float:
+        """How much later than our timeline a client's decoder plays each sample (`timestamps.lead_ms`)."""
+        return PRIMING_SAMPLES.get(self.codec, 0) * MS_PER_S / self.sample_rate_hz
 
     @property
     def mime_type(self) -> str:

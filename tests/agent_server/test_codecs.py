@@ -18,6 +18,7 @@ import pytest
 
 from agent_server.audio import ENGINE_SAMPLE_RATE_HZ, AudioEncoder, OutputFormat
 from agent_server.codecs import (
+    PRIMING_SAMPLES,
     CompressedEncoder,
     StreamFormat,
     bitrate_range_bps,
@@ -27,7 +28,6 @@ from agent_server.codecs import (
 
 FIRST_CHUNK = 9_600  # the engine's smallest first chunk: 10 speech tokens (400 ms at 24 kHz)
 LATER_CHUNKS = [4_001, 960, 13, 19_200, 333]
-PRIMING_SAMPLES = {"mp3": 1_105, "aac": 1_024}  # LAME's encoder delay, AAC's priming frame
 OPUS_DECODE_RATE_HZ = 48_000  # an Opus decoder always outputs 48 kHz
 
 STREAMED = [
@@ -227,6 +227,12 @@ def test_bitrate_ranges_follow_the_mpeg_version_and_aac_frame_limit() -> None:
     assert clamp_bitrate_bps("mp3", 8_000, 128_000) == 64_000
     assert clamp_bitrate_bps("opus", 48_000, 1_000) == 6_000
     assert clamp_bitrate_bps("flac", 48_000, 1_000) is None
+
+
+def test_lead_is_the_priming_where_the_stream_does_not_signal_it() -> None:
+    assert StreamFormat("mp3", "mp3", 24_000).lead_ms == pytest.approx(1_105 / 24)
+    assert StreamFormat("adts", "aac", 22_050).lead_ms == pytest.approx(1_024 / 22.05)
+    assert StreamFormat("ogg", "opus", 48_000).lead_ms == 0 == StreamFormat("flac", "flac", 24_000).lead_ms
 
 
 def test_mime_types_and_extensions() -> None:
