@@ -24,7 +24,7 @@ ENGINE_SAMPLE_RATE_HZ = OUTPUT_SAMPLE_RATE_HZ  # 24 000: S3Gen's rate
 
 Encoding = Literal["pcm_s16le", "mulaw", "alaw"]
 ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
-PCM_SAMPLE_RATES_HZ = (8_000, 16_000, 22_050, 24_000, 44_100, 48_000)
+PCM_SAMPLE_RATES_HZ = (8_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000)
 G711_SAMPLE_RATE_HZ = 8_000
 SAMPLE_RATES_HZ: Mapping[Encoding, tuple[int, ...]] = {
     "pcm_s16le": PCM_SAMPLE_RATES_HZ,
@@ -203,6 +203,10 @@ class AudioEncoder:
             self._pending.clear()
         self.finished = True
         return frames
+
+    def close(self) -> None:
+        """Abandon the stream (a cancel): nothing more is encoded. Idempotent; nothing to release."""
+        self.finished = True
 
     def _resample(self, x: np.ndarray, last: bool) -> np.ndarray:
         # x: [samples] float32 at 24 kHz -> [samples'] float32 at the output rate

@@ -27,7 +27,10 @@ if ! .venv/bin/python -c "import torchaudio" >/dev/null 2>&1; then
     rm -f .venv/lib/python3*/site-packages/torchaudio/lib/*.so
 fi
 pip install -e '.[test]'
-.venv/bin/python -c "import torch, torchaudio, chatterbox.tts, synth, agent_server" 2>/dev/null \
+# Riva TTS protos (riva.client.proto.*_pb2): the client pins websockets<16, which our stack is past; the
+# generated modules need only grpcio and protobuf (both in pyproject.toml), so no deps.
+pip install --no-deps nvidia-riva-client==2.28.0
+.venv/bin/python -c "import torch, torchaudio, chatterbox.tts, synth, agent_server, av, riva.client.proto.riva_tts_pb2" 2>/dev/null \
     || { echo "install check failed: python -c 'import chatterbox.tts' to see why" >&2; exit 1; }
 rm -f .venv/.installed-*
 touch "$stamp"

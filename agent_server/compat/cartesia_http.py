@@ -1,0 +1,138 @@
+"""Cartesia text to speech over HTTP: `POST /tts/bytes` and `POST /tts/sse`. Pure.
+
+- `/tts/bytes` (`client.tts.generate`, `tts.bytes`): the audio in `output_format`, streamed as it is made.
+- `/tts/sse` (`tts.generate_sse`, `tts.sse`): server-sent events, each `event: <type>` + `data: <json>`:
+  `chunk` `{"type", "data": base64, "done": false, "status_code": 206, "step_time", "context_id"}`,
+  `timestamps` `{"type", "word_timestamps": {"words", "start", "end"}, ...}` (seconds from the start of
+  the request's audio, with `add_timestamps`), `done` `{"type", "done": true, "status_code": 200}`,
+  `error` `{"type", "title", "message", "error_code", "status_code", "done": true, "request_id"}`.
+
+Body fields: the WebSocket's generation-request fields (`compat.cartesia.REQUEST_FIELDS`, one field set)
+less the streaming-only ones (`continue`, `flush`, `cancel`, `max_buffer_delay_ms`), plus the HTTP-only
+`locale`, `normalization` and `save`; `/tts/bytes` takes no timestamp fields. `output_format` is required
+(`formats.cartesia_format`: raw, wav or mp3), as is `transcript`; `language` and `locale` are one field
+spelled two ways (both given is refused, as the API does). Errors: 400 with the `error` event's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from agent_server.codecs import StreamFormat
+from agent_server.compat.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS
+from agent_server.compat.cartesia import _voice_id as parse_voice
+from agent_server.compat.common import (
+    CompatError,
+    b64,
+    check_model,
+    load_object,
+    parse_seed,
+    resolve_language,
+)
+from agent_server.compat.formats import cartesia_format
+from agent_server.timestamps import SegmentTimes, seconds
+
+STATUS_BAD_REQUEST = 400
+STATUS_PARTIAL = 206
+STATUS_OK = 200
+WEBSOCKET_ONLY_FIELDS = frozenset({"continue", "flush", "cancel", "max_buffer_delay_ms"})
+TIMESTAMP_FIELDS = frozenset({"add_timestamps", "add_phoneme_timestamps", "use_normalized_timestamps", "context_id"})
+HTTP_ONLY_FIELDS = frozenset({"locale", "normalization", "save"})
+SSE_FIELDS = (REQUEST_FIELDS - WEBSOCKET_ONLY_FIELDS) | HTTP_ONLY_FIELDS
+BYTES_FIELDS = SSE_FIELDS - TIMESTAMP_FIELDS
+
+
+@dataclass(frozen=True, slots=True)
+class TtsRequest:
+    transcript: str
+    model_id: str | None
+    voice_id: str | None  # as given: the caller maps it onto our voices (common.resolve_voice)
+    language: str | None  # resolved for the variant
+    seed: int | None
+    output: StreamFormat
+    sse: bool
+    add_timestamps: bool
+    context_id: str | None  # echoed in every SSE event
+
+
+def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
+    """Raises CompatError; `error_body` renders it."""
+    obj = load_object(body, SSE_FIELDS if sse else BYTES_FIELDS, what="body")
+    transcript = obj.get("transcript")
+    if not isinstance(transcript, str) or not transcript.strip():
+        raise CompatError("transcript", "transcript is required and must be a non-empty string")
+    model_id = obj.get("model_id")
+    if model_id is not None and not isinstance(model_id, str):
+        raise CompatError("model_id", "model_id must be a string")
+    check_model("model_id", model_id, variant)
+    for name in ("add_timestamps", "add_phoneme_timestamps", "use_normalized_timestamps", "save"):
+        if obj.get(name) is not None and not isinstance(obj[name], bool):
+            raise CompatError(name, f"{name} must be a boolean")
+    language, locale = obj.get("language"), obj.get("locale")
+    if language is not None and locale is not None:
+        raise CompatError("locale", "set language or locale, not both")
+    field = "locale" if locale is not None else "language"
+    spoken = locale if locale is not None else language
+    if spoken is not None and not isinstance(spoken, str):
+        raise CompatError(field, f"{field} must be a string")
+    context_id = obj.get("context_id")
+    if context_id is not None and (not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS):
+        raise CompatError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
+    return TtsRequest(
+        transcript=transcript,
+        model_id=model_id,
+        voice_id=parse_voice(obj.get("voice")),
+        language=resolve_language(field, spoken, variant),
+        seed=parse_seed("seed", obj.get("seed")),
+        output=cartesia_format(obj.get("output_format"), required=True),
+        sse=sse,
+        add_timestamps=bool(obj.get("add_timestamps")),
+        context_id=context_id,
+    )
+
+
+def error_body(exc: CompatError, request_id: str) -> tuple[int, dict[str, Any]]:
+    return STATUS_BAD_REQUEST, _error(STATUS_BAD_REQUEST, "Invalid request", exc.message, "invalid_request", request_id)
+
+
+def status_body(status_code: int, title: str, message: str, error_code: str, request_id: str) -> dict[str, Any]:
+    """Any other failure (busy 429, generation failed 500, not ready 503)."""
+    return _error(status_code, title, message, error_code, request_id)
+
+
+def _error(status_code: int, title: str, message: str, error_code: str, request_id: str) -> dict[str, Any]:
+    return {"title": title, "message": message, "error_code": error_code, "status_code": status_code,
+            "request_id": request_id}
+
+
+# ---- SSE events ---------------------------------------------------------------------------------------
+
+
+def chunk_event(audio: bytes, context_id: str | None, step_time_ms: float = 0.0) -> bytes:
+    return _event({"type": "chunk", "data": b64(audio), "done": False, "status_code": STATUS_PARTIAL,
+                   "step_time": step_time_ms, "context_id": context_id})
+
+
+def timestamps_event(seg: SegmentTimes, context_id: str | None) -> bytes:
+    words = {"words": [w.word for w in seg.words], "start": seconds([w.start_ms for w in seg.words]),
+             "end": seconds([w.end_ms for w in seg.words])}
+    return _event({"type": "timestamps", "word_timestamps": words, "done": False, "status_code": STATUS_PARTIAL,
+                   "context_id": context_id})
+
+
+def done_event(context_id: str | None) -> bytes:
+    return _event({"type": "done", "done": True, "status_code": STATUS_OK, "context_id": context_id})
+
+
+def error_event(status_code: int, title: str, message: str, error_code: str, request_id: str,
+                context_id: str | None) -> bytes:
+    body = {"type": "error", "done": True, "context_id": context_id,
+            **_error(status_code, title, message, error_code, request_id)}
+    return _event(body)
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"event: " + str(body["type"]).encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
