@@ -1,0 +1,161 @@
+"""HiFT (mel -> 24 kHz waveform) as an explicit batched function whose randomness is an input.
+
+The library's `HiFTGenerator.inference(mel, cache_source)` draws its sine source's random harmonic phases and
+additive noise from the global RNG (so the caller had to reseed and restore the global generator around every
+call, and a stream's audio depended on anything else drawing from it), and runs one mel at a time. Here:
+
+- each row brings its own phases [B, harmonics] and standard-normal noise [B, harmonics, samples], drawn by the
+  caller per (stream seed, absolute position) (`synth/counter_noise.py`);
+- rows are mels of equal (bucket) length; a row's carried-over source excitation of the previous call replaces
+  the first samples of its source, as `cache_source` does;
+- everything runs channels-last through the row-invariant kernels of `synth/invariant_ops.py`, and the inverse
+  STFT is written out (irfft, window, overlap-add, envelope) so that nothing syncs with the host (torch.istft
+  checks its window envelope on the host) and a CUDA graph can capture it.
+
+With the same mel, phases and noise it computes what `HiFTGenerator.inference` computes, to float rounding
+(tests/synth/test_vocoder.py feeds the library the same draws through the global RNG).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from chatterbox.models.s3gen.hifigan import HiFTGenerator
+
+from synth import invariant_ops as ops
+
+SNAKE_EPSILON = 1e-9  # Snake's no_div_by_zero
+
+
+class _ResBlock:
+    def __init__(self, block: torch.nn.Module, invariant: bool) -> None:
+        self.convs1 = [ops.Conv1d(c, invariant) for c in block.convs1]
+        self.convs2 = [ops.Conv1d(c, invariant) for c in block.convs2]
+        self.alphas1 = [a.alpha.detach() for a in block.activations1]  # [C] each
+        self.alphas2 = [a.alpha.detach() for a in block.activations2]
+        if any(a.alpha_logscale for a in (*block.activations1, *block.activations2)):
+            raise RuntimeError("expected linear-scale Snake activations")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for conv1, conv2, alpha1, alpha2 in zip(self.convs1, self.convs2, self.alphas1, self.alphas2):
+            xt = _conv_same(conv1, _snake(x, alpha1))
+            xt = _conv_same(conv2, _snake(xt, alpha2))
+            x = xt + x
+        return x
+
+
+class BatchedHift:
+    """One HiFT generator's forward over a batch; holds no state between calls (any thread may call it)."""
+
+    def __init__(self, hift: HiFTGenerator, invariant: bool) -> None:
+        self.harmonics = int(hift.nb_harmonics) + 1
+        sine = hift.m_source.l_sin_gen
+        self.sample_rate_hz = int(sine.sampling_rate)
+        self.sine_amp, self.noise_std, self.voiced_threshold = float(sine.sine_amp), float(sine.noise_std), \
+            float(sine.voiced_threshold)
+        self.samples_per_frame = int(hift.f0_upsamp.scale_factor)
+        self.merge = ops.Linear.of(hift.m_source.l_linear, invariant)  # harmonics -> 1
+        f0 = hift.f0_predictor
+        self.f0_convs = [ops.Conv1d(m, invariant) for m in f0.condnet if isinstance(m, torch.nn.Conv1d)]
+        self.f0_classifier = ops.Linear.of(f0.classifier, invariant)
+        self.conv_pre = ops.Conv1d(hift.conv_pre, invariant)
+        self.ups = [ops.ConvTranspose1d(m, invariant) for m in hift.ups]
+        self.source_downs = [ops.Conv1d(m, invariant) for m in hift.source_downs]
+        self.source_down_padding = [int(m.padding[0]) for m in hift.source_downs]
+        self.source_resblocks = [_ResBlock(b, invariant) for b in hift.source_resblocks]
+        self.resblocks = [_ResBlock(b, invariant) for b in hift.resblocks]
+        self.kernels_per_level = int(hift.num_kernels)
+        self.conv_post = ops.Conv1d(hift.conv_post, invariant)
+        self.lrelu_slope = float(hift.lrelu_slope)
+        self.audio_limit = float(hift.audio_limit)
+        self.n_fft, self.hop = int(hift.istft_params["n_fft"]), int(hift.istft_params["hop_len"])
+        if self.n_fft % self.hop:
+            raise RuntimeError("the inverse STFT here expects n_fft to be a multiple of the hop")
+        self.window = hift.stft_window.to(self.conv_pre.weight.device)  # [n_fft] periodic Hann
+        if not isinstance(hift.reflection_pad, torch.nn.ReflectionPad1d) or hift.reflection_pad.padding != (1, 0):
+            raise RuntimeError("unexpected reflection pad")
+
+    def f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [B, M, 80] -> f0 [B, M] (Hz): ConvRNNF0Predictor."""
+        x = mel
+        for conv in self.f0_convs:
+            x = F.elu(_conv_same(conv, x))
+        return torch.abs(self.f0_classifier(x)[:, :, 0])
+
+    def source(self, f0: torch.Tensor, phases: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The neural source: f0 [B, M] (Hz), phases [B, H] (rad, row 0's first harmonic 0), noise [B, H, S]
+        standard normal -> excitation [B, S] (SineGen + SourceModuleHnNSF's merge)."""
+        f0_samples = f0.repeat_interleave(self.samples_per_frame, dim=1)[:, None, :]  # [B, 1, S]
+        harmonic = torch.arange(1, self.harmonics + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
+        per_sample = f0_samples * harmonic / self.sample_rate_hz  # [B, H, S] cycles per sample
+        theta = 2 * math.pi * (torch.cumsum(per_sample, dim=-1) % 1)
+        sine = self.sine_amp * torch.sin(theta + phases[:, :, None])
+        uv = (f0_samples > self.voiced_threshold).to(torch.float32)  # [B, 1, S]
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        sine = sine * uv + noise_amp * noise
+        return torch.tanh(self.merge(sine.transpose(1, 2)))[:, :, 0]  # [B, S]
+
+    def __call__(self, mel: torch.Tensor, phases: torch.Tensor, noise: torch.Tensor, carried: torch.Tensor,
+                 carried_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel [B, M, 80]; phases [B, H]; noise [B, H, 480 M]; carried [B, C] (C <= 480 M) source samples of the
+        previous call, of which the first carried_samples[b] replace row b's -> (wav [B, 480 M], source [B, 480 M])."""
+        source = self.source(self.f0(mel), phases, noise)  # [B, S]
+        positions = torch.arange(carried.shape[1], device=mel.device)[None, :]
+        head = torch.where(positions < carried_samples[:, None], carried, source[:, :carried.shape[1]])
+        source = torch.cat([head, source[:, carried.shape[1]:]], dim=1)
+        return self.decode(mel, source), source
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """HiFTGenerator.decode: mel [B, M, 80], source [B, S] -> waveform [B, S]."""
+        spec = torch.stft(source, self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
+        spec = torch.view_as_real(spec)  # [B, F, frames, 2]
+        source_frames = torch.cat([spec[..., 0], spec[..., 1]], dim=1).transpose(1, 2)  # [B, frames, 2F]
+        x = _conv_same(self.conv_pre, mel)  # [B, M, C]
+        for level, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.lrelu_slope))
+            if level == len(self.ups) - 1:
+                x = torch.cat([x[:, 1:2], x], dim=1)  # ReflectionPad1d((1, 0))
+            pad = self.source_down_padding[level]
+            si = self.source_downs[level](F.pad(source_frames, (0, 0, pad, pad)))
+            x = x + self.source_resblocks[level](si)
+            blocks = self.resblocks[level * self.kernels_per_level:(level + 1) * self.kernels_per_level]
+            xs = blocks[0](x)
+            for block in blocks[1:]:
+                xs = xs + block(x)
+            x = xs / self.kernels_per_level
+        x = _conv_same(self.conv_post, F.leaky_relu(x))  # [B, frames, 2F]
+        bins = self.n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :, :bins]).clamp(max=1e2)
+        phase = torch.sin(x[:, :, bins:])
+        wav = self._istft(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return wav.clamp(-self.audio_limit, self.audio_limit)
+
+    def _istft(self, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+        """torch.istft(center=True, onesided, hann window) of [B, frames, bins] without its host-side check."""
+        batch, frames, _ = real.shape
+        segments = torch.fft.irfft(torch.complex(real, imag), n=self.n_fft, dim=-1) * self.window  # [B, frames, n_fft]
+        blocks = self.n_fft // self.hop
+        segments = segments.view(batch, frames, blocks, self.hop)
+        out = real.new_zeros(batch, frames + blocks - 1, self.hop)
+        envelope = real.new_zeros(frames + blocks - 1, self.hop)
+        window_sq = (self.window ** 2).view(blocks, self.hop)
+        for block in range(blocks):  # frame t's block q lands on output block t + q
+            out[:, block:block + frames] += segments[:, :, block]
+            envelope[block:block + frames] += window_sq[block]
+        trim = self.n_fft // 2
+        length = (frames - 1) * self.hop
+        out = out.reshape(batch, -1)[:, trim:trim + length]
+        return out / envelope.reshape(-1)[trim:trim + length]
+
+
+def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Snake on channels-last x [B, T, C]: x + sin(alpha x)^2 / alpha."""
+    return x + (1.0 / (alpha + SNAKE_EPSILON)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+def _conv_same(conv: ops.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A stride-1 convolution with the library's symmetric zero padding (length kept)."""
+    pad = (conv.receptive_field - 1) // 2
+    return conv(F.pad(x, (0, 0, pad, pad)))
