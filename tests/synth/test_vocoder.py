@@ -17,8 +17,8 @@ from chatterbox.models.s3gen.transformer import upsample_encoder
 
 from synth import counter_noise
 from synth.tiny_s3gen import build_s3gen
-from synth.vocoder import (SAMPLES_PER_TOKEN, SILENCE_TOKEN, RenderJob, StreamingVocoder, VocoderStream,
-                           VocoderVoice)
+from synth.vocoder import (FLOW_BUCKET_TOKENS, SAMPLES_PER_TOKEN, SILENCE_TOKEN, RenderJob, StreamingVocoder,
+                           VocoderStream, VocoderVoice)
 
 from tests.synth.op_counter import count_ops
 
@@ -279,23 +279,24 @@ def test_uncached_render_is_the_library_flow(tiny: Setup) -> None:
     vocoder = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
                                prompt_max_tokens=PROMPT_TOKENS, cache_prompt=False)
     voice = vocoder.prepare_voice(tiny.ref_dict)
-    tokens = torch.tensor([utterance(30)])  # [1, 30]: 80 prompt + window tokens, padded to 88
-    noise = flow_noise(seed=5, frames=60)
+    tokens = torch.tensor([utterance(34)])  # [1, 34]: the window is padded (84 -> 88 tokens with the prompt)
+    assert (PROMPT_TOKENS + 34) % FLOW_BUCKET_TOKENS
+    noise = flow_noise(seed=5, frames=68)
     with torch.random.fork_rng():  # the library redraws the prompt region's noise from the global RNG
         torch.manual_seed(123)
         library, _ = tiny.s3gen.flow.inference(
-            token=tokens, token_len=torch.tensor([30]), prompt_token=voice.prompt_tokens,
+            token=tokens, token_len=torch.tensor([34]), prompt_token=voice.prompt_tokens,
             prompt_token_len=torch.tensor([voice.prompt_token_count]), prompt_feat=voice.prompt_mels.transpose(1, 2),
             prompt_feat_len=None, embedding=tiny.ref_dict["embedding"], finalize=True, n_timesteps=tiny.steps,
             noised_mels=noise, meanflow=tiny.meanflow)
         torch.manual_seed(123)
-        prompt_noise = torch.randn(1, 80, voice.prompt_frames + 60)[:, :, :voice.prompt_frames]
+        prompt_noise = torch.randn(1, 80, voice.prompt_frames + 68)[:, :, :voice.prompt_frames]
     same_noise = dataclasses.replace(voice, prompt_noise=prompt_noise)
     s = vocoder.open(same_noise, seed=5)
     s.add(tokens[0].tolist(), final=True)
     job = s.next_job()
     assert job is not None and job.final and job.window_first == 0
-    ours = vocoder._render_flow([job])[0]  # [60, 80]
+    ours = vocoder._render_flow([job])[0]  # [68, 80]
     torch.testing.assert_close(torch.from_numpy(ours).T[None], library, rtol=1e-5, atol=1e-5)
 
 
@@ -388,6 +389,7 @@ def test_prompt_cache_is_exact(tiny: Setup) -> None:
     s.prompt = vocoder.prompt_cache(voice)
     s.add(window, final=True)
     window = s.tokens  # with Turbo's appended silence
+    assert len(window) % FLOW_BUCKET_TOKENS  # the window is padded to its bucket (and masked)
     frames = 2 * len(window)
     job = s.next_job()
     assert job is not None and job.final
@@ -447,3 +449,106 @@ def test_one_token_prompt_renders_uncached(tiny: Setup) -> None:
     s = short.open(voice, seed=7)
     pcm, n_tokens = s.push(utterance(20), final=True)
     assert n_tokens == 20 + tiny.silence and np.isfinite(pcm).all()
+
+
+# --- batched renders ----------------------------------------------------------------------------------------
+
+
+def clone(s: VocoderStream) -> VocoderStream:
+    """An independent copy of a stream's state (to render it alone and in a batch from the same point)."""
+    return dataclasses.replace(s, tokens=list(s.tokens),
+                               held_mel=None if s.held_mel is None else s.held_mel.copy(),
+                               held_source=None if s.held_source is None else s.held_source.copy(),
+                               held_wav=None if s.held_wav is None else s.held_wav.copy())
+
+
+def advanced_stream(vocoder: StreamingVocoder, voice: VocoderVoice, seed: int, tokens: list[int],
+                    chunks: list[int], final: bool) -> VocoderStream:
+    """A stream with `tokens` in whose first len(chunks) chunks of the given sizes have been rendered."""
+    s = vocoder.open(voice, seed=seed)
+    s.prompt = vocoder.prompt_cache(voice)
+    s.add(tokens, final=final)
+    for size in chunks:
+        job = s.next_job(size)
+        assert job is not None
+        vocoder.render([job])
+    return s
+
+
+@pytest.fixture(scope="module")
+def second_voice(tiny: Setup) -> VocoderVoice:
+    """Another voice: the reference's speaker embedding perturbed (its prompt cache differs too)."""
+    ref = dict(tiny.ref_dict)
+    ref["embedding"] = ref["embedding"] + 0.5 * torch.randn(ref["embedding"].shape,
+                                                             generator=torch.Generator().manual_seed(8))
+    return tiny.vocoder.prepare_voice(ref)
+
+
+def mixed_streams(tiny: Setup, second_voice: VocoderVoice, vocoder: StreamingVocoder | None = None
+                  ) -> list[VocoderStream]:
+    """Seven streams at different points: two voices, first chunks and later ones, windows of several buckets,
+    final renders, and an empty stream's final flush (nothing to render for English; Turbo's 3 silence tokens)."""
+    vocoder = vocoder or tiny.vocoder
+    specs = [  # (voice, seed, tokens, chunks rendered before, final)
+        (tiny.voice, 1, utterance(40, seed=1), [], False),
+        (second_voice, 2, utterance(40, seed=2), [], False),
+        (tiny.voice, 3, utterance(70, seed=3), [12], False),
+        (second_voice, 4, utterance(90, seed=4), [12, 24], False),
+        (tiny.voice, 5, utterance(30, seed=5), [12], True),
+        (second_voice, 6, utterance(17, seed=6), [], True),
+        (tiny.voice, 7, [], [], True),
+    ]
+    return [advanced_stream(vocoder, voice, seed, tokens, chunks, final)
+            for voice, seed, tokens, chunks, final in specs]
+
+
+@pytest.mark.parametrize("row_invariant", [True, False], ids=["cpu-kernels", "cuda-kernels"])
+def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: VocoderVoice,
+                                                 row_invariant: bool) -> None:
+    """One batched render of seven streams (two voices, several window lengths and chunk indices, final and
+    not) gives each stream what rendering it alone gives: bitwise with the CPU's row-invariant kernels,
+    within 1e-5 with the cuBLAS/cuDNN path (here on the CPU: F.linear/F.conv1d, whose rows do depend on the
+    batch). The next render after the batch also agrees (the carried state is the same)."""
+    vocoder = tiny.vocoder if row_invariant else StreamingVocoder(
+        tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow, append_silence_tokens=tiny.silence,
+        prompt_max_tokens=PROMPT_TOKENS, row_invariant=False)
+    batch = mixed_streams(tiny, second_voice, vocoder)
+    alone = [clone(s) for s in batch]
+    jobs = [s.next_job(24) for s in batch]
+    assert all(job is not None for job in jobs)
+    assert len({(job.stop - job.window_first + 7) // 8 for job in jobs}) >= 3  # several flow buckets
+    assert any(job.new_tokens == 0 for job in jobs) == (tiny.silence == 0) and any(job.final for job in jobs)
+    batched = vocoder.render(jobs)  # type: ignore[arg-type]
+    singles = [vocoder.render([s.next_job(24)])[0] for s in alone]  # type: ignore[list-item]
+    for s, single, together in zip(alone, singles, batched):
+        assert single.size == together.size
+        if row_invariant:
+            assert np.array_equal(single, together)
+        else:
+            np.testing.assert_allclose(together, single, rtol=0, atol=1e-5)
+    follow = [s.next_job(24) for s in batch]
+    follow_alone = [s.next_job(24) for s in alone]
+    for job, job_alone in zip(follow, follow_alone):
+        assert (job is None) == (job_alone is None)
+        if job is not None and job_alone is not None:
+            a, b = vocoder.render([job])[0], vocoder.render([job_alone])[0]
+            assert np.array_equal(a, b) if row_invariant else np.allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_ops_per_tick_do_not_grow_with_streams(tiny: Setup, second_voice: VocoderVoice) -> None:
+    """A render tick runs the same aten ops for 1, 4 and 16 streams due at once (two voices among them): the
+    batch is built on the host and every tensor op covers all rows."""
+    counts = {}
+    for n in (1, 4, 16):
+        streams = []
+        for i in range(n):
+            voice = tiny.voice if i % 2 == 0 else second_voice
+            s = tiny.vocoder.open(voice, seed=100 + i)
+            s.prompt = tiny.vocoder.prompt_cache(voice)
+            s.add(utterance(30, seed=i), final=False)
+            streams.append(s)
+        jobs = [s.next_job(12) for s in streams]
+        with count_ops() as ops:
+            tiny.vocoder.render(jobs)  # type: ignore[arg-type]
+        counts[n] = ops.total
+    assert counts[1] == counts[4] == counts[16] > 0, counts
