@@ -3,11 +3,13 @@ it is batched with.
 
 Why: a seeded stream must give the same PCM whatever it is batched with (docs/protocol.md promises it), and
 which streams share a vocoder tick depends on timing. On the CPU, torch's default kernels do not keep a row's
-bits when the batch changes: `F.linear` (MKL) changes them with the number of rows, oneDNN's direct convolution
-between one image and several, and even oneDNN's prepacked linear for large inner sizes
-(tests/synth/test_invariant_ops.py shows each). What does keep them is one GEMM per row of the batch, all of the
-same shape: `torch.baddbmm` with the weight expanded over the batch (stride 0), which MKL runs as a batch of
-identical GEMMs. So on the CPU:
+bits when the batch changes (measured on the development machine, torch 2.13: `F.linear` (MKL) changes them
+with the number of rows, oneDNN's direct convolution between one image and several, oneDNN's prepacked linear
+for large inner sizes). What does keep them is one GEMM per row of the batch, all of the same shape:
+`torch.baddbmm` with the weight expanded over the batch (stride 0), which MKL runs as a batch of identical
+GEMMs, once each product has at least 4 rows and a multiple of 16 columns (smaller ones are padded: below
+that MKL's batched GEMM, too, changed a row's bits for some shapes; tests/synth/test_invariant_ops.py checks
+every shape class S3Gen uses). So on the CPU:
 
 - a linear layer is one `baddbmm` over [B, T, in] (the same T for every row of a bucket);
 - a convolution is the sum of one `baddbmm` per kernel tap over shifted views of channels-last activations
@@ -28,7 +30,16 @@ import torch
 import torch.nn.functional as F
 
 
-MIN_GEMM_COLUMNS = 2
+# MKL's batched GEMM kept a row's bits whatever the batch for every shape tried with at least 4 rows per
+# matrix and a column count that is a multiple of 16, not always otherwise (1 row with 257 columns, 19 rows with
+# 6, 7 or 9 columns: measured, tests/synth/test_invariant_ops.py), so products are padded up to such shapes
+# (zero rows and columns) and cut back.
+MIN_GEMM_ROWS = 4
+GEMM_COLUMN_MULTIPLE = 16
+
+
+def _gemm_columns(columns: int) -> int:
+    return -(-columns // GEMM_COLUMN_MULTIPLE) * GEMM_COLUMN_MULTIPLE
 
 
 def row_invariant_default(device: torch.device) -> bool:
@@ -46,9 +57,8 @@ class Linear:
         self.out_features = int(weight.shape[0])
         self.invariant = invariant
         self.weight = weight.contiguous()  # [out, in] for F.linear
-        # [in, out'] for baddbmm. A single output column is padded to two: MKL's batched product with one
-        # column takes another path, which does change a row's result with the batch (measured).
-        self._columns = max(self.out_features, MIN_GEMM_COLUMNS)
+        # [in, out'] for baddbmm, out' padded to a multiple of 16 (see GEMM_COLUMN_MULTIPLE).
+        self._columns = _gemm_columns(self.out_features)
         self.weight_t = F.pad(weight.t(), (0, self._columns - self.out_features)).contiguous()
         self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_features))
 
@@ -57,10 +67,12 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         squeeze = x.dim() == 2
         x3 = x[:, None] if squeeze else x  # [B, T, in]
+        rows = x3.shape[1]
+        if rows < MIN_GEMM_ROWS:
+            x3 = F.pad(x3, (0, 0, 0, MIN_GEMM_ROWS - rows))
         weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
         y = torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
-        if self._columns != self.out_features:
-            y = y[..., :self.out_features]
+        y = y[:, :rows, :self.out_features]
         return y[:, 0] if squeeze else y  # [B, T, out] or [B, out]
 
     @staticmethod
@@ -82,8 +94,6 @@ class Conv1d:
         if module.groups != 1:
             raise ValueError("grouped convolutions are not used by S3Gen")
         weight = module.weight.detach()  # [out, in, k] (weight norm resolved by the access)
-        if weight.shape[0] < MIN_GEMM_COLUMNS:
-            raise ValueError("a convolution with one output channel would need padding (see Linear)")
         self.kernel = int(weight.shape[2])
         self.stride = int(module.stride[0])
         self.dilation = int(module.dilation[0])
@@ -92,7 +102,10 @@ class Conv1d:
         self.bias = None if module.bias is None else module.bias.detach()
         self.invariant = invariant
         self.weight = weight.contiguous()  # [out, in, k] for F.conv1d
-        self.taps = weight.permute(2, 1, 0).contiguous()  # [k, in, out]: one [in, out] matrix per tap
+        self._columns = _gemm_columns(self.out_channels)
+        taps = weight.permute(2, 1, 0)  # [k, in, out]: one [in, out] matrix per tap
+        self.taps = F.pad(taps, (0, self._columns - self.out_channels)).contiguous()  # [k, in, out']
+        self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_channels))
 
     @property
     def receptive_field(self) -> int:
@@ -107,18 +120,22 @@ class Conv1d:
         if not self.invariant:
             y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
             return y.transpose(1, 2)
+        if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
+            x = F.pad(x, (0, 0, 0, (MIN_GEMM_ROWS - out_len) * self.stride))
+            return self(x)[:, :out_len]
         span = (out_len - 1) * self.stride + 1
         out: torch.Tensor | None = None
         for tap in range(self.kernel):
             start = tap * self.dilation
             shifted = x[:, start:start + span:self.stride]  # [B, T_out, C_in], a strided view
-            weight = self.taps[tap].expand(batch, self.in_channels, self.out_channels)
+            weight = self.taps[tap].expand(batch, self.in_channels, self._columns)
             if out is None:
-                out = torch.bmm(shifted, weight) if self.bias is None else torch.baddbmm(self.bias, shifted, weight)
+                out = torch.bmm(shifted, weight) if self._bias_padded is None else \
+                    torch.baddbmm(self._bias_padded, shifted, weight)
             else:
                 out = torch.baddbmm(out, shifted, weight)
         assert out is not None
-        return out
+        return out if self._columns == self.out_channels else out[:, :, :self.out_channels]
 
 
 class ConvTranspose1d:
@@ -136,7 +153,9 @@ class ConvTranspose1d:
         self.bias = None if module.bias is None else module.bias.detach()
         self.invariant = invariant
         self.weight = weight.contiguous()
-        self.taps = weight.permute(0, 2, 1).reshape(self.in_channels, self.kernel * self.out_channels).contiguous()
+        self.taps = weight.permute(0, 2, 1).reshape(self.in_channels, self.kernel * self.out_channels)  # [in, k out]
+        self._columns = _gemm_columns(self.kernel * self.out_channels)
+        self.taps = F.pad(self.taps, (0, self._columns - self.kernel * self.out_channels)).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch, in_len, _ = x.shape
@@ -144,8 +163,11 @@ class ConvTranspose1d:
             y = F.conv_transpose1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride,
                                    padding=self.padding)
             return y.transpose(1, 2)
-        taps = torch.bmm(x, self.taps.expand(batch, self.in_channels, self.kernel * self.out_channels))
-        taps = taps.view(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
+        if in_len < MIN_GEMM_ROWS:
+            x = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - in_len))
+        taps = torch.bmm(x, self.taps.expand(batch, self.in_channels, self._columns))
+        taps = taps[:, :in_len, :self.kernel * self.out_channels]
+        taps = taps.reshape(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
         full_len = (in_len - 1) * self.stride + self.kernel
         out = x.new_zeros(batch, full_len, self.out_channels)
         span = (in_len - 1) * self.stride + 1
