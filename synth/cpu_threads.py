@@ -67,6 +67,7 @@ def release_openmp_pool() -> bool:
 # `--threads D,V` sets the two counts; `--threads N` splits N as if the machine had N cores.
 
 EVENT_LOOP_RESERVE_FROM_CORES = 4
+WARM_UP_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +115,17 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def use_threads(count: int) -> None:
+    """Set the calling thread's torch thread count (its own OpenMP team and MKL count), for this thread only.
+
+    torch.set_num_threads sets the calling thread's OpenMP and MKL counts and a process-wide default; a thread's
+    first parallel op initialises its count from that default. So a thread that sets its count before its first
+    parallel op gets it overwritten by whatever another thread set meanwhile (measured: a decode thread set to 1
+    ran with the vocoder's 2). Running one op first makes the count stick.
+    """
+    # One op above the parallel grain size (32768 elements): this thread's lazy OpenMP initialisation happens
+    # now, not after our setting (a smaller op runs serially and initialises nothing).
+    torch.ones(WARM_UP_ELEMENTS).add_(1)
+    torch.set_num_threads(count)

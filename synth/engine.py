@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from synth import alignment, linear_bf16w
-from synth.cpu_threads import ThreadBudget, release_openmp_pool
+from synth.cpu_threads import ThreadBudget, release_openmp_pool, use_threads
 from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
                        SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
@@ -232,7 +232,7 @@ class Engine(EngineLike):
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        torch.set_num_threads(self.threads.decode)  # this thread's OpenMP team (synth/cpu_threads.py)
+        use_threads(self.threads.decode)  # this thread's OpenMP team (synth/cpu_threads.py)
         try:
             self._warmup()
             self._ready.set()

@@ -35,6 +35,7 @@ import torch
 
 from synth.api import (OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EventKind, ListenerClock,
                        SegmentEvent)
+from synth.cpu_threads import use_threads
 from synth.outlet import Delivery, Outlet
 from synth.vocoder import PromptCache, RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
 
@@ -229,7 +230,7 @@ class VocoderWorker:
     # --- the worker thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)
+        use_threads(self.threads)
         torch.set_grad_enabled(False)
         device = self.vocoder.device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -404,7 +405,7 @@ class VocoderWorker:
     # --- the preparation thread --------------------------------------------------------------------------
 
     def _run_preparer(self) -> None:
-        torch.set_num_threads(PREPARER_THREADS)
+        use_threads(PREPARER_THREADS)
         torch.set_grad_enabled(False)
         device = self.vocoder.device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
