@@ -155,7 +155,7 @@ class RenderStats:
 
 class VocoderWorker:
     def __init__(self, vocoder: StreamingVocoder, policy: ChunkPolicy, *, threads: int, max_batch: int,
-                 on_sink_failed: Callable[[str], None]) -> None:
+                 on_sink_failed: Callable[[str], None], max_pending_steps: int = MAX_PENDING_STEPS) -> None:
         if max_batch < 1 or threads < 1:
             raise ValueError("max_batch and threads must be >= 1")
         self.vocoder = vocoder
@@ -165,7 +165,7 @@ class VocoderWorker:
         self._on_sink_failed = on_sink_failed
         self._inbox: queue.Queue[_Message] = queue.Queue()
         # Feeds are the one producer that can run ahead (the decode): each holds a slot until handled.
-        self._feed_slots = threading.BoundedSemaphore(MAX_PENDING_STEPS)
+        self._feed_slots = threading.BoundedSemaphore(max_pending_steps)
         self._prepare_queue: queue.Queue[Any] = queue.Queue()
         self._speeches: dict[str, Speech] = {}  # worker thread only
         self._voices: dict[str, VocoderVoice] = {}  # voice key -> prepared (worker thread only), insertion = age
