@@ -20,7 +20,6 @@ import functools
 import glob
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -64,49 +63,10 @@ def release_openmp_pool() -> bool:
 # instead: the decode and the vocoder each get about half, so together they never ask for more threads than
 # there are cores, and on 2 cores each runs single-threaded (no barriers at all: a busy core then halves our
 # speed instead of dividing it by 9). On 4 or more cores one is left for the event loop and the sockets.
-# `--threads D,V` sets the two counts; `--threads N` splits N as if the machine had N cores.
+# `--threads D,V` sets the two counts; `--threads N` splits N as if the machine had N cores
+# (synth.api.ThreadBudget).
 
-EVENT_LOOP_RESERVE_FROM_CORES = 4
 WARM_UP_ELEMENTS = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadBudget:
-    decode: int  # OpenMP/MKL threads of the engine's decode thread
-    vocoder: int  # of the vocoder worker
-
-    @staticmethod
-    def split(cores: int) -> "ThreadBudget":
-        """The automatic split of `cores` CPUs."""
-        usable = max(1, cores - (1 if cores >= EVENT_LOOP_RESERVE_FROM_CORES else 0))
-        decode = max(1, usable // 2)
-        return ThreadBudget(decode=decode, vocoder=max(1, usable - decode))
-
-    @staticmethod
-    def resolve(decode: int, vocoder: int, cores: int | None = None) -> "ThreadBudget":
-        """Explicit counts where given (> 0), the automatic split of this process's CPUs for the rest."""
-        if decode < 0 or vocoder < 0:
-            raise ValueError("thread counts must be >= 0 (0: automatic)")
-        auto = ThreadBudget.split(cores if cores is not None else available_cores())
-        return ThreadBudget(decode=decode or auto.decode, vocoder=vocoder or auto.vocoder)
-
-    @staticmethod
-    def parse(spec: str) -> tuple[int, int]:
-        """'auto' -> (0, 0); 'N' -> the split of N cores; 'D,V' -> (D, V). Raises ValueError."""
-        text = spec.strip().lower()
-        if text == "auto":
-            return 0, 0
-        parts = [p.strip() for p in text.split(",")]
-        try:
-            counts = [int(p) for p in parts]
-        except ValueError:
-            raise ValueError(f"threads must be 'auto', N or D,V (got {spec!r})") from None
-        if len(counts) == 1 and counts[0] >= 1:
-            budget = ThreadBudget.split(counts[0])
-            return budget.decode, budget.vocoder
-        if len(counts) == 2 and min(counts) >= 1:
-            return counts[0], counts[1]
-        raise ValueError(f"threads must be 'auto', N >= 1 or D,V >= 1 (got {spec!r})")
 
 
 def available_cores() -> int:

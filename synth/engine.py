@@ -24,10 +24,10 @@ from typing import Any, Callable
 import torch
 
 from synth import alignment, linear_bf16w
-from synth.cpu_threads import ThreadBudget, release_openmp_pool, use_threads
+from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
 from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
-                       SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
+                       SegmentEvent, SegmentRequest, StepStats, ThreadBudget, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
@@ -110,7 +110,7 @@ class Engine(EngineLike):
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama))
-        self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads)
+        self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
         self.vocoder: Any = None  # synth.vocoder.StreamingVocoder when rendering audio
         self.vocoder_worker: VocoderWorker | None = None
         if render_audio:

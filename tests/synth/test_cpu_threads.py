@@ -34,25 +34,6 @@ def test_release_frees_this_threads_workers() -> None:
         torch.set_num_threads(saved)
 
 
-def test_thread_budget_split_and_parse() -> None:
-    from synth.cpu_threads import ThreadBudget
-
-    assert ThreadBudget.split(1) == ThreadBudget(1, 1)  # both single-threaded: no OpenMP barriers at all
-    assert ThreadBudget.split(2) == ThreadBudget(1, 1)
-    assert ThreadBudget.split(4) == ThreadBudget(1, 2)  # one core left to the event loop
-    assert ThreadBudget.split(16) == ThreadBudget(7, 8)
-    for cores in range(1, 65):
-        budget = ThreadBudget.split(cores)
-        assert budget.decode + budget.vocoder <= max(2, cores)  # never more compute threads than cores
-    assert ThreadBudget.parse("auto") == (0, 0)
-    assert ThreadBudget.parse("3,5") == (3, 5)
-    assert ThreadBudget.parse("8") == (3, 4)
-    assert ThreadBudget.resolve(0, 3, cores=2) == ThreadBudget(1, 3)
-    for bad in ("0", "1,0", "x", "1,2,3", "-2"):
-        with pytest.raises(ValueError):
-            ThreadBudget.parse(bad)
-
-
 def test_each_thread_keeps_its_own_count() -> None:
     """The engine sets the decode thread's and the vocoder thread's counts separately: a count set on one
     thread is that thread's (OpenMP's per-thread ICV, MKL's local count), not the other's."""
