@@ -127,7 +127,8 @@ class _Layer:
 
 
 class PrefixCachedEncoder:
-    """Encodes prompts once and windows after them, in batches, with one flow's encoder."""
+    """Encodes prompts once and windows after them, in batches, with one flow's encoder (callers set the grad
+    mode: inference mode, or no_grad under torch.compile)."""
 
     def __init__(self, flow: torch.nn.Module, invariant: bool) -> None:
         encoder = flow.encoder
@@ -172,7 +173,6 @@ class PrefixCachedEncoder:
         return EncoderPrefix.empty(batch, self.layers, len(self.token_layers), layer.heads, layer.d_k, self.width,
                                    device, dtype)
 
-    @torch.inference_mode()
     def encode_prefix(self, tokens: torch.Tensor) -> EncoderPrefix:
         """tokens [1, P] (P >= 2): the prompt encoded alone, with what windows need kept."""
         if tokens.shape[0] != 1 or tokens.shape[1] < MIN_PREFIX_TOKENS:
@@ -190,7 +190,6 @@ class PrefixCachedEncoder:
             key_mask=torch.ones(1, tokens.shape[1], dtype=torch.bool, device=tokens.device),
             token_layers=len(self.token_layers))
 
-    @torch.inference_mode()
     def encode(self, prefix: EncoderPrefix, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """tokens [B, W] (rows right-padded; real lengths [B]) following each row's prefix -> mu [B, 2W, 80]."""
         mu, _ = self._encode(prefix, tokens, lengths, keep=False)

@@ -133,21 +133,19 @@ class BatchedHift:
         return wav.clamp(-self.audio_limit, self.audio_limit)
 
     def _istft(self, real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
-        """torch.istft(center=True, onesided, hann window) of [B, frames, bins] without its host-side check."""
+        """torch.istft(center=True, onesided, hann window) of [B, frames, bins], without its host-side check.
+
+        Overlap-add and window envelope by F.fold (no in-place ops: torch.compile can take it in inference mode)."""
         batch, frames, _ = real.shape
         segments = torch.fft.irfft(torch.complex(real, imag), n=self.n_fft, dim=-1) * self.window  # [B, frames, n_fft]
-        blocks = self.n_fft // self.hop
-        segments = segments.view(batch, frames, blocks, self.hop)
-        out = real.new_zeros(batch, frames + blocks - 1, self.hop)
-        envelope = real.new_zeros(frames + blocks - 1, self.hop)
-        window_sq = (self.window ** 2).view(blocks, self.hop)
-        for block in range(blocks):  # frame t's block q lands on output block t + q
-            out[:, block:block + frames] += segments[:, :, block]
-            envelope[block:block + frames] += window_sq[block]
+        full = (frames - 1) * self.hop + self.n_fft
+        fold = dict(output_size=(1, full), kernel_size=(1, self.n_fft), stride=(1, self.hop))
+        out = F.fold(segments.transpose(1, 2), **fold)[:, 0, 0]  # [B, full]
+        window_sq = (self.window ** 2)[None, :, None].expand(1, self.n_fft, frames)
+        envelope = F.fold(window_sq, **fold)[0, 0, 0]  # [full]
         trim = self.n_fft // 2
         length = (frames - 1) * self.hop
-        out = out.reshape(batch, -1)[:, trim:trim + length]
-        return out / envelope.reshape(-1)[trim:trim + length]
+        return out[:, trim:trim + length] / envelope[trim:trim + length]
 
 
 def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

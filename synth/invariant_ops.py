@@ -15,7 +15,7 @@ every shape class S3Gen uses). So on the CPU:
 - a convolution is the sum of one `baddbmm` per kernel tap over shifted views of channels-last activations
   [B, T, C] (no im2col copy: the views are strided, not copied); 1.1-1.6x oneDNN's direct convolution on HiFT's
   shapes, measured on the 2-core development machine;
-- a transposed convolution is one `baddbmm` to [B, T, k * out] and an overlap-add of the k taps in a fixed order.
+- a transposed convolution is one `baddbmm` to [B, T, k * out] and an overlap-add of the k taps (F.fold).
 
 On CUDA the same classes call cuBLAS/cuDNN (`F.linear`, `F.conv1d`, `F.conv_transpose1d`): fastest, and what
 `torch.compile` / CUDA graphs capture; a row's last bits may then depend on its batch (see BENCHMARKS.md).
@@ -169,9 +169,8 @@ class ConvTranspose1d:
         taps = taps[:, :in_len, :self.kernel * self.out_channels]
         taps = taps.reshape(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
         full_len = (in_len - 1) * self.stride + self.kernel
-        out = x.new_zeros(batch, full_len, self.out_channels)
-        span = (in_len - 1) * self.stride + 1
-        for tap in range(self.kernel):  # input t feeds output t * stride + tap; the taps are added in order
-            out[:, tap:tap + span:self.stride] += taps[:, :, tap]
-        out = out[:, self.padding:full_len - self.padding]
+        # input t feeds output t * stride + tap: an overlap-add (col2im, each output summed in a fixed order)
+        columns = taps.permute(0, 3, 2, 1).reshape(batch, self.out_channels * self.kernel, in_len)
+        out = F.fold(columns, output_size=(1, full_len), kernel_size=(1, self.kernel), stride=(1, self.stride))
+        out = out[:, :, 0, self.padding:full_len - self.padding].transpose(1, 2)  # [B, T_out, C_out]
         return out if self.bias is None else out + self.bias

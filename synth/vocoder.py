@@ -40,11 +40,12 @@ another. A stream is not thread-safe (its owner renders it); the prompt-cache ta
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar, cast
 
 import numpy as np
 import torch
@@ -91,6 +92,21 @@ PROMPT_NOISE_SEED = 0  # the prompt region's flow noise is fixed per voice (not 
 # captured graph per batch size).
 FLOW_BUCKET_TOKENS = 8
 HIFT_BUCKET_FRAMES = 16
+COMPILED_SHAPES = 256  # dynamo's per-function cache: one entry per (batch size, bucket) a compiled render meets
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _without_grad(method: _F) -> _F:
+    """Run a StreamingVocoder method in its grad mode: inference mode, or no_grad once compiled (torch.compile
+    cannot take inference tensors through views)."""
+    @functools.wraps(method)
+    def wrapper(self: "StreamingVocoder", *args: Any, **kwargs: Any) -> Any:
+        with (torch.no_grad() if self.compiled else torch.inference_mode()):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -213,6 +229,34 @@ class StreamingVocoder:
                                  for t, r in zip(self._t_span[:-1], self._t_span[1:])]
         self._prompt_caches: OrderedDict[int, PromptCache] = OrderedDict()  # voice key -> cache, LRU order
         self._prompt_lock = threading.Lock()
+        self.compiled = False
+        # The three batched functions of a render (replaced by compiled versions in `compile`).
+        self._encode_fn: Callable[..., torch.Tensor] = self.encoder.encode
+        self._estimate_fn: Callable[..., torch.Tensor] = self._estimate_after_prompt
+        self._hift_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.hift.__call__
+
+    def compile(self, mode: str = "reduce-overhead", backend: str = "inductor") -> None:
+        """Compile the encoder, the estimator step (cached prompts) and HiFT; on CUDA, mode "reduce-overhead"
+        captures a CUDA graph per input shape, i.e. per (batch size, bucket). Tensor inputs only: the host-side
+        batch building stays eager."""
+        import torch._dynamo
+
+        with self._prompt_lock:
+            if self._prompt_caches:
+                raise RuntimeError("compile() before preparing voices (their caches would be inference tensors)")
+        self.compiled = True
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
+        options = {"mode": mode} if backend == "inductor" else {}
+        self._encode_fn = torch.compile(self.encoder.encode, dynamic=False, backend=backend, **options)
+        self._estimate_fn = torch.compile(self._estimate_after_prompt, dynamic=False, backend=backend, **options)
+        self._hift_fn = torch.compile(self.hift.__call__, dynamic=False, backend=backend, **options)
+
+    def _estimate_after_prompt(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, time_emb: torch.Tensor,
+                               spks: torch.Tensor, cond: torch.Tensor, keys: tuple[torch.Tensor, ...],
+                               values: tuple[torch.Tensor, ...], conv_tails: tuple[torch.Tensor, ...],
+                               key_mask: torch.Tensor) -> torch.Tensor:
+        """One estimator call after cached prompts, on tensors only (what `compile` wraps)."""
+        return self.estimator(x, mask, mu, time_emb, spks, cond, StepPrefix(keys, values, conv_tails, key_mask))
 
     @property
     def latency_tokens(self) -> int:
@@ -230,7 +274,7 @@ class StreamingVocoder:
 
     # --- voices ------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @_without_grad
     def prepare_voice(self, ref_dict: dict[str, Any]) -> VocoderVoice:
         """Standardise `S3Gen.embed_ref(...)` output (the last `prompt_max_tokens` tokens) and cache its prompt.
 
@@ -270,7 +314,7 @@ class StreamingVocoder:
                 self._prompt_caches.move_to_end(voice.key)
             return cache
 
-    @torch.inference_mode()
+    @_without_grad
     def prompt_cache(self, voice: VocoderVoice) -> PromptCache | None:
         """The voice's prompt activations, computed if not resident (LRU within `prompt_cache_bytes`; a rebuilt
         cache is bitwise the same). None for a voice that renders uncached."""
@@ -311,7 +355,7 @@ class StreamingVocoder:
 
     # --- the batched render ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @_without_grad
     def render(self, jobs: Sequence[RenderJob]) -> list[np.ndarray]:
         """Render one window of each job's stream (one job per stream), all in one batch; returns each job's PCM
         (float32 [960 n]) that is final now, in job order, and advances the streams."""
@@ -323,7 +367,7 @@ class StreamingVocoder:
         waves = self._render_hift(jobs, mels)
         return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves)]
 
-    @torch.inference_mode()
+    @_without_grad
     def _render_flow(self, jobs: Sequence[RenderJob]) -> list[np.ndarray | None]:
         """Mel frames [2 * new tokens, 80] (host float32) of each job with new tokens, grouped by padded length."""
         groups: dict[tuple[bool, int], list[int]] = {}
@@ -364,7 +408,7 @@ class StreamingVocoder:
         voices = [job.stream.voice for job in jobs]
         prefix = EncoderPrefix.cat([job.stream.prompt.encoder for job in jobs]) if cached else \
             self.encoder.empty_prefix(batch, device, self.dtype)
-        mu = self.encoder.encode(prefix, torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
+        mu = self._encode_fn(prefix, torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
         mu = mu[:, :frames]  # [B, frames, 80]: the lookahead tokens' frames are not rendered (finalize=False)
         frame_mask = (torch.arange(frames, device=device)[None, :]
                       < torch.from_numpy(rendered * MEL_FRAMES_PER_TOKEN).to(device)[:, None])
@@ -395,8 +439,13 @@ class StreamingVocoder:
         mask_r, mu_r, spks_r, cond_r = (_repeat_rows(mask, rows), _cfg_rows(mu, rows), _cfg_rows(speaker, rows),
                                         _cfg_rows(cond, rows))
         for step, time_emb in enumerate(self._time_embeddings):
-            prefix = None if prompts is None else StepPrefix.cat([p.steps[step] for p in prompts if p is not None])
-            velocity = self.estimator(_repeat_rows(x, rows), mask_r, mu_r, time_emb, spks_r, cond_r, prefix)
+            x_r = _repeat_rows(x, rows)
+            if prompts is None:
+                velocity = self.estimator(x_r, mask_r, mu_r, time_emb, spks_r, cond_r, None)
+            else:
+                prefix = StepPrefix.cat([p.steps[step] for p in prompts if p is not None])
+                velocity = self._estimate_fn(x_r, mask_r, mu_r, time_emb, spks_r, cond_r, prefix.keys, prefix.values,
+                                             prefix.conv_tails, prefix.key_mask)
             x = self._euler_step(x, velocity, step)
         return x
 
@@ -426,7 +475,7 @@ class StreamingVocoder:
                 out[index] = (wav[row, :samples], source[row, :samples])
         return out
 
-    @torch.inference_mode()
+    @_without_grad
     def _hift_group(self, group: list[tuple[RenderJob, np.ndarray]], frames: int) -> tuple[np.ndarray, np.ndarray]:
         batch, device = len(group), self.device
         samples = frames * SAMPLES_PER_MEL_FRAME
@@ -454,7 +503,7 @@ class StreamingVocoder:
         noise_keys = counter_noise.stream_keys(seeds, counter_noise.SINE_NOISE)
         noise = counter_noise.normal_run(noise_keys, first * SAMPLES_PER_MEL_FRAME * harmonics, samples * harmonics,
                                          self.dtype).view(batch, samples, harmonics).transpose(1, 2)
-        wav, source = self.hift(torch.from_numpy(mel).to(device, self.dtype), phases, noise,
+        wav, source = self._hift_fn(torch.from_numpy(mel).to(device, self.dtype), phases, noise,
                                 torch.from_numpy(carried).to(device, self.dtype),
                                 torch.from_numpy(carried_samples).to(device))
         return wav.float().cpu().numpy(), source.float().cpu().numpy()
@@ -542,7 +591,6 @@ class VocoderStream:
         pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         return pcm, pcm.size // SAMPLES_PER_TOKEN
 
-    @torch.inference_mode()
     def oneshot(self) -> np.ndarray:
         """All tokens added so far rendered in one window and one HiFT call, with this stream's noise."""
         twin = VocoderStream(vocoder=self.vocoder, voice=self.voice, seed=self.seed, tokens=list(self.tokens),
