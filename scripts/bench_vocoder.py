@@ -17,7 +17,9 @@ same after StreamingVocoder.compile() (torch.compile, mode reduce-overhead: a CU
 eager and compiled side by side. For the GPU check:
 
     python scripts/bench_vocoder.py --mode batched --device cuda --batch-sizes 1 8 32 64 --compile \
-        --variants turbo,english --out out/gpu/bench_vocoder_batched.json
+        --variants turbo --shapes chunk_24 --out out/gpu/bench_vocoder_batched.json
+
+Each (variant, shape, batch) compiles once with --compile: a few of them fit a 10-minute GPU slot.
 """
 
 from __future__ import annotations
@@ -230,7 +232,8 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
     vocoder = new_vocoder()
     voice = vocoder.prepare_voice(ref_dict)
     results = []
-    for shape, (before, chunk) in TICK_SHAPES.items():
+    for shape in args.shapes:
+        before, chunk = TICK_SHAPES[shape]
         for batch in args.batch_sizes:
             streams = _streams_at(vocoder, voice, batch, before)
             times_ms, outputs = _time_ticks(vocoder, streams, chunk, args.reps, device)
@@ -315,6 +318,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="batched mode")
     parser.add_argument("--reps", type=int, default=5, help="batched mode: timed ticks per (shape, batch)")
     parser.add_argument("--compile", action="store_true", help="batched mode: also compiled (CUDA graphs on CUDA)")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(TICK_SHAPES), default=list(TICK_SHAPES),
+                        help="batched mode: tick shapes (each (shape, batch) is one compilation with --compile)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
