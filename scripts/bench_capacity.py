@@ -44,7 +44,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import orjson
@@ -210,14 +210,14 @@ def free_port() -> int:
 
 
 def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=2) as response:
         return json.loads(response.read())
 
 
 def git_commit(repo: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+                              text=True, timeout=10, check=False).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -249,7 +249,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2)  # noqa: S310
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2)
                 return
             except OSError:
                 time.sleep(0.5)
@@ -282,7 +282,7 @@ class BusyCores:
         self.stop = multiprocessing.Event()
         self.procs = [multiprocessing.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(count)]
 
-    def __enter__(self) -> "BusyCores":
+    def __enter__(self) -> Self:
         for proc in self.procs:
             proc.start()
         return self

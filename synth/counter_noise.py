@@ -62,8 +62,9 @@ def _hash(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 def uniform(keys: torch.Tensor, counters: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uniform in (0, 1), shaped like the broadcast of keys and counters."""
-    bits = _hash(keys, counters) >> (32 - _UNIFORM_BITS)
-    return (bits.to(dtype) + 0.5) * (1.0 / 2**_UNIFORM_BITS)
+    bits: torch.Tensor = _hash(keys, counters) >> (32 - _UNIFORM_BITS)
+    draws: torch.Tensor = (bits.to(dtype) + 0.5) * (1.0 / 2**_UNIFORM_BITS)
+    return draws
 
 
 def normal_run(keys: torch.Tensor, first: torch.Tensor, length: int, dtype: torch.dtype = torch.float32

@@ -47,7 +47,7 @@ def release_openmp_pool() -> bool:
     lib = _libgomp()
     if lib is None:
         return False
-    released = lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    released = bool(lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0)
     if not released:
         log.debug("omp_pause_resource_all refused (called inside a parallel region?)")
     return released

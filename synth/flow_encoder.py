@@ -32,14 +32,19 @@ many queries as keys).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
-from chatterbox.models.s3gen.transformer.attention import RelPositionMultiHeadedAttention
+from chatterbox.models.s3gen.transformer.attention import (
+    RelPositionMultiHeadedAttention,
+)
 from chatterbox.models.s3gen.transformer.embedding import EspnetRelPositionalEncoding
-from chatterbox.models.s3gen.transformer.upsample_encoder import UpsampleConformerEncoder
+from chatterbox.models.s3gen.transformer.upsample_encoder import (
+    UpsampleConformerEncoder,
+)
 
 from synth import invariant_ops as ops
 
@@ -73,7 +78,7 @@ class EncoderPrefix:
 
     @staticmethod
     def empty(batch: int, layers: int, token_layers: int, heads: int, d_k: int, width: int, device: torch.device,
-              dtype: torch.dtype) -> "EncoderPrefix":
+              dtype: torch.dtype) -> EncoderPrefix:
         """No prompt: windows are encoded alone, exactly as the library encodes them."""
         return EncoderPrefix(
             mu=torch.zeros(batch, 0, 80, device=device, dtype=dtype),
@@ -83,7 +88,7 @@ class EncoderPrefix:
             key_mask=torch.zeros(batch, 0, dtype=torch.bool, device=device), token_layers=token_layers)
 
     @staticmethod
-    def cat(parts: "list[EncoderPrefix]") -> "EncoderPrefix":
+    def cat(parts: list[EncoderPrefix]) -> EncoderPrefix:
         """Several prefixes (of equal token count) as one batch: one op per tensor slot."""
         return EncoderPrefix(
             mu=torch.cat([p.mu for p in parts]),
@@ -92,7 +97,7 @@ class EncoderPrefix:
             layer_kv=tuple(torch.cat(layer) for layer in zip(*(p.layer_kv for p in parts))),
             key_mask=torch.cat([p.key_mask for p in parts]), token_layers=parts[0].token_layers)
 
-    def left_padded(self, tokens: int) -> "EncoderPrefix":
+    def left_padded(self, tokens: int) -> EncoderPrefix:
         """The same prefix with `tokens` key positions, the missing ones in front and masked."""
         missing = tokens - self.tokens
         if missing < 0:
@@ -111,7 +116,7 @@ def nbytes_of(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, invariant: bool) -> None:
+    def __init__(self, layer: Any, invariant: bool) -> None:
         attn = layer.self_attn
         self.norm_mha, self.norm_ff, self.ff_scale = layer.norm_mha, layer.norm_ff, float(layer.ff_scale)
         self.heads, self.d_k = int(attn.h), int(attn.d_k)
@@ -130,10 +135,10 @@ class PrefixCachedEncoder:
     """Encodes prompts once and windows after them, in batches, with one flow's encoder (callers set the grad
     mode: inference mode, or no_grad under torch.compile)."""
 
-    def __init__(self, flow: torch.nn.Module, invariant: bool) -> None:
+    def __init__(self, flow: Any, invariant: bool) -> None:
         encoder = flow.encoder
         if not isinstance(encoder, UpsampleConformerEncoder):
-            raise RuntimeError(f"prefix cache expects UpsampleConformerEncoder, got {type(encoder).__name__}")
+            raise TypeError(f"prefix cache expects UpsampleConformerEncoder, got {type(encoder).__name__}")
         layers = [*encoder.encoders, *encoder.up_encoders]
         plain = encoder.global_cmvn is None and encoder.normalize_before and all(
             layer.normalize_before and layer.feed_forward_macaron is None and layer.conv_module is None
@@ -197,7 +202,7 @@ class PrefixCachedEncoder:
 
     def _encode(self, prefix: EncoderPrefix, tokens: torch.Tensor, lengths: torch.Tensor, keep: bool
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None]:
-        batch, width = tokens.shape
+        width = tokens.shape[1]
         valid = torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]  # [B, W]
         xs = self.input_embedding(tokens.clamp(min=0))  # [B, W, 512]
         xs = self.embed_norm(self.embed_linear(xs)) * self.embed_positions.xscale
@@ -246,7 +251,7 @@ class PrefixCachedEncoder:
         v = layer.linear_v(x).view(batch, queries, heads, d_k).transpose(1, 2)
         if kept is not None:
             kept.append(torch.cat([k, v], dim=-1))  # the library's cache layout: cat(keys, values) on the last dim
-        prefix_k, prefix_v = prefix_kv.split(d_k, dim=-1)  # [B, H, P, d_k] each
+        prefix_k, prefix_v = prefix_kv[..., :d_k], prefix_kv[..., d_k:]  # [B, H, P, d_k] each
         k = torch.cat([prefix_k, k], dim=2)  # [B, H, P + T, d_k]
         v = torch.cat([prefix_v, v], dim=2)
         keys = k.shape[2]

@@ -26,10 +26,16 @@ the function holds no state between calls, so renders and voice preparations may
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from chatterbox.models.s3gen.decoder import CausalBlock1D, CausalConv1d, CausalResnetBlock1D, ConditionalDecoder
+from chatterbox.models.s3gen.decoder import (
+    CausalBlock1D,
+    CausalConv1d,
+    CausalResnetBlock1D,
+    ConditionalDecoder,
+)
 
 from synth import invariant_ops as ops
 
@@ -46,7 +52,7 @@ class StepPrefix:
     key_mask: torch.Tensor  # [rows, P] bool: False for the left padding of a shorter prompt
 
     @staticmethod
-    def cat(parts: "list[StepPrefix]") -> "StepPrefix":
+    def cat(parts: list[StepPrefix]) -> StepPrefix:
         """Rows of several prefixes as one batch (one op per tensor slot, whatever the number of parts)."""
         return StepPrefix(
             keys=tuple(torch.cat(layer) for layer in zip(*(p.keys for p in parts))),
@@ -55,7 +61,7 @@ class StepPrefix:
             key_mask=torch.cat([p.key_mask for p in parts]),
         )
 
-    def left_padded(self, frames: int) -> "StepPrefix":
+    def left_padded(self, frames: int) -> StepPrefix:
         """The same prefix with `frames` key positions, the missing ones in front and masked."""
         missing = frames - self.key_mask.shape[1]
         if missing < 0:
@@ -85,9 +91,9 @@ class _Recorder:
 
 
 class _ResnetBlock:
-    def __init__(self, block: CausalResnetBlock1D, invariant: bool) -> None:
+    def __init__(self, block: Any, invariant: bool) -> None:
         if not (isinstance(block, CausalResnetBlock1D) and isinstance(block.block1, CausalBlock1D)):
-            raise RuntimeError("the cached estimator expects causal ResNet blocks")
+            raise TypeError("the cached estimator expects causal ResNet blocks")
         self.conv1, self.norm1 = ops.Conv1d(block.block1.block[0], invariant), block.block1.block[2]
         self.conv2, self.norm2 = ops.Conv1d(block.block2.block[0], invariant), block.block2.block[2]
         self.time_proj = ops.Linear.of(block.mlp[1], invariant)  # after Mish
@@ -95,7 +101,7 @@ class _ResnetBlock:
 
 
 class _TransformerBlock:
-    def __init__(self, block: torch.nn.Module, invariant: bool) -> None:
+    def __init__(self, block: Any, invariant: bool) -> None:
         attn = block.attn1
         plain = (block.attn2 is None and not block.use_ada_layer_norm and not block.use_ada_layer_norm_zero
                  and block._chunk_size is None and attn.spatial_norm is None and attn.group_norm is None
@@ -115,9 +121,9 @@ class _TransformerBlock:
 class PrefixCachedEstimator:
     """The estimator of one flow as a pure function; `record` for prompts, `__call__` for windows after them."""
 
-    def __init__(self, estimator: ConditionalDecoder, invariant: bool) -> None:
+    def __init__(self, estimator: Any, invariant: bool) -> None:
         if not isinstance(estimator, ConditionalDecoder) or not estimator.causal:
-            raise RuntimeError("the cached estimator expects chatterbox's causal ConditionalDecoder")
+            raise TypeError("the cached estimator expects chatterbox's causal ConditionalDecoder")
         if len(estimator.down_blocks) != 1 or len(estimator.up_blocks) != 1:
             raise RuntimeError("the cached estimator expects one down and one up block (S3Gen's channels=[256])")
         (down_resnet, down_tf, downsample), = estimator.down_blocks
@@ -205,7 +211,7 @@ class PrefixCachedEstimator:
             keys_valid = torch.cat([prefix.key_mask, keys_valid], dim=1)  # [R, P + T]
         return ((~keys_valid).to(mask.dtype) * MASKED_BIAS)[:, None, None, :]
 
-    def _causal_conv(self, conv: ops.Conv1d, x: torch.Tensor, cursor: "_Cursor") -> torch.Tensor:
+    def _causal_conv(self, conv: ops.Conv1d, x: torch.Tensor, cursor: _Cursor) -> torch.Tensor:
         """x [R, T, C] (already masked) after the prompt's last inputs (or zeros) -> [R, T, C_out]."""
         tail_frames = conv.receptive_field - 1
         tail = cursor.next_conv_tail()
@@ -216,14 +222,14 @@ class PrefixCachedEstimator:
         return conv(torch.cat([tail, x], dim=1))
 
     def _resnet(self, block: _ResnetBlock, x: torch.Tensor, mask: torch.Tensor, time_emb: torch.Tensor,
-                cursor: "_Cursor") -> torch.Tensor:
+                cursor: _Cursor) -> torch.Tensor:
         h = F.mish(block.norm1(self._causal_conv(block.conv1, x * mask, cursor))) * mask
         h = h + block.time_proj(F.mish(time_emb))[:, None, :]
         h = F.mish(block.norm2(self._causal_conv(block.conv2, h * mask, cursor))) * mask
         return h + block.res_conv(x * mask)
 
     def _transformer(self, block: _TransformerBlock, x: torch.Tensor, bias: torch.Tensor,
-                     cursor: "_Cursor") -> torch.Tensor:
+                     cursor: _Cursor) -> torch.Tensor:
         rows, frames, _ = x.shape
         normed = block.norm1(x)
         query, key, value = block.to_q(normed), block.to_k(normed), block.to_v(normed)  # [R, T, inner]

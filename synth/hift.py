@@ -19,6 +19,7 @@ With the same mel, phases and noise it computes what `HiFTGenerator.inference` c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ SNAKE_EPSILON = 1e-9  # Snake's no_div_by_zero
 
 
 class _ResBlock:
-    def __init__(self, block: torch.nn.Module, invariant: bool) -> None:
+    def __init__(self, block: Any, invariant: bool) -> None:
         self.convs1 = [ops.Conv1d(c, invariant) for c in block.convs1]
         self.convs2 = [ops.Conv1d(c, invariant) for c in block.convs2]
         self.alphas1 = [a.alpha.detach() for a in block.activations1]  # [C] each
@@ -49,7 +50,9 @@ class _ResBlock:
 class BatchedHift:
     """One HiFT generator's forward over a batch; holds no state between calls (any thread may call it)."""
 
-    def __init__(self, hift: HiFTGenerator, invariant: bool) -> None:
+    def __init__(self, hift: Any, invariant: bool) -> None:
+        if not isinstance(hift, HiFTGenerator):
+            raise TypeError(f"expected chatterbox's HiFTGenerator, got {type(hift).__name__}")
         self.harmonics = int(hift.nb_harmonics) + 1
         sine = hift.m_source.l_sin_gen
         self.sample_rate_hz = int(sine.sampling_rate)
@@ -136,10 +139,10 @@ class BatchedHift:
         """torch.istft(center=True, onesided, hann window) of [B, frames, bins], without its host-side check.
 
         Overlap-add and window envelope by F.fold (no in-place ops: torch.compile can take it in inference mode)."""
-        batch, frames, _ = real.shape
+        frames = real.shape[1]
         segments = torch.fft.irfft(torch.complex(real, imag), n=self.n_fft, dim=-1) * self.window  # [B, frames, n_fft]
         full = (frames - 1) * self.hop + self.n_fft
-        fold = dict(output_size=(1, full), kernel_size=(1, self.n_fft), stride=(1, self.hop))
+        fold: dict[str, Any] = {"output_size": (1, full), "kernel_size": (1, self.n_fft), "stride": (1, self.hop)}
         out = F.fold(segments.transpose(1, 2), **fold)[:, 0, 0]  # [B, full]
         window_sq = (self.window ** 2)[None, :, None].expand(1, self.n_fft, frames)
         envelope = F.fold(window_sq, **fold)[0, 0, 0]  # [full]

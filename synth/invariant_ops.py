@@ -26,9 +26,10 @@ modules stay untouched and chatterbox's own inference keeps running them as ship
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-
 
 # MKL's batched GEMM kept a row's bits whatever the batch for every shape tried with at least 4 rows per
 # matrix and a column count that is a multiple of 16, not always otherwise (1 row with 257 columns, 19 rows with
@@ -76,7 +77,7 @@ class Linear:
         return y[:, 0] if squeeze else y  # [B, T, out] or [B, out]
 
     @staticmethod
-    def of(module: torch.nn.Module, invariant: bool) -> "Linear":
+    def of(module: Any, invariant: bool) -> Linear:
         """From an nn.Linear, or a kernel-1 nn.Conv1d (the linear layer it is, channels-last)."""
         weight = module.weight.detach()
         if isinstance(module, torch.nn.Conv1d):
@@ -90,7 +91,7 @@ class Conv1d:
     """A convolution on channels-last x [B, T, C_in] that is already padded: out [B, T_out, C_out] with
     T_out = (T - dilation * (kernel - 1) - 1) // stride + 1. Callers pad (zeros, a cached prefix, ...)."""
 
-    def __init__(self, module: torch.nn.Conv1d, invariant: bool) -> None:
+    def __init__(self, module: Any, invariant: bool) -> None:
         if module.groups != 1:
             raise ValueError("grouped convolutions are not used by S3Gen")
         weight = module.weight.detach()  # [out, in, k] (weight norm resolved by the access)
@@ -141,7 +142,7 @@ class Conv1d:
 class ConvTranspose1d:
     """A transposed convolution on channels-last x [B, T, C_in] -> [B, (T - 1) * stride + k - 2 * padding, C_out]."""
 
-    def __init__(self, module: torch.nn.ConvTranspose1d, invariant: bool) -> None:
+    def __init__(self, module: Any, invariant: bool) -> None:
         if module.groups != 1 or module.dilation[0] != 1 or module.output_padding[0] != 0:
             raise ValueError("only plain transposed convolutions are used by S3Gen")
         weight = module.weight.detach()  # [in, out, k]

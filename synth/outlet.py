@@ -36,9 +36,9 @@ class Delivery(enum.Enum):
 
 
 class Outlet:
-    __slots__ = ("request_id", "_sink", "_lock", "_registry", "_state")
+    __slots__ = ("_lock", "_registry", "_sink", "_state", "request_id")
 
-    def __init__(self, request_id: str, sink: Sink, lock: threading.Lock, registry: dict[str, "Outlet"]) -> None:
+    def __init__(self, request_id: str, sink: Sink, lock: threading.Lock, registry: dict[str, Outlet]) -> None:
         self.request_id = request_id
         self._sink = sink
         self._lock = lock  # shared by every outlet of one engine; it also guards the registry
@@ -57,8 +57,8 @@ class Outlet:
         """Deliver an output (a terminal event closes the outlet)."""
         with self._lock:
             terminal = isinstance(output, SegmentEvent) and output.kind >= EventKind.DONE
-            allowed = self._state == OutletState.OPEN or (
-                self._state == OutletState.CANCELLING and terminal and output.kind == EventKind.CANCELLED)
+            cancelled_event = isinstance(output, SegmentEvent) and output.kind == EventKind.CANCELLED
+            allowed = self._state == OutletState.OPEN or (self._state == OutletState.CANCELLING and cancelled_event)
             if not allowed:
                 return Delivery.DROPPED
             if terminal:

@@ -44,22 +44,30 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
 
 from synth import counter_noise
-from synth.flow_encoder import MIN_PREFIX_TOKENS, EncoderPrefix, PrefixCachedEncoder, nbytes_of
+from synth.flow_encoder import (
+    MIN_PREFIX_TOKENS,
+    EncoderPrefix,
+    PrefixCachedEncoder,
+)
 from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
 from synth.hift import BatchedHift
 from synth.invariant_ops import row_invariant_default
 
 log = logging.getLogger(__name__)
+
+Pcm = npt.NDArray[np.float32]  # host float32 arrays: PCM, mels, carried sources
 
 SAMPLE_RATE_HZ = S3GEN_SR  # 24 kHz mono out
 SPEECH_VOCAB_SIZE = 6561  # ids >= this are T3 control tokens; S3Gen's embedding has 6561 rows
@@ -102,7 +110,7 @@ def _without_grad(method: _F) -> _F:
     """Run a StreamingVocoder method in its grad mode: inference mode, or no_grad once compiled (torch.compile
     cannot take inference tensors through views)."""
     @functools.wraps(method)
-    def wrapper(self: "StreamingVocoder", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: StreamingVocoder, *args: Any, **kwargs: Any) -> Any:
         with (torch.no_grad() if self.compiled else torch.inference_mode()):
             return method(self, *args, **kwargs)
 
@@ -157,7 +165,7 @@ class PromptCache:
 class RenderJob:
     """One stream's share of a tick: its next window, planned from its state (which render() then advances)."""
 
-    stream: "VocoderStream"
+    stream: VocoderStream
     window_first: int  # first token of the window (left context included)
     stop: int  # mel frames are rendered for tokens [mel_tokens, stop)
     final: bool  # the last render of the stream: everything left comes out
@@ -246,10 +254,11 @@ class StreamingVocoder:
                 raise RuntimeError("compile() before preparing voices (their caches would be inference tensors)")
         self.compiled = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
-        options = {"mode": mode} if backend == "inductor" else {}
-        self._encode_fn = torch.compile(self.encoder.encode, dynamic=False, backend=backend, **options)
-        self._estimate_fn = torch.compile(self._estimate_after_prompt, dynamic=False, backend=backend, **options)
-        self._hift_fn = torch.compile(self.hift.__call__, dynamic=False, backend=backend, **options)
+        compile_mode = mode if backend == "inductor" else None
+        self._encode_fn = torch.compile(self.encoder.encode, dynamic=False, backend=backend, mode=compile_mode)
+        self._estimate_fn = torch.compile(self._estimate_after_prompt, dynamic=False, backend=backend,
+                                          mode=compile_mode)
+        self._hift_fn = torch.compile(self.hift.__call__, dynamic=False, backend=backend, mode=compile_mode)
 
     def _estimate_after_prompt(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, time_emb: torch.Tensor,
                                spks: torch.Tensor, cond: torch.Tensor, keys: tuple[torch.Tensor, ...],
@@ -348,7 +357,7 @@ class StreamingVocoder:
 
     # --- streams -----------------------------------------------------------------------------------------
 
-    def open(self, voice: VocoderVoice, seed: int) -> "VocoderStream":
+    def open(self, voice: VocoderVoice, seed: int) -> VocoderStream:
         if not 0 <= seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
         return VocoderStream(vocoder=self, voice=voice, seed=seed)
@@ -356,7 +365,7 @@ class StreamingVocoder:
     # --- the batched render ------------------------------------------------------------------------------
 
     @_without_grad
-    def render(self, jobs: Sequence[RenderJob]) -> list[np.ndarray]:
+    def render(self, jobs: Sequence[RenderJob]) -> list[Pcm]:
         """Render one window of each job's stream (one job per stream), all in one batch; returns each job's PCM
         (float32 [960 n]) that is final now, in job order, and advances the streams."""
         if len({job.stream for job in jobs}) != len(jobs):
@@ -368,7 +377,7 @@ class StreamingVocoder:
         return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves)]
 
     @_without_grad
-    def _render_flow(self, jobs: Sequence[RenderJob]) -> list[np.ndarray | None]:
+    def _render_flow(self, jobs: Sequence[RenderJob]) -> list[Pcm | None]:
         """Mel frames [2 * new tokens, 80] (host float32) of each job with new tokens, grouped by padded length."""
         groups: dict[tuple[bool, int], list[int]] = {}
         for index, job in enumerate(jobs):
@@ -377,7 +386,7 @@ class StreamingVocoder:
             cached = job.stream.prompt is not None
             rendered = job.stop - job.window_first + (0 if cached else job.stream.voice.prompt_token_count)
             groups.setdefault((cached, _round_up(rendered, FLOW_BUCKET_TOKENS)), []).append(index)
-        out: list[np.ndarray | None] = [None] * len(jobs)
+        out: list[Pcm | None] = [None] * len(jobs)
         for (cached, bucket_tokens), indices in sorted(groups.items()):
             group = [jobs[i] for i in indices]
             mel = self._flow_group(group, cached, bucket_tokens).float().cpu().numpy()  # [B, frames, 80]
@@ -406,7 +415,8 @@ class StreamingVocoder:
             first_frame[row] = job.window_first * MEL_FRAMES_PER_TOKEN
         frames = bucket_tokens * MEL_FRAMES_PER_TOKEN
         voices = [job.stream.voice for job in jobs]
-        prefix = EncoderPrefix.cat([job.stream.prompt.encoder for job in jobs]) if cached else \
+        prompts = [job.stream.prompt for job in jobs]
+        prefix = EncoderPrefix.cat([p.encoder for p in prompts if p is not None]) if cached else \
             self.encoder.empty_prefix(batch, device, self.dtype)
         mu = self._encode_fn(prefix, torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
         mu = mu[:, :frames]  # [B, frames, 80]: the lookahead tokens' frames are not rendered (finalize=False)
@@ -428,8 +438,7 @@ class StreamingVocoder:
             x = torch.cat([prompt_noise, x[:, :frames - prompt_frames]], dim=1)
             cond = torch.cat([prompt_mels, cond[:, :frames - prompt_frames]], dim=1)
         x = x * frame_mask
-        return self._solve(x, frame_mask, mu, speaker, cond,
-                           [job.stream.prompt for job in jobs] if cached else None)
+        return self._solve(x, frame_mask, mu, speaker, cond, prompts if cached else None)
 
     def _solve(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, speaker: torch.Tensor,
                cond: torch.Tensor, prompts: list[PromptCache | None] | None) -> torch.Tensor:
@@ -457,14 +466,14 @@ class StreamingVocoder:
         v = velocity.view(x.shape[0], 2, *x.shape[1:])
         return x + (r - t) * ((1.0 + self._cfg_rate) * v[:, 0] - self._cfg_rate * v[:, 1])
 
-    def _render_hift(self, jobs: Sequence[RenderJob], mels: list[np.ndarray | None]
-                     ) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    def _render_hift(self, jobs: Sequence[RenderJob], mels: list[Pcm | None]
+                     ) -> list[tuple[Pcm, Pcm] | None]:
         """HiFT on [held frames | new frames] of each job with new frames -> (wav, source) (host float32)."""
         groups: dict[int, list[int]] = {}
         for index, (job, mel) in enumerate(zip(jobs, mels)):
             if mel is not None:
                 groups.setdefault(_round_up(mel.shape[0] + job.stream.held_frames, HIFT_BUCKET_FRAMES), []).append(index)
-        out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(jobs)
+        out: list[tuple[Pcm, Pcm] | None] = [None] * len(jobs)
         for bucket, indices in sorted(groups.items()):
             group = [(jobs[i], mels[i]) for i in indices]
             wav, source = self._hift_group(group, bucket)  # type: ignore[arg-type]
@@ -476,7 +485,7 @@ class StreamingVocoder:
         return out
 
     @_without_grad
-    def _hift_group(self, group: list[tuple[RenderJob, np.ndarray]], frames: int) -> tuple[np.ndarray, np.ndarray]:
+    def _hift_group(self, group: list[tuple[RenderJob, Pcm]], frames: int) -> tuple[Pcm, Pcm]:
         batch, device = len(group), self.device
         samples = frames * SAMPLES_PER_MEL_FRAME
         carried_width = self.crossfade_mel_frames * SAMPLES_PER_MEL_FRAME
@@ -523,9 +532,9 @@ class VocoderStream:
     finished: bool = False  # the last render is done
     prompt: PromptCache | None = None  # resolved before the first render of a cached voice (held: never evicted)
     # HiFT carry-over: the last mel frames of the previous HiFT call, their source excitation and waveform.
-    held_mel: np.ndarray | None = None  # [H, 80]
-    held_source: np.ndarray | None = None  # [H * 480]
-    held_wav: np.ndarray | None = None  # [H * 480], rendered without right context, not yet returned
+    held_mel: Pcm | None = None  # [H, 80]
+    held_source: Pcm | None = None  # [H * 480]
+    held_wav: Pcm | None = None  # [H * 480], rendered without right context, not yet returned
 
     @property
     def emitted_tokens(self) -> int:
@@ -580,7 +589,7 @@ class VocoderStream:
         first = max(0, self.mel_tokens - vocoder.left_context_tokens)
         return RenderJob(stream=self, window_first=first, stop=stop, final=final)
 
-    def push(self, tokens: Sequence[int], final: bool) -> tuple[np.ndarray, int]:
+    def push(self, tokens: Sequence[int], final: bool) -> tuple[Pcm, int]:
         """Add tokens and render everything renderable, alone. Returns (pcm float32 [960 n], n)."""
         self.add(tokens, final)
         if self.needs_prompt:
@@ -591,7 +600,7 @@ class VocoderStream:
         pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         return pcm, pcm.size // SAMPLES_PER_TOKEN
 
-    def oneshot(self) -> np.ndarray:
+    def oneshot(self) -> Pcm:
         """All tokens added so far rendered in one window and one HiFT call, with this stream's noise."""
         twin = VocoderStream(vocoder=self.vocoder, voice=self.voice, seed=self.seed, tokens=list(self.tokens),
                              final=True, prompt=self.prompt or self.vocoder.prompt_cache(self.voice))
@@ -600,8 +609,8 @@ class VocoderStream:
         job = RenderJob(stream=twin, window_first=0, stop=len(twin.tokens), final=True)
         return self.vocoder.render([job])[0]
 
-    def _emit(self, job: RenderJob, mel: np.ndarray | None, hift: tuple[np.ndarray, np.ndarray] | None
-              ) -> np.ndarray:
+    def _emit(self, job: RenderJob, mel: Pcm | None, hift: tuple[Pcm, Pcm] | None
+              ) -> Pcm:
         """Apply a render's result: crossfade, hold back the tail (unless final), the start fade; advance."""
         vocoder = self.vocoder
         self.mel_tokens = job.stop
@@ -656,12 +665,13 @@ def _time_span(n_steps: int, meanflow: bool, scheduler: str, device: torch.devic
     return t_span
 
 
-def _raised_cosine(n: int) -> np.ndarray:
+def _raised_cosine(n: int) -> Pcm:
     """Fade-in weights [n] rising from ~0 to ~1; (1 - w) is the matching fade-out (they sum to 1)."""
-    return ((1.0 - np.cos(np.pi * (np.arange(n) + 0.5) / max(n, 1))) / 2.0).astype(np.float32)
+    weights: Pcm = ((1.0 - np.cos(np.pi * (np.arange(n) + 0.5) / max(n, 1))) / 2.0).astype(np.float32)
+    return weights
 
 
-def _apply_trim_fade(wav: np.ndarray, trim_fade: np.ndarray, first_sample: int) -> np.ndarray:
+def _apply_trim_fade(wav: Pcm, trim_fade: Pcm, first_sample: int) -> Pcm:
     """S3Gen's start-of-utterance fade, applied to the utterance's first samples only."""
     fade_samples = trim_fade.shape[0] - first_sample
     if fade_samples <= 0 or wav.shape[0] == 0:

@@ -27,19 +27,35 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from synth.api import (OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EventKind, ListenerClock,
-                       SegmentEvent)
+from synth.api import (
+    OUTPUT_SAMPLE_RATE_HZ,
+    SAMPLES_PER_SPEECH_TOKEN,
+    AudioChunk,
+    EventKind,
+    ListenerClock,
+    SegmentEvent,
+)
 from synth.cpu_threads import use_threads
 from synth.outlet import Delivery, Outlet
-from synth.vocoder import PromptCache, RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
+from synth.vocoder import (
+    PromptCache,
+    RenderJob,
+    StreamingVocoder,
+    VocoderStream,
+    VocoderVoice,
+)
 
 log = logging.getLogger(__name__)
+
+Pcm = npt.NDArray[np.float32]  # host float32 arrays: PCM, mels, carried sources
 
 SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # 25
 MAX_PENDING_STEPS = 1024  # feed messages (one per decode step) the worker may be behind before the decode waits
@@ -112,7 +128,7 @@ class _VoiceReady:
     error: str = ""
 
 
-_Message = Union[list[Union[StreamOpen, Feed]], _Cancel, _VoiceReady]
+_Message = list[StreamOpen | Feed] | _Cancel | _VoiceReady
 
 
 @dataclass(slots=True, eq=False)
@@ -233,7 +249,7 @@ class VocoderWorker:
         use_threads(self.threads)
         torch.set_grad_enabled(False)
         device = self.vocoder.device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         try:
             with torch.cuda.stream(stream) if stream is not None else _nullcontext():
                 while not self._stop.is_set():
@@ -343,8 +359,9 @@ class VocoderWorker:
 
     def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:
         t0 = time.perf_counter()
+        outputs: list[Pcm | None] = []
         try:
-            outputs = self.vocoder.render([job for _, job in tick])
+            outputs.extend(self.vocoder.render([job for _, job in tick]))
         except Exception:  # noqa: BLE001 - find the stream that fails, render the others
             log.exception("batched render of %d streams failed; rendering them one by one", len(tick))
             outputs = []
@@ -372,7 +389,7 @@ class VocoderWorker:
             self._stats.ticks += 1
             self._stats.streams += len(tick)
 
-    def _deliver(self, speech: Speech, pcm: np.ndarray, now_s: float) -> None:
+    def _deliver(self, speech: Speech, pcm: Pcm, now_s: float) -> None:
         n_tokens = pcm.size // SAMPLES_PER_SPEECH_TOKEN
         if not n_tokens:
             return
@@ -408,7 +425,7 @@ class VocoderWorker:
         use_threads(PREPARER_THREADS)
         torch.set_grad_enabled(False)
         device = self.vocoder.device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         prepared_voices: dict[str, VocoderVoice] = {}  # this thread only: a voice asked for again is not redone
         while True:
             voice = self._prepare_queue.get()

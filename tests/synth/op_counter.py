@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 

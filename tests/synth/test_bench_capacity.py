@@ -20,7 +20,7 @@ def test_bench_capacity_runs_on_tiny_weights(tmp_path: Path) -> None:
         [sys.executable, "scripts/bench_capacity.py", "--weights", "random-tiny", "--variant", "turbo",
          "--sessions", "1", "2", "--repo", f"mine={ROOT}", "--threads", "1,1", "--out", str(out),
          "--", "--cpu-weights", "fp32"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     (run,) = report["runs"]

@@ -18,7 +18,7 @@ def test_batched_mode_runs_on_the_tiny_preset(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "scripts/bench_vocoder.py", "--mode", "batched", "--preset", "tiny", "--device", "cpu",
          "--variants", "turbo", "--batch-sizes", "1", "3", "--reps", "1", "--threads", "1", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["results"]

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.s3gen.transformer import upsample_encoder
 
 from synth import counter_noise
 from synth.tiny_s3gen import build_s3gen
-from synth.vocoder import (FLOW_BUCKET_TOKENS, SAMPLES_PER_TOKEN, SILENCE_TOKEN, RenderJob, StreamingVocoder,
-                           VocoderStream, VocoderVoice)
-
+from synth.vocoder import (
+    FLOW_BUCKET_TOKENS,
+    SAMPLES_PER_TOKEN,
+    SILENCE_TOKEN,
+    RenderJob,
+    StreamingVocoder,
+    VocoderStream,
+    VocoderVoice,
+)
 from tests.synth.op_counter import count_ops
 
 SAMPLE_RATE_HZ = 24_000
@@ -94,7 +99,7 @@ def test_total_samples_exact(tiny: Setup, name: str) -> None:
 
 def test_one_token_at_a_time(tiny: Setup) -> None:
     tokens = utterance(20)
-    s, chunks = stream(tiny, tokens, [1] * len(tokens))
+    _, chunks = stream(tiny, tokens, [1] * len(tokens))
     assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * (len(tokens) + tiny.silence)
     # Nothing comes out until lookahead (3 tokens) and the held-back crossfade frames (4 tokens) are exceeded.
     first_audio = next(i for i, c in enumerate(chunks) if c.size)
@@ -105,8 +110,8 @@ def test_one_token_at_a_time(tiny: Setup) -> None:
 def test_final_push_without_tokens(tiny: Setup) -> None:
     tokens = utterance(30)
     s = tiny.vocoder.open(tiny.voice, seed=1)
-    first, n_first = s.push(tokens, final=False)
-    last, n_last = s.push([], final=True)
+    _, n_first = s.push(tokens, final=False)
+    _, n_last = s.push([], final=True)
     assert n_first == len(tokens) - tiny.vocoder.latency_tokens
     assert n_first + n_last == len(tokens) + tiny.silence
     with pytest.raises(RuntimeError):
@@ -162,7 +167,7 @@ def capture_flow_mels(vocoder: StreamingVocoder) -> tuple[list[np.ndarray], obje
     rendered: list[np.ndarray] = []
     original = vocoder._render_flow
 
-    def capture(jobs):  # noqa: ANN001, ANN202
+    def capture(jobs):
         mels = original(jobs)
         rendered.extend(m for m in mels if m is not None)
         return mels
@@ -246,7 +251,7 @@ def test_no_seams(tiny: Setup, name: str) -> None:
 
 
 def test_start_fade_on_first_chunk_only(tiny: Setup) -> None:
-    s, chunks = stream(tiny, utterance(), SCHEDULES["growing"])
+    _, chunks = stream(tiny, utterance(), SCHEDULES["growing"])
     silence_samples = tiny.s3gen.trim_fade.numel() // 2  # trim_fade: 20 ms of zeros, then a 20 ms rise
     assert np.all(chunks[0][:silence_samples] == 0.0)
     for chunk in chunks[1:]:

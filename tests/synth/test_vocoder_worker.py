@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from synth.api import AudioChunk, EventKind, ListenerClock, SegmentEvent
+from synth.api import EventKind, ListenerClock
 from synth.outlet import Outlet
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import StreamingVocoder
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
-
 from tests.synth.conftest import Collector
 from tests.synth.test_vocoder import reference_wav, utterance
 
@@ -96,7 +96,7 @@ def test_cancel_mid_render_drops_that_streams_audio_only(setup: Setup) -> None:
     rendered: list[list[str]] = []
     original = vocoder.render
 
-    def held_render(jobs):  # noqa: ANN001, ANN202
+    def held_render(jobs):
         rendered.append([job.stream.seed for job in jobs])
         if len(rendered) == 1:
             in_render.set()
@@ -135,7 +135,7 @@ def test_a_voice_being_prepared_stalls_no_other_stream(setup: Setup) -> None:
     started, release = threading.Event(), threading.Event()
     original = vocoder.prepare_voice
 
-    def slow_prepare(ref: dict[str, Any]):  # noqa: ANN202
+    def slow_prepare(ref: dict[str, Any]):
         if ref is setup.voices[1].s3gen_ref:
             started.set()
             assert release.wait(120)
