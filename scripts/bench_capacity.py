@@ -33,10 +33,8 @@ import json
 import multiprocessing
 import os
 import platform
-import random
 import shlex
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -51,7 +49,11 @@ import orjson
 from websockets.asyncio.client import connect
 
 REPO = Path(__file__).resolve().parents[1]
-FRAME_HEADER = struct.Struct("<BBHII")  # version, encoding, segment index, stream id, seq (docs/protocol.md)
+sys.path.insert(0, str(REPO))  # the client side always runs from this checkout (the servers from --repo)
+
+from agent_server.protocol import FRAME_HEADER_BYTES
+from tests.agent_server.native_client import llm_pieces
+
 SAMPLE_RATE_HZ = 24_000
 BYTES_PER_SAMPLE = 2  # pcm_s16le
 SERVER_START_TIMEOUT_S = 900.0  # full-size models load and warm up (English prepares its voice prompt)
@@ -102,15 +104,6 @@ class RepoRun:
     rounds: list[RoundResult] = field(default_factory=list)
 
 
-def llm_pieces(text: str, rng: random.Random) -> list[str]:
-    pieces, i = [], 0
-    while i < len(text):
-        n = rng.randint(1, 8)
-        pieces.append(text[i:i + n])
-        i += n
-    return pieces
-
-
 def playback(frames: list[tuple[float, float]]) -> tuple[float, int]:
     """(receive time, duration) of each frame in order -> (seconds dry, times dry) of a real-time player that
     starts at the first frame."""
@@ -127,7 +120,6 @@ def playback(frames: list[tuple[float, float]]) -> tuple[float, int]:
 
 async def one_session(url: str, index: int, text: str, chars_per_s: float, max_new_tokens: int, seed: int | None,
                       timeout_s: float) -> SessionResult:
-    rng = random.Random(index)
     frames: list[tuple[float, float]] = []
     result = SessionResult(ok=False)
     try:
@@ -148,7 +140,7 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
                 async for raw in ws:
                     now_s = time.monotonic()
                     if isinstance(raw, bytes):
-                        payload = len(raw) - FRAME_HEADER.size
+                        payload = len(raw) - FRAME_HEADER_BYTES
                         frames.append((now_s, payload / BYTES_PER_SAMPLE / SAMPLE_RATE_HZ))
                         continue
                     event = orjson.loads(raw)
@@ -164,7 +156,7 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
 
             reader = asyncio.create_task(read())
             result.first_text_s = time.monotonic()
-            for piece in llm_pieces(text, rng):
+            for piece in llm_pieces(text, seed=index):
                 await ws.send(orjson.dumps({"type": "text", "context_id": context, "text": piece}).decode())
                 await asyncio.sleep(len(piece) / chars_per_s)
             await ws.send(orjson.dumps({"type": "end", "context_id": context}).decode())
