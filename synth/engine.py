@@ -25,7 +25,7 @@ import torch
 
 from synth import alignment, linear_bf16w
 from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
-from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
+from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
                        SegmentEvent, SegmentRequest, StepStats, ThreadBudget, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
