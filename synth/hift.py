@@ -8,9 +8,10 @@ call, and a stream's audio depended on anything else drawing from it), and runs 
   caller per (stream seed, absolute position) (`synth/counter_noise.py`);
 - rows are mels of equal (bucket) length; a row's carried-over source excitation of the previous call replaces
   the first samples of its source, as `cache_source` does;
-- everything runs channels-last through the row-invariant kernels of `synth/invariant_ops.py`, and the inverse
-  STFT is written out (irfft, window, overlap-add, envelope) so that nothing syncs with the host (torch.istft
-  checks its window envelope on the host) and a CUDA graph can capture it.
+- everything runs channels-last through the row-invariant kernels of `synth/invariant_ops.py`, the 16-point
+  STFT and inverse STFT included: they are written out as products with the DFT matrices (torch's FFTs give
+  other bits with 1 or 2 threads, measured; and torch.istft checks its window envelope on the host, which a
+  CUDA graph cannot capture). Overlap-add and envelope by F.fold.
 
 With the same mel, phases and noise it computes what `HiFTGenerator.inference` computes, to float rounding
 (tests/synth/test_vocoder.py feeds the library the same draws through the global RNG).
@@ -77,6 +78,12 @@ class BatchedHift:
         if self.n_fft % self.hop:
             raise RuntimeError("the inverse STFT here expects n_fft to be a multiple of the hop")
         self.window = hift.stft_window.to(self.conv_pre.weight.device)  # [n_fft] periodic Hann
+        forward, inverse = _real_dft_matrices(self.n_fft)
+        device = self.window.device
+        # frame [n_fft] -> (real [bins] | imag [bins]), torch.stft's sign; and back, irfft's (imag of DC and Nyquist
+        # ignored), both as the same batch-invariant products as every other layer
+        self.dft = ops.Linear(forward.to(device), None, invariant)  # weight [2 bins, n_fft]
+        self.inverse_dft = ops.Linear(inverse.to(device), None, invariant)  # weight [n_fft, 2 bins]
         if not isinstance(hift.reflection_pad, torch.nn.ReflectionPad1d) or hift.reflection_pad.padding != (1, 0):
             raise RuntimeError("unexpected reflection pad")
 
@@ -112,9 +119,10 @@ class BatchedHift:
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """HiFTGenerator.decode: mel [B, M, 80], source [B, S] -> waveform [B, S]."""
-        spec = torch.stft(source, self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
-        spec = torch.view_as_real(spec)  # [B, F, frames, 2]
-        source_frames = torch.cat([spec[..., 0], spec[..., 1]], dim=1).transpose(1, 2)  # [B, frames, 2F]
+        half = self.n_fft // 2  # torch.stft(center=True): reflect-padded by n_fft / 2 on both sides
+        padded = F.pad(source[:, None], (half, half), mode="reflect")[:, 0]  # [B, S + n_fft]
+        framed = padded.unfold(1, self.n_fft, self.hop) * self.window  # [B, frames, n_fft]
+        source_frames = self.dft(framed)  # [B, frames, 2 bins]: real parts, then imaginary parts
         x = _conv_same(self.conv_pre, mel)  # [B, M, C]
         for level, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, self.lrelu_slope))
@@ -140,7 +148,7 @@ class BatchedHift:
 
         Overlap-add and window envelope by F.fold (no in-place ops: torch.compile can take it in inference mode)."""
         frames = real.shape[1]
-        segments = torch.fft.irfft(torch.complex(real, imag), n=self.n_fft, dim=-1) * self.window  # [B, frames, n_fft]
+        segments = self.inverse_dft(torch.cat([real, imag], dim=2)) * self.window  # [B, frames, n_fft]: irfft
         full = (frames - 1) * self.hop + self.n_fft
         fold: dict[str, Any] = {"output_size": (1, full), "kernel_size": (1, self.n_fft), "stride": (1, self.hop)}
         out = F.fold(segments.transpose(1, 2), **fold)[:, 0, 0]  # [B, full]
@@ -149,6 +157,19 @@ class BatchedHift:
         trim = self.n_fft // 2
         length = (frames - 1) * self.hop
         return out[:, trim:trim + length] / envelope[trim:trim + length]
+
+
+def _real_dft_matrices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real DFT of n points as matrices (computed in float64): forward [2 (n/2 + 1), n] gives
+    (Re X_k | Im X_k) with X_k = sum_t x_t e^(-2 pi i k t / n); inverse [n, 2 (n/2 + 1)] is irfft's."""
+    bins = n // 2 + 1
+    k, t = torch.arange(bins, dtype=torch.float64)[:, None], torch.arange(n, dtype=torch.float64)[None, :]
+    angle = 2 * math.pi * k * t / n  # [bins, n]
+    forward = torch.cat([torch.cos(angle), -torch.sin(angle)])  # [2 bins, n]
+    weight = torch.full((bins, 1), 2.0, dtype=torch.float64)
+    weight[0] = weight[-1] = 1.0  # DC and Nyquist once; the others stand for their conjugate pair too
+    inverse = torch.cat([weight * torch.cos(angle), -weight * torch.sin(angle)]).T / n  # [n, 2 bins]
+    return forward.float(), inverse.float()
 
 
 def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

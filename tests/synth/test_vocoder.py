@@ -557,3 +557,24 @@ def test_ops_per_tick_do_not_grow_with_streams(tiny: Setup, second_voice: Vocode
             tiny.vocoder.render(jobs)  # type: ignore[arg-type]
         counts[n] = ops.total
     assert counts[1] == counts[4] == counts[16] > 0, counts
+
+
+def test_renders_and_prompt_caches_do_not_depend_on_the_thread_count(tiny: Setup) -> None:
+    """The same voice prepared and the same stream rendered with 1 and with 2 torch threads: bitwise equal
+    (a voice may be prepared on the preparation thread and rendered on the vocoder's, with other counts)."""
+    saved = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            vocoder = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                                       append_silence_tokens=tiny.silence, prompt_max_tokens=PROMPT_TOKENS)
+            voice = vocoder.prepare_voice(tiny.ref_dict)
+            _, chunks = stream(tiny, utterance(), SCHEDULES["growing"], vocoder=vocoder)
+            cache = vocoder.prompt_cache(voice)
+            outputs.append((np.concatenate(chunks), cache.steps[-1].keys[0], cache.encoder.layer_kv[-1]))
+    finally:
+        torch.set_num_threads(saved)
+    (pcm1, keys1, kv1), (pcm2, keys2, kv2) = outputs
+    assert torch.equal(keys1, keys2) and torch.equal(kv1, kv2)
+    assert np.array_equal(pcm1, pcm2)
