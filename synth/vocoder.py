@@ -104,6 +104,7 @@ COMPILED_SHAPES = 256  # dynamo's per-function cache: one entry per (batch size,
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _without_grad(method: _F) -> _F:
@@ -245,8 +246,8 @@ class StreamingVocoder:
 
     def compile(self, mode: str = "reduce-overhead", backend: str = "inductor") -> None:
         """Compile the encoder, the estimator step (cached prompts) and HiFT; on CUDA, mode "reduce-overhead"
-        captures a CUDA graph per input shape, i.e. per (batch size, bucket). Tensor inputs only: the host-side
-        batch building stays eager."""
+        captures a CUDA graph per input shape, i.e. per (batch size, bucket), batch sizes padded to powers of two.
+        Tensor inputs only: the host-side batch building stays eager."""
         import torch._dynamo
 
         with self._prompt_lock:
@@ -388,7 +389,7 @@ class StreamingVocoder:
             groups.setdefault((cached, _round_up(rendered, FLOW_BUCKET_TOKENS)), []).append(index)
         out: list[Pcm | None] = [None] * len(jobs)
         for (cached, bucket_tokens), indices in sorted(groups.items()):
-            group = [jobs[i] for i in indices]
+            group = self._batch_bucket([jobs[i] for i in indices])
             mel = self._flow_group(group, cached, bucket_tokens).float().cpu().numpy()  # [B, frames, 80]
             for row, (index, job) in enumerate(zip(indices, group)):
                 stream = job.stream
@@ -440,6 +441,14 @@ class StreamingVocoder:
         x = x * frame_mask
         return self._solve(x, frame_mask, mu, speaker, cond, prompts if cached else None)
 
+    def _batch_bucket(self, group: list[_T]) -> list[_T]:
+        """Compiled: the group padded to a power of two with copies of its last row (read, never advanced), so a
+        CUDA graph serves every batch size up to it. Eager: as it is."""
+        if not self.compiled:
+            return group
+        size = 1 << (len(group) - 1).bit_length()
+        return group + [group[-1]] * (size - len(group))
+
     def _solve(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, speaker: torch.Tensor,
                cond: torch.Tensor, prompts: list[PromptCache | None] | None) -> torch.Tensor:
         """Euler integration of the flow from noise x [B, T, 80] (mask [B, T, 1], mu, cond [B, T, 80], speaker
@@ -475,7 +484,7 @@ class StreamingVocoder:
                 groups.setdefault(_round_up(mel.shape[0] + job.stream.held_frames, HIFT_BUCKET_FRAMES), []).append(index)
         out: list[tuple[Pcm, Pcm] | None] = [None] * len(jobs)
         for bucket, indices in sorted(groups.items()):
-            group = [(jobs[i], mels[i]) for i in indices]
+            group = self._batch_bucket([(jobs[i], mels[i]) for i in indices])
             wav, source = self._hift_group(group, bucket)  # type: ignore[arg-type]
             for row, index in enumerate(indices):
                 mel = mels[index]

@@ -578,3 +578,23 @@ def test_renders_and_prompt_caches_do_not_depend_on_the_thread_count(tiny: Setup
     (pcm1, keys1, kv1), (pcm2, keys2, kv2) = outputs
     assert torch.equal(keys1, keys2) and torch.equal(kv1, kv2)
     assert np.array_equal(pcm1, pcm2)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_renders_what_eager_renders(tiny: Setup) -> None:
+    """StreamingVocoder.compile() (the GPU path: torch.compile of the encoder, the estimator step and HiFT, batches
+    padded to powers of two) traced by dynamo with the eager backend here: the same PCM, bitwise, for a batch of
+    three (padded to four)."""
+    outputs = []
+    for compiled in (False, True):
+        vocoder = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                                   append_silence_tokens=tiny.silence, prompt_max_tokens=PROMPT_TOKENS)
+        if compiled:
+            vocoder.compile(backend="eager")
+            assert vocoder._batch_bucket([1, 2, 3]) == [1, 2, 3, 3]
+        voice = vocoder.prepare_voice(tiny.ref_dict)
+        streams = [advanced_stream(vocoder, voice, seed=i, tokens=utterance(50, seed=i), chunks=[12], final=False)
+                   for i in range(3)]
+        outputs.append(vocoder.render([s.next_job(24) for s in streams]))  # type: ignore[misc]
+    for eager, compiled_pcm in zip(*outputs):
+        assert eager.size > 0 and np.array_equal(eager, compiled_pcm)
