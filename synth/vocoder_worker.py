@@ -75,7 +75,8 @@ class ChunkPolicy:
       seconds buffered renders long, efficient chunks, late; one about to run dry renders a short one first.
     - Seeded requests keep the fixed schedule (first, then `schedule_tokens`), whatever the listener does: the
       protocol promises the same audio for the same seed, and chunk boundaries change the audio (slightly).
-    - Due streams render in the order of how soon their listener runs dry.
+    - Due streams render in the order of how soon their listener runs dry; listeners that hold nothing render
+      alone in their tick.
     """
 
     first_chunk_tokens: int = 12
@@ -343,7 +344,9 @@ class VocoderWorker:
         speech.waiting_tokens = []
 
     def _due(self, now_s: float) -> list[tuple[Speech, RenderJob]]:
-        """The streams whose next chunk can render now, most urgent first, at most max_batch."""
+        """The streams whose next chunk can render now, most urgent first, at most max_batch. When some listener
+        holds nothing (a turn's first audio, or one that ran dry), the tick takes only those: on a CPU a tick
+        costs about the sum of its renders, and a first chunk must not wait for other streams' long ones."""
         due: list[tuple[float, float, Speech, RenderJob]] = []
         for speech in self._speeches.values():
             stream = speech.stream
@@ -355,6 +358,8 @@ class VocoderWorker:
             if job is not None:
                 due.append((buffered_s, speech.spec.admitted_s, speech, job))
         due.sort(key=lambda item: (item[0], item[1]))
+        if due and due[0][0] <= 0.0:
+            due = [item for item in due if item[0] <= 0.0]
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
 
     def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:

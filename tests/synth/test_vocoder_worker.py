@@ -182,6 +182,15 @@ def test_the_listener_about_to_run_dry_renders_first(setup: Setup, worker: Vocod
         narrow._start_stream(speech, voice, setup.vocoder.prompt_cache(voice))
     tick = narrow._due(now)
     assert [speech.request_id for speech, _ in tick] == ["poor"]
+    narrow.max_batch = 8
+    assert [speech.request_id for speech, _ in narrow._due(now)] == ["poor", "rich"]  # both, most urgent first
+    starving = ListenerClock()
+    starving.report(sent_audio_s=0.5, started_monotonic_s=now - 1.0)  # ran dry half a second ago
+    narrow.feed([open_stream(setup, col, "dry", setup.voices[0], 3, starving, reproducible=False),
+                 Feed("dry", tuple(utterance(120, seed=3)))])
+    narrow._drain(block=False)
+    narrow._start_stream(narrow._speeches["dry"], voice, setup.vocoder.prompt_cache(voice))
+    assert [speech.request_id for speech, _ in narrow._due(now)] == ["dry"]  # it renders alone, first
     # and chunk sizes follow what each holds: 0.2 s -> the smallest chunk; 4 s -> the largest
     assert POLICY.chunk_tokens(3, 0.2, reproducible=False) == 6
     assert POLICY.chunk_tokens(3, 4.0, reproducible=False) == 16
