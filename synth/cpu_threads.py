@@ -15,11 +15,14 @@ on the thread that ran the voice encoders (a server's long-lived worker thread).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import logging
 import os
+
+from typing import Iterator
 
 import torch
 
@@ -89,3 +92,19 @@ def use_threads(count: int) -> None:
     # now, not after our setting (a smaller op runs serially and initialises nothing).
     torch.ones(WARM_UP_ELEMENTS).add_(1)
     torch.set_num_threads(count)
+
+
+@contextlib.contextmanager
+def fixed_threads(count: int) -> Iterator[None]:
+    """Run a block with `count` threads on this thread, then restore its count.
+
+    For computations whose bits must not depend on the machine or its load: torch's FFTs and some GEMMs give other
+    bits with other thread counts (a voice's conditioning computed with 1 and with 2 threads differs: measured),
+    and MKL, unless told otherwise (torch.set_num_threads does), picks its thread count by the load.
+    """
+    saved = torch.get_num_threads()
+    use_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
