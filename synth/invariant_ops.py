@@ -9,7 +9,7 @@ for large inner sizes). What does keep them is one GEMM per row of the batch, al
 `torch.baddbmm` with the weight expanded over the batch (stride 0), which MKL runs as a batch of identical
 GEMMs, once each product has at least 4 rows and a multiple of 16 columns (smaller ones are padded: below
 that MKL's batched GEMM, too, changed a row's bits for some shapes; tests/synth/test_invariant_ops.py checks
-every shape class S3Gen uses). So on the CPU:
+the shape classes S3Gen meets: odd and small column counts, 1-3 rows). So on the CPU:
 
 - a linear layer is one `baddbmm` over [B, T, in] (the same T for every row of a bucket);
 - a convolution is the sum of one `baddbmm` per kernel tap over shifted views of channels-last activations

@@ -13,7 +13,7 @@ Batches (`render`): every stream due in a tick is rendered in one call, whatever
 chunk index. Windows are grouped by a padded length (`FLOW_BUCKET_TOKENS`), the encoder, the Euler loop of the
 estimator (English: both CFG rows of every stream in one batch) and HiFT (`HIFT_BUCKET_FRAMES`) run once per
 group on padded, masked tensors, and nothing in a render is per stream except host-side bookkeeping in numpy:
-the torch ops of a tick do not grow with the number of streams (tests/synth/test_vocoder_batch.py counts them).
+the torch ops of a tick do not grow with the number of streams (tests/synth/test_vocoder.py counts them).
 A stream's audio does not depend on what it is batched with: padding is masked out (flow) or fixed by the
 stream's own length (HiFT's bucket), its noise is drawn from its own seed by position (`synth/counter_noise.py`,
 no global RNG), and on the CPU every matrix product is row-invariant (`synth/invariant_ops.py`), so a seeded
