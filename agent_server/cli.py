@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", "dtype", "T3 weights dtype", choices=DTYPES)
     add("--cpu-weights", "cpu_weights", "CPU with float32: bf16 stores T3's projection weights as bfloat16 "
         "(rounded once, fp32 math; 2-3x faster decoding of one segment)", choices=CPU_WEIGHTS)
+    add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
+        "or D,V")
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
     add("--max-slots", "max_slots", "segments the engine generates at once", type=int)
     add(

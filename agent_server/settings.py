@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from synth.api import VARIANTS, EngineConfig, Variant
+from synth.api import VARIANTS, EngineConfig, ThreadBudget, Variant
 
 MIB = 1024 * 1024
 WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
@@ -30,6 +30,9 @@ class Settings:
     # CPU, float32 only: "bf16" stores T3's projection weights as bfloat16 (rounded once) and computes in fp32:
     # one segment decodes 2-3x faster on a CPU (half the bytes streamed per step); see BENCHMARKS.md.
     cpu_weights: str = "fp32"
+    # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
+    # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
+    threads: str = "auto"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
     max_slots: int = 16  # engine: segments generating at once
     # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
@@ -104,6 +107,7 @@ class Settings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.cpu_weights not in CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}")
+        ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 < self.port < 65536):
@@ -131,6 +135,7 @@ class Settings:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def engine_config(self) -> EngineConfig:
+        decode_threads, vocoder_threads = ThreadBudget.parse(self.threads)
         return EngineConfig(
             variant=self.variant,
             weights=self.weights,
@@ -139,6 +144,8 @@ class Settings:
             cpu_weights=self.cpu_weights,
             max_slots=self.max_slots,
             alignment_analyzer=self.alignment_analyzer,
+            decode_threads=decode_threads,
+            vocoder_threads=vocoder_threads,
         )
 
     @property
@@ -155,6 +162,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "device": ("AGENT_SERVER_DEVICE",),
     "dtype": ("AGENT_SERVER_DTYPE",),
     "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
+    "threads": ("AGENT_SERVER_THREADS",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
     "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),

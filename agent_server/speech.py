@@ -40,6 +40,7 @@ from synth.api import (
     EngineLike,
     EngineOutput,
     EventKind,
+    ListenerClock,
     SamplingParams,
     SegmentEvent,
     SegmentRequest,
@@ -258,6 +259,7 @@ class SpeechStream:
         self._playing = 0  # index of the segment whose audio goes out now
         self._next_submit = 0
         self._waiting_for_backlog = False
+        self._listener = ListenerClock()  # what the client holds, for the engine's vocoder (render order, chunk sizes)
 
     # ---- the verbs -----------------------------------------------------------------------------
 
@@ -299,6 +301,8 @@ class SpeechStream:
         self.frames_sent += 1
         if self.times.first_frame_sent_s is None:
             self.times.first_frame_sent_s = now_s
+        sent_s = self.output_ms / 1000.0 * self.frames_sent / max(1, self.frames_out)  # frames are of equal length
+        self._listener.report(sent_s, self.times.first_frame_sent_s)
         if self._waiting_for_backlog and self._backlog_s() <= self.spec.max_audio_ahead_s:
             self._submit_ready()
 
@@ -362,6 +366,7 @@ class SpeechStream:
             first_audio_pending=self.times.first_chunk_ready_s is None,
             may_wait=self.spec.may_wait or seg.index > 0,
             submitted_monotonic_s=now_s,
+            listener=self._listener,
         )
         if self.times.first_submit_s is None:
             self.times.first_submit_s = now_s

@@ -1,13 +1,25 @@
-"""Benchmark the streaming S3Gen vocoder on full-size random-weight models (CPU).
+"""Benchmark the streaming S3Gen vocoder on full-size random-weight models.
 
-For each variant (English: 10 CFM steps with CFG; Turbo: 2 mean-flow steps) and a synthetic 10 s reference,
-with the prompt cache off and on:
+--mode stream (the default; CPU): for each variant (English: 10 CFM steps with CFG; Turbo: 2 mean-flow steps) and
+a synthetic 10 s reference, with the prompt cache off and on:
 - time to first chunk: the first push of 12 + latency tokens, which returns the first 12 tokens of audio, with
   its split into encoder / decoder (flow estimator) / HiFT time; for each prompt length in --prompt-sweep;
 - a ~4 s utterance (100 tokens) streamed by the schedule 12, 24, 48, 96 (the last push takes what is left,
   final=True): S3Gen milliseconds per second of audio, per push and in total, and for a one-shot render.
 
     python scripts/bench_vocoder.py --out out/bench_vocoder.json [--threads 1] [--variants english,turbo]
+
+--mode batched: batched render ticks (StreamingVocoder.render) of B streams due at once, all in one bucket, for
+each B in --batch-sizes and three tick shapes (first chunks: 12 new tokens; a 24-token chunk after the first;
+a 48-token chunk after two): ms per tick, per stream, audio seconds per second, aten ops per tick (the same for
+every B), and whether a stream's PCM in the batch is bitwise what it gets alone. With --compile (CUDA), the
+same after StreamingVocoder.compile() (torch.compile, mode reduce-overhead: a CUDA graph per (B, bucket)),
+eager and compiled side by side. For the GPU check:
+
+    python scripts/bench_vocoder.py --mode batched --device cuda --batch-sizes 1 8 32 64 --compile \
+        --variants turbo --shapes chunk_24 --out out/gpu/bench_vocoder_batched.json
+
+Each (variant, shape, batch) compiles once with --compile: a few of them fit a 10-minute GPU slot.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from synth.tiny_s3gen import build_s3gen  # noqa: E402
 from synth.vocoder import (DEFAULT_PROMPT_MAX_TOKENS, SAMPLE_RATE_HZ, SAMPLES_PER_TOKEN,  # noqa: E402
-                           SPEECH_VOCAB_SIZE, StreamingVocoder)
+                           SPEECH_VOCAB_SIZE, StreamingVocoder, VocoderStream)
 
 REFERENCE_S = 10.0
 UTTERANCE_TOKENS = 100  # 4 s of speech at 25 tokens/s
@@ -152,6 +164,131 @@ def bench_variant(variant: str, prompt_sweep: list[int]) -> dict:
     }
 
 
+# (chunks rendered before, the tick's chunk): every stream of a tick is at the same point, so one bucket
+TICK_SHAPES = {"first_chunk_12": ((), 12), "chunk_24": ((12,), 24), "chunk_48": ((12, 24), 48)}
+
+
+def _clone(s: VocoderStream) -> VocoderStream:
+    return VocoderStream(vocoder=s.vocoder, voice=s.voice, seed=s.seed, tokens=list(s.tokens), final=s.final,
+                         mel_tokens=s.mel_tokens, emitted_samples=s.emitted_samples, prompt=s.prompt,
+                         held_mel=None if s.held_mel is None else s.held_mel.copy(),
+                         held_source=None if s.held_source is None else s.held_source.copy(),
+                         held_wav=None if s.held_wav is None else s.held_wav.copy())
+
+
+def _count_ops(vocoder: StreamingVocoder, streams: list[VocoderStream], chunk: int) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            Counter.total += 1
+            return func(*args, **(kwargs or {}))
+
+    jobs = [_clone(s).next_job(chunk) for s in streams]
+    with Counter():
+        vocoder.render(jobs)  # type: ignore[arg-type]
+    return Counter.total
+
+
+def _time_ticks(vocoder: StreamingVocoder, streams: list[VocoderStream], chunk: int, reps: int,
+                device: torch.device) -> tuple[list[float], list[np.ndarray]]:
+    times_ms, outputs = [], []
+    for _ in range(reps):
+        jobs = [_clone(s).next_job(chunk) for s in streams]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        outputs = vocoder.render(jobs)  # type: ignore[arg-type]  (ends with a host copy: synchronised)
+        times_ms.append((time.perf_counter() - t0) * 1e3)
+    return times_ms, outputs
+
+
+def _streams_at(vocoder: StreamingVocoder, voice: Any, batch: int, before: tuple[int, ...]) -> list[VocoderStream]:
+    """`batch` streams (own seeds and tokens, one voice) brought to the tick's point by batched renders."""
+    prompt = vocoder.prompt_cache(voice)
+    streams = []
+    for i in range(batch):
+        s = vocoder.open(voice, seed=1000 + i)
+        s.prompt = prompt
+        s.add(torch.randint(0, SPEECH_VOCAB_SIZE, (UTTERANCE_TOKENS,),
+                            generator=torch.Generator().manual_seed(i)).tolist(), final=False)
+        streams.append(s)
+    for size in before:
+        vocoder.render([s.next_job(size) for s in streams])  # type: ignore[misc]
+    return streams
+
+
+def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    steps, meanflow, silence = VARIANTS[variant]
+    torch.manual_seed(0)
+    s3gen = build_s3gen(args.preset, meanflow=meanflow).to(device)
+    ref_dict = s3gen.embed_ref(synthetic_reference(REFERENCE_S, SAMPLE_RATE_HZ), SAMPLE_RATE_HZ, device=device)
+
+    def new_vocoder() -> StreamingVocoder:
+        return StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence)
+
+    vocoder = new_vocoder()
+    voice = vocoder.prepare_voice(ref_dict)
+    results = []
+    for shape in args.shapes:
+        before, chunk = TICK_SHAPES[shape]
+        for batch in args.batch_sizes:
+            streams = _streams_at(vocoder, voice, batch, before)
+            times_ms, outputs = _time_ticks(vocoder, streams, chunk, args.reps, device)
+            alone = vocoder.render([_clone(streams[0]).next_job(chunk)])[0]  # type: ignore[list-item]
+            audio_s = sum(o.size for o in outputs) / SAMPLE_RATE_HZ
+            row = {"variant": variant, "shape": shape, "batch": batch, "chunk_tokens": chunk, "before": before,
+                   "eager_ms": times_ms, "eager_ms_median": float(np.median(times_ms)),
+                   "eager_ms_per_stream": float(np.median(times_ms)) / batch,
+                   "eager_audio_s_per_s": audio_s / (float(np.median(times_ms)) / 1e3),
+                   "ops_per_tick": _count_ops(vocoder, streams, chunk),
+                   "stream0_bitwise_as_alone": bool(np.array_equal(outputs[0], alone)),
+                   "stream0_max_abs_diff_vs_alone": float(np.abs(outputs[0] - alone).max()) if alone.size else 0.0,
+                   "eager_stream0": outputs[0]}
+            log.info("%s", {k: v for k, v in row.items() if k not in ("eager_ms", "eager_stream0")})
+            results.append(row)
+    if args.compile:
+        compiled = new_vocoder()  # a vocoder of its own: compile() comes before its voice's prompt cache
+        try:
+            compiled.compile(mode="reduce-overhead" if device.type == "cuda" else "default")
+            compiled_voice = compiled.prepare_voice(ref_dict)
+        except Exception as exc:  # noqa: BLE001 - report it, keep the eager figures
+            for row in results:
+                row["compile_error"] = f"{type(exc).__name__}: {exc}"
+            compiled_voice = None
+        for row in results if compiled_voice is not None else []:
+            try:
+                streams = _streams_at(compiled, compiled_voice, row["batch"], row["before"])
+                t0 = time.perf_counter()
+                _time_ticks(compiled, streams, row["chunk_tokens"], 2, device)  # compile + capture, replay once
+                row["compile_first_calls_s"] = time.perf_counter() - t0
+                times_ms, outputs = _time_ticks(compiled, streams, row["chunk_tokens"], args.reps, device)
+                row.update({"compiled_ms": times_ms, "compiled_ms_median": float(np.median(times_ms)),
+                            "compiled_ms_per_stream": float(np.median(times_ms)) / row["batch"],
+                            "speedup_compiled": row["eager_ms_median"] / float(np.median(times_ms)),
+                            "compiled_max_abs_diff_vs_eager": float(np.abs(outputs[0] - row["eager_stream0"]).max())})
+            except Exception as exc:  # noqa: BLE001
+                row["compile_error"] = f"{type(exc).__name__}: {exc}"
+            log.info("%s B=%d compiled: %s", row["shape"], row["batch"],
+                     {k: v for k, v in row.items() if k.startswith("compil") and k != "compiled_ms"})
+    for row in results:
+        del row["eager_stream0"]
+    return results
+
+
+def print_batched(results: list[dict]) -> None:
+    print(f"\n{'variant':8} {'tick':15} {'B':>4} {'eager ms':>9} {'ms/stream':>9} {'audio-s/s':>9} {'ops':>6} "
+          f"{'bitwise':>7} {'compiled ms':>11} {'speedup':>7}")
+    for r in results:
+        compiled = f"{r['compiled_ms_median']:.1f}" if "compiled_ms_median" in r else r.get("compile_error", "-")[:11]
+        speedup = f"{r['speedup_compiled']:.2f}" if "speedup_compiled" in r else "-"
+        print(f"{r['variant']:8} {r['shape']:15} {r['batch']:>4} {r['eager_ms_median']:>9.1f} "
+              f"{r['eager_ms_per_stream']:>9.1f} {r['eager_audio_s_per_s']:>9.2f} {r['ops_per_tick']:>6} "
+              f"{r['stream0_bitwise_as_alone']!s:>7} {compiled:>11} {speedup:>7}")
+
+
 def print_table(results: list[dict]) -> None:
     print(f"\n{'variant':8} {'cache':>5} {'prompt tok':>10} {'prepare ms':>10} {'cache MB':>9} "
           f"{'first chunk ms':>14} {'encoder':>8} {'decoder':>8} {'hift':>8}")
@@ -175,10 +312,30 @@ def main() -> None:
     parser.add_argument("--variants", default="english,turbo")
     parser.add_argument("--prompt-sweep", default=f"50,{DEFAULT_PROMPT_MAX_TOKENS},250",
                         help="prompt lengths (tokens) for the first-chunk timing")
+    parser.add_argument("--mode", choices=("stream", "batched"), default="stream")
+    parser.add_argument("--device", default="auto", help="batched mode: cpu, cuda, cuda:N or auto")
+    parser.add_argument("--preset", choices=("full", "tiny"), default="full", help="batched mode: model size")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="batched mode")
+    parser.add_argument("--reps", type=int, default=5, help="batched mode: timed ticks per (shape, batch)")
+    parser.add_argument("--compile", action="store_true", help="batched mode: also compiled (CUDA graphs on CUDA)")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(TICK_SHAPES), default=list(TICK_SHAPES),
+                        help="batched mode: tick shapes (each (shape, batch) is one compilation with --compile)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mode == "batched":
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if args.device == "auto" else args.device))
+        with torch.inference_mode():
+            batched = [row for v in args.variants.split(",") if v for row in bench_batched(v, args, device)]
+        meta = {"mode": "batched", "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                else "cpu", "preset": args.preset, "compile": args.compile, "tick_shapes": TICK_SHAPES}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": batched}, indent=2))
+        print_batched(batched)
+        return
     sweep = [int(p) for p in args.prompt_sweep.split(",") if p]
     results = [bench_variant(v, sweep) for v in args.variants.split(",") if v]
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu",

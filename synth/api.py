@@ -118,6 +118,34 @@ EngineOutput = Union[AudioChunk, SegmentEvent]
 Sink = Callable[[EngineOutput], None]
 
 
+class ListenerClock:
+    """How much audio a stream's listener holds: the session writes it (any thread), the engine reads it.
+
+    The session reports the audio it has sent so far and when its listener started playing (its first frame);
+    the listener is taken to play in real time from then, so at time t it holds `sent - (t - started)` seconds
+    (negative: it has run dry that long). The engine's vocoder renders the streams about to run dry first and
+    sizes chunks by what the listener holds. One clock per context: every segment of a turn shares it, so a
+    segment that starts while the previous one is still playing sees that audio. A report is one reference
+    swap (atomic in CPython): no lock.
+    """
+
+    __slots__ = ("_report",)
+
+    def __init__(self) -> None:
+        self._report: tuple[float, float] | None = None  # (sent_audio_s, started_monotonic_s)
+
+    def report(self, sent_audio_s: float, started_monotonic_s: float) -> None:
+        self._report = (sent_audio_s, started_monotonic_s)
+
+    def buffered_s(self, now_monotonic_s: float) -> float | None:
+        """Seconds of audio the listener holds at `now` (None: nothing reported yet)."""
+        report = self._report
+        if report is None:
+            return None
+        sent_audio_s, started_monotonic_s = report
+        return sent_audio_s - (now_monotonic_s - started_monotonic_s)
+
+
 @dataclass(slots=True)
 class SegmentRequest:
     """One speakable piece of text to turn into audio. Each is its own T3 generation."""
@@ -133,6 +161,52 @@ class SegmentRequest:
     # False: answer BUSY at once when no slot is free. True: wait in the (bounded) admission queue.
     may_wait: bool = True
     submitted_monotonic_s: float = 0.0
+    # The listener's playback (shared by the segments of one context), read by the vocoder's chunk policy.
+    listener: ListenerClock | None = None
+
+
+# CPU threads: the decode thread and the vocoder worker each run their own OpenMP team (synth/cpu_threads.py
+# says why they must not add up to more threads than cores).
+EVENT_LOOP_RESERVE_FROM_CORES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadBudget:
+    decode: int  # OpenMP/MKL threads of the engine's decode thread
+    vocoder: int  # of the vocoder worker
+
+    @staticmethod
+    def split(cores: int) -> "ThreadBudget":
+        """The automatic split of `cores` CPUs."""
+        usable = max(1, cores - (1 if cores >= EVENT_LOOP_RESERVE_FROM_CORES else 0))
+        decode = max(1, usable // 2)
+        return ThreadBudget(decode=decode, vocoder=max(1, usable - decode))
+
+    @staticmethod
+    def resolve(decode: int, vocoder: int, cores: int) -> "ThreadBudget":
+        """Explicit counts where given (> 0), the automatic split of `cores` CPUs for the rest."""
+        if decode < 0 or vocoder < 0:
+            raise ValueError("thread counts must be >= 0 (0: automatic)")
+        auto = ThreadBudget.split(cores)
+        return ThreadBudget(decode=decode or auto.decode, vocoder=vocoder or auto.vocoder)
+
+    @staticmethod
+    def parse(spec: str) -> tuple[int, int]:
+        """'auto' -> (0, 0); 'N' -> the split of N cores; 'D,V' -> (D, V). Raises ValueError."""
+        text = spec.strip().lower()
+        if text == "auto":
+            return 0, 0
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            counts = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"threads must be 'auto', N or D,V (got {spec!r})") from None
+        if len(counts) == 1 and counts[0] >= 1:
+            budget = ThreadBudget.split(counts[0])
+            return budget.decode, budget.vocoder
+        if len(counts) == 2 and min(counts) >= 1:
+            return counts[0], counts[1]
+        raise ValueError(f"threads must be 'auto', N >= 1 or D,V >= 1 (got {spec!r})")
 
 
 class EngineError(RuntimeError):
@@ -231,7 +305,13 @@ class EngineConfig:
     # 0: enough for the longest segment the server cuts (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS.
     max_context_tokens: int = 0
     first_chunk_tokens: int = 12
+    # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
+    # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).
     chunk_schedule_tokens: tuple[int, ...] = (24, 48, 96)
     prefill_budget_segments: int = 4  # prefills per iteration, so decode of running segments keeps its pace
     alignment_analyzer: bool = False  # multilingual only
     seed: int | None = None  # seeds segments that bring none (None: from os.urandom)
+    # CPU threads of the decode thread and of the vocoder worker (0: automatic, synth/cpu_threads.py).
+    decode_threads: int = 0
+    vocoder_threads: int = 0
+    vocoder_max_batch: int = 0  # streams rendered in one vocoder tick at most (0: 4 on a CPU, 64 on a GPU)

@@ -4,7 +4,10 @@ Callers (any thread) talk to it through `submit` / `cancel` (a queue) and hear b
 request's sink (called on this thread; sinks must not block). Each iteration:
 
     drain inbox -> schedule -> prefill + one batched decode + sample (one host sync)
-    -> apply cancels that landed meanwhile -> update -> vocode what is due -> emit -> stats
+    -> apply cancels that landed meanwhile -> update -> hand new speech tokens to the vocoder worker -> stats
+
+The vocoder renders on its own thread (synth/vocoder_worker.py), batched over every stream due, and emits the
+audio itself; each request's output goes through its Outlet (synth/outlet.py), whichever thread sends it.
 """
 
 from __future__ import annotations
@@ -21,18 +24,20 @@ from typing import Any, Callable
 import torch
 
 from synth import alignment, linear_bf16w
-from synth.cpu_threads import release_openmp_pool
-from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS, OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, AudioChunk,
+from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
+from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS,
                        EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
-                       SegmentEvent, SegmentRequest, StepStats, max_tokens_for_text)
+                       SegmentEvent, SegmentRequest, StepStats, ThreadBudget, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
+from synth.outlet import Delivery, Outlet
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
 from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner, projections
 from synth.text import text_token_ids
 from synth.voices import Voice, VoiceRegistry, make_voice
+from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ IDLE_WAIT_S = 0.05
 PREFIX_CACHE_ENTRIES = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 S3GEN_SILENCE_TOKENS_TURBO = 3
+VOCODER_MAX_BATCH = {"cpu": 4, "cuda": 64}  # streams per render tick: short ticks on a CPU (latency), wide on a GPU
+VOICE_PREPARATION_TIMEOUT_S = 600.0  # start-up: built-in voices' vocoder prompts (English, CPU: ~10 s each)
 KV_LEN_MULTIPLE = 64
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 
@@ -61,8 +68,8 @@ class _Cancel:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _PrepareVoice:
-    """Precompute a new voice's T3 prefix and vocoder prompt cache on the engine thread (S3Gen is not
-    thread-safe), when it is added rather than on its first request."""
+    """Precompute a new voice's T3 prefix on the engine thread when it is added rather than on its first
+    request (its vocoder prompt is prepared by the vocoder worker's preparation thread)."""
 
     voice: Voice
 
@@ -103,18 +110,21 @@ class Engine(EngineLike):
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama))
-        self.vocoder = self._build_vocoder() if render_audio else None
+        self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
+        self.vocoder: Any = None  # synth.vocoder.StreamingVocoder when rendering audio
+        self.vocoder_worker: VocoderWorker | None = None
+        if render_audio:
+            self.vocoder, self.vocoder_worker = self._build_vocoder()
         self.voices = VoiceRegistry()
         vocab = bundle.t3.hp.speech_tokens_dict_size
         # seen[row]: ids that count for the repetition penalty of the segment whose cond row is `row`
         self._seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=self.device)
         # keyed by Voice.key (a content hash), never by id(): a freed voice's address is reused at once
         self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
-        self._vocoder_voices: OrderedDict[str, Any] = OrderedDict()
         self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
-        self._live: dict[str, SegmentState] = {}  # request_id -> state, engine thread only
-        self._emit_lock = threading.Lock()
-        self._cancelled: set[str] = set()  # guarded by _emit_lock
+        self._live: dict[str, SegmentState] = {}  # request_id -> state while T3 owns it, engine thread only
+        self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
+        self._outlets: dict[str, Outlet] = {}  # request_id -> outlet until its terminal event
         self._stats_listener: Callable[[StepStats], None] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -129,13 +139,25 @@ class Engine(EngineLike):
     def submit(self, request: SegmentRequest) -> None:
         if self._dead.is_set() or self._stop.is_set():
             raise EngineError("engine is not running")
-        state = self._new_state(request)
+        outlet = Outlet(request.request_id, request.sink, self._emit_lock, self._outlets)
+        state = self._new_state(request, outlet)
+        with self._emit_lock:
+            duplicate = request.request_id in self._outlets
+            if not duplicate:
+                self._outlets[request.request_id] = outlet
+        if duplicate:  # the live request keeps the id; this one fails alone
+            self._emit(state, self._event(state, EventKind.FAILED, reason="duplicate request_id"))
+            return
         self._inbox.put(state)
 
     def cancel(self, request_id: str) -> None:
         with self._emit_lock:
-            self._cancelled.add(request_id)
+            outlet = self._outlets.get(request_id)
+        if outlet is not None:
+            outlet.cancel()  # from here on nothing of it goes out but the CANCELLED event
         self._inbox.put(_Cancel(request_id))
+        if self.vocoder_worker is not None:
+            self.vocoder_worker.cancel(request_id)  # its pending renders are dropped at the worker's next drain
 
     def voice_ids(self) -> list[str]:
         return self.voices.ids()
@@ -149,6 +171,8 @@ class Engine(EngineLike):
             self._release_caller_cpu()
         self.voices.add(voice)
         self._inbox.put(_PrepareVoice(voice))
+        if self.vocoder_worker is not None:
+            self.vocoder_worker.prepare_voice(voice)  # off the decode thread and off the render thread
 
     def remove_voice(self, voice_id: str) -> None:
         self.voices.remove(voice_id)
@@ -163,7 +187,8 @@ class Engine(EngineLike):
             "cpu_weights": self.config.cpu_weights,
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
-            "failure": self.failure,
+            "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
+            "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
         }
 
     @property
@@ -172,12 +197,14 @@ class Engine(EngineLike):
 
     @property
     def alive(self) -> bool:
-        return not self._dead.is_set()
+        return not self._dead.is_set() and not (self.vocoder_worker is not None and self.vocoder_worker.failure)
 
     def start(self) -> None:
         if self._thread is not None:
             return
         self._release_caller_cpu()  # the starting thread (it built the engine) hands the CPU over
+        if self.vocoder_worker is not None:
+            self.vocoder_worker.start()
         self._thread = threading.Thread(target=self._run, name="synth-engine", daemon=True)
         self._thread.start()
 
@@ -189,6 +216,8 @@ class Engine(EngineLike):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.vocoder_worker is not None:
+            self.vocoder_worker.stop(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -203,6 +232,7 @@ class Engine(EngineLike):
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        use_threads(self.threads.decode)  # this thread's OpenMP team (synth/cpu_threads.py)
         try:
             self._warmup()
             self._ready.set()
@@ -216,7 +246,7 @@ class Engine(EngineLike):
             self._fail_all(Status.FAILED, f"engine failure: {self.failure}")
 
     def _step(self) -> None:
-        self._drain_inbox(block=self.scheduler.idle and not self._vocoder_backlog())
+        self._drain_inbox(block=self.scheduler.idle)
         plan = self.scheduler.schedule()
         t0 = time.perf_counter()
         token_ids, prefill_ms = self._execute(plan)  # the one host sync of the step
@@ -224,8 +254,8 @@ class Engine(EngineLike):
         self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
         ended = self.scheduler.update(plan, StepResult(token_ids))
         self._after_update(plan, ended)
-        vocoder_ms, audio_s = self._vocode_due()
-        self._record(plan, (t1 - t0) * 1e3 - prefill_ms, prefill_ms, vocoder_ms, audio_s)
+        self._hand_to_vocoder(plan)  # the worker renders them while the next steps decode
+        self._record(plan, (t1 - t0) * 1e3 - prefill_ms, prefill_ms)
 
     # --- inbox -------------------------------------------------------------------------------------------
 
@@ -252,26 +282,24 @@ class Engine(EngineLike):
                 self._admit(deferred_item)
 
     def _admit(self, state: SegmentState) -> None:
-        if state.request_id in self._live:
-            self._emit(state, self._event(state, EventKind.FAILED, reason="duplicate request_id"))
+        if not state.outlet.is_open:  # cancelled before the engine saw it (its _Cancel follows in the inbox)
             return
-        with self._emit_lock:
-            if state.request_id in self._cancelled:  # cancelled before the engine saw it
-                self._cancelled.discard(state.request_id)
-                return
         if not self.scheduler.add(state):
             self._emit(state, self._event(state, EventKind.BUSY, reason="no free slot"))
             return
         self._live[state.request_id] = state
 
     def _apply_cancel(self, request_id: str) -> None:
+        """Free its slot if T3 still runs it, and send its CANCELLED event (once, whoever owns it now)."""
         state = self._live.pop(request_id, None)
+        if state is not None and state.status in (Status.WAITING, Status.RUNNING):
+            self.scheduler.cancel(state)
         with self._emit_lock:
-            self._cancelled.discard(request_id)
-        if state is None or state.is_done:
-            return
-        self.scheduler.cancel(state)
-        state.request.sink(self._event(state, EventKind.CANCELLED, reason="cancelled"))
+            outlet = self._outlets.get(request_id)
+        if outlet is not None:
+            outlet.send(SegmentEvent(request_id=request_id, kind=EventKind.CANCELLED, at_monotonic_s=time.monotonic(),
+                                     speech_tokens=len(state.valid_tokens) if state is not None else 0,
+                                     reason="cancelled"))
 
     # --- T3 ----------------------------------------------------------------------------------------------
 
@@ -451,75 +479,35 @@ class Engine(EngineLike):
         for state in ended:
             self._emit(state, self._event(state, EventKind.GENERATED, reason=state.finish_reason,
                                           token_ids=tuple(state.tokens)))
-            if self.vocoder is None:
+            if self.vocoder_worker is None:
                 self._finish(state)
 
-    def _vocoder_backlog(self) -> bool:
-        return any(s.status == Status.GENERATED for s in self._live.values())
-
-    def _chunk_target(self, state: SegmentState) -> int:
-        if state.chunks_emitted == 0:
-            return self.config.first_chunk_tokens
-        schedule = self.config.chunk_schedule_tokens
-        return schedule[min(state.chunks_emitted - 1, len(schedule) - 1)]
-
-    def _vocode_due(self) -> tuple[float, float]:
-        if self.vocoder is None:
-            return 0.0, 0.0
-        due = [s for s in self._live.values() if self._is_due(s)]
-        if not due:
-            return 0.0, 0.0
-        due.sort(key=lambda s: (s.chunks_emitted > 0, s.admitted_s))  # first chunks first: that is TTFB
-        t0 = time.perf_counter()
-        audio_s = 0.0
-        for state in due:
-            audio_s += self._vocode(state)
-        return (time.perf_counter() - t0) * 1e3, audio_s
-
-    def _is_due(self, state: SegmentState) -> bool:
-        if state.status == Status.GENERATED:
-            return True
-        if state.status != Status.RUNNING:
-            return False
-        # the stream holds back its lookahead and crossfade tokens: push enough for a full chunk to come out
-        backlog = len(state.valid_tokens) - state.vocoded_tokens
-        return backlog >= self._chunk_target(state) + self.vocoder.latency_tokens
-
-    def _vocode(self, state: SegmentState) -> float:
-        final = state.status == Status.GENERATED
-        try:
-            if state.vocoder_stream is None:
-                state.vocoder_stream = self.vocoder.open(self._vocoder_voice(state.voice),
-                                                         seed=self._vocoder_seed(state))
+    def _hand_to_vocoder(self, plan: StepPlan) -> None:
+        """Every sampled segment's new valid tokens, and the end of the finished ones, to the vocoder worker in
+        one message; a finished segment is the worker's from then on (it sends the audio and DONE)."""
+        worker = self.vocoder_worker
+        if worker is None:
+            return
+        items: list[StreamOpen | Feed] = []
+        for state in plan.sampled:
+            if state.status not in (Status.RUNNING, Status.GENERATED):  # cancelled or failed meanwhile
+                continue
+            final = state.status == Status.GENERATED  # T3 ended it this step (it leaves the plans after)
             new_tokens = state.valid_tokens[state.pushed_tokens:]
+            if not new_tokens and not final:
+                continue
+            if state.pushed_tokens == 0:  # its first message (a segment's first feed has tokens, or is final)
+                items.append(StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
+                                        seed=self._vocoder_seed(state),
+                                        reproducible=state.request.params.seed is not None,
+                                        listener=state.request.listener, admitted_s=state.admitted_s))
+            items.append(Feed(request_id=state.request_id, tokens=tuple(new_tokens), final=final,
+                              speech_tokens=len(state.valid_tokens), finish_reason=state.finish_reason))
             state.pushed_tokens = len(state.valid_tokens)
-            pcm, n_tokens = state.vocoder_stream.push(new_tokens, final=final)
-        except Exception as exc:  # noqa: BLE001 - one segment's vocoder failure must not stop the others
-            log.exception("vocoder failed for %s", state.request_id)
-            self._terminate(state, Status.FAILED, f"vocoder failure: {type(exc).__name__}: {exc}")
-            return 0.0
-        assert pcm.size == n_tokens * SAMPLES_PER_SPEECH_TOKEN, (pcm.size, n_tokens)
-        if n_tokens:
-            state.vocoded_tokens += n_tokens
-            chunk = AudioChunk(request_id=state.request_id, seq=state.chunks_emitted, pcm=pcm,
-                               speech_tokens=n_tokens, ready_monotonic_s=time.monotonic())
-            if state.chunks_emitted == 0:
-                state.first_chunk_s = chunk.ready_monotonic_s
-            state.chunks_emitted += 1
-            self._emit(state, chunk)
-        if final:
-            self._finish(state)
-        return pcm.size / OUTPUT_SAMPLE_RATE_HZ
-
-    def _vocoder_voice(self, voice: Voice) -> Any:
-        key = voice.key
-        prepared = self._vocoder_voices.get(key)
-        if prepared is None:
-            prepared = self.vocoder.prepare_voice(voice.s3gen_ref)
-            self._vocoder_voices[key] = prepared
-            if len(self._vocoder_voices) > PREFIX_CACHE_ENTRIES:
-                self._vocoder_voices.popitem(last=False)
-        return prepared
+            if final:
+                self._live.pop(state.request_id, None)
+        if items:
+            worker.feed(items)
 
     @staticmethod
     def _vocoder_seed(state: SegmentState) -> int:
@@ -527,6 +515,7 @@ class Engine(EngineLike):
         return (state.params.seed * 0x9E3779B1 + 0x7F4A7C15) % (2**63)
 
     def _finish(self, state: SegmentState) -> None:
+        """Without a vocoder: a segment is done when T3 is."""
         state.status = Status.FINISHED
         self._live.pop(state.request_id, None)
         self._emit(state, self._event(state, EventKind.DONE, reason=state.finish_reason))
@@ -540,34 +529,25 @@ class Engine(EngineLike):
         self._emit(state, self._event(state, kind, reason=reason))
 
     def _fail_all(self, status: Status, reason: str) -> None:
+        """Every request not yet done (T3's, the vocoder's, the inbox's) gets its terminal event."""
         for state in list(self._live.values()):
             try:
                 self._terminate(state, status, reason)
             except Exception:  # noqa: BLE001
                 log.exception("while failing %s", state.request_id)
-        while True:  # segments still in the inbox hear about it too
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, SegmentState):
-                kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
-                self._emit(item, self._event(item, kind, reason=reason))
+        kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
+        with self._emit_lock:
+            outlets = list(self._outlets.values())
+        for outlet in outlets:  # in the vocoder worker's hands, or still in the inbox
+            outlet.send(SegmentEvent(request_id=outlet.request_id, kind=kind, at_monotonic_s=time.monotonic(),
+                                     reason=reason))
 
     # --- output ------------------------------------------------------------------------------------------
 
     def _emit(self, state: SegmentState, output: EngineOutput) -> None:
         """Deliver unless the request was cancelled; a sink that raises ends only its own segment."""
-        with self._emit_lock:
-            if state.request_id in self._cancelled:
-                return
-            try:
-                state.request.sink(output)
-                return
-            except Exception:  # noqa: BLE001
-                log.exception("sink of %s raised; cancelling it", state.request_id)
-                self._cancelled.add(state.request_id)
-        self._inbox.put(_Cancel(state.request_id))
+        if state.outlet.send(output) == Delivery.SINK_FAILED:
+            self.cancel(state.request_id)
 
     @staticmethod
     def _event(state: SegmentState, kind: EventKind, reason: str = "",
@@ -575,10 +555,13 @@ class Engine(EngineLike):
         return SegmentEvent(request_id=state.request_id, kind=kind, at_monotonic_s=time.monotonic(),
                             speech_tokens=len(state.valid_tokens), token_ids=token_ids, reason=reason)
 
-    def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float, vocoder_ms: float,
-                audio_s: float) -> None:
-        if plan.is_empty and not vocoder_ms:
+    def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float) -> None:
+        if self.vocoder_worker is not None and self.vocoder_worker.failure:
+            raise RuntimeError(f"vocoder worker died: {self.vocoder_worker.failure}")
+        if plan.is_empty:
             return
+        renders = self.vocoder_worker.take_stats() if self.vocoder_worker is not None else None
+        vocoder_ms, audio_s = (renders.ms, renders.audio_s) if renders is not None else (0.0, 0.0)
         self.steps += 1
         listener = self._stats_listener
         if listener is None:
@@ -591,7 +574,7 @@ class Engine(EngineLike):
 
     # --- setup -------------------------------------------------------------------------------------------
 
-    def _new_state(self, request: SegmentRequest) -> SegmentState:
+    def _new_state(self, request: SegmentRequest, outlet: Outlet) -> SegmentState:
         params = request.params
         try:
             params.validate()
@@ -608,7 +591,7 @@ class Engine(EngineLike):
         generator = torch.Generator(device=self.device).manual_seed(seed)
         if not request.submitted_monotonic_s:
             request.submitted_monotonic_s = time.monotonic()
-        return SegmentState(request=request, params=params, voice=voice, text_ids=text_ids,
+        return SegmentState(request=request, outlet=outlet, params=params, voice=voice, text_ids=text_ids,
                             max_new_tokens=params.max_new_tokens or HARD_MAX_NEW_TOKENS,
                             uses_cfg=self.is_llama and params.cfg_weight > 0.0, generator=generator)
 
@@ -636,22 +619,38 @@ class Engine(EngineLike):
                         "values; the model is no longer bit-identical to the checkpoint)", changed)
         return True
 
-    def _build_vocoder(self) -> Any:
+    def _build_vocoder(self) -> tuple[Any, VocoderWorker]:
         from synth.vocoder import StreamingVocoder
 
+        config = self.config
         turbo = self.variant == "turbo"
-        return StreamingVocoder(self.bundle.s3gen, n_cfm_timesteps=2 if turbo else 10, meanflow=turbo,
-                                append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0)
+        schedule = config.chunk_schedule_tokens
+        vocoder = StreamingVocoder(self.bundle.s3gen, n_cfm_timesteps=2 if turbo else 10, meanflow=turbo,
+                                   append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0,
+                                   max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
+        policy = ChunkPolicy(first_chunk_tokens=config.first_chunk_tokens, schedule_tokens=schedule,
+                             max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
+        max_batch = config.vocoder_max_batch or VOCODER_MAX_BATCH.get(self.device.type, VOCODER_MAX_BATCH["cpu"])
+        return vocoder, VocoderWorker(vocoder, policy, threads=self.threads.vocoder, max_batch=max_batch,
+                                      on_sink_failed=self.cancel)
 
     def _warmup(self) -> None:
-        """Prepare every voice known at start (the default included) before declaring ready."""
-        for voice_id in self.voices.ids():
-            self._prepare_voice(self.voices.get(voice_id))
+        """Prepare every voice known at start (the default included) before declaring ready: T3 prefixes here,
+        vocoder prompts on the vocoder's preparation thread (waited for, so a first request never waits)."""
+        voices = [self.voices.get(voice_id) for voice_id in self.voices.ids()]
+        worker = self.vocoder_worker
+        if worker is not None:
+            for voice in voices:
+                if voice.s3gen_ref:
+                    worker.prepare_voice(voice)
+        for voice in voices:
+            self._prepare_voice(voice)
+        if worker is not None and not worker.wait_prepared([v.key for v in voices if v.s3gen_ref],
+                                                           VOICE_PREPARATION_TIMEOUT_S):
+            raise EngineError("the built-in voices' vocoder prompts were not ready in time")
 
     def _prepare_voice(self, voice: Voice) -> None:
         try:
             self._prefix_for(voice, SamplingParams.defaults(self.variant).exaggeration)
-            if self.vocoder is not None and voice.s3gen_ref:
-                self._vocoder_voice(voice)
         except Exception:  # noqa: BLE001 - a bad voice fails its own requests later, not the engine
             log.exception("preparing voice %s failed", voice.voice_id)

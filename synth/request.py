@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from synth.api import SamplingParams, SegmentRequest
+from synth.outlet import Outlet
 
 SPEECH_VOCAB_SIZE = 6561  # ids >= this (BOS 6561, EOS 6562, ...) are never given to S3Gen
 
@@ -26,6 +27,7 @@ class Status(enum.IntEnum):
 @dataclass(slots=True, eq=False)
 class SegmentState:
     request: SegmentRequest
+    outlet: Outlet  # where its output goes, from this thread or the vocoder worker's (synth/outlet.py)
     params: SamplingParams  # resolved: every field set, seed included
     voice: Any  # synth.voices.Voice (kept by reference: a voice deleted meanwhile stays usable here)
     text_ids: list[int]  # T3 text tokens, SOT/EOT included where the variant uses them
@@ -40,18 +42,14 @@ class SegmentState:
     tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included
     pending_token: int | None = None  # sampled, not yet fed back
     finish_reason: str = ""
-    # vocoder bookkeeping
+    # vocoder hand-over (the vocoder worker keeps the rest: synth/vocoder_worker.py)
     valid_tokens: list[int] = field(default_factory=list)  # sampled ids < SPEECH_VOCAB_SIZE, in order
-    pushed_tokens: int = 0  # valid tokens handed to the vocoder stream
-    vocoded_tokens: int = 0  # valid tokens whose audio has been emitted
-    chunks_emitted: int = 0
-    vocoder_stream: Any = None
+    pushed_tokens: int = 0  # valid tokens handed to the vocoder worker
     generator: Any = None  # torch.Generator owned by this segment (sampling)
     aligner: Any = None  # the multilingual alignment analyzer of this segment (synth.alignment), when on
     # timestamps (time.monotonic seconds)
     admitted_s: float = 0.0
     first_token_s: float = 0.0
-    first_chunk_s: float = 0.0
 
     @property
     def request_id(self) -> str:

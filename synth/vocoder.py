@@ -1,72 +1,73 @@
-"""Streaming S3Gen vocoder: speech tokens in, final 24 kHz PCM out, chunk by chunk.
+"""Streaming S3Gen vocoder: speech tokens in, final 24 kHz PCM out, chunk by chunk, many streams per render.
 
-Each `push` renders one window of the flow (token -> mel) model,
+Each render of a stream covers one window of the flow (token -> mel) model,
 
     [voice prompt | left-context tokens | new tokens | 3 lookahead tokens]
 
 and keeps only the mel frames of the new tokens. The flow-matching noise is fixed per stream and indexed by
 absolute frame, so overlapping renders start from the same noise. The new mel frames go through HiFT
-(mel -> waveform) after the last few mel frames of the previous call, whose sine-source excitation is carried
-over; the waveform of those re-rendered frames is crossfaded with the tail held back last time.
+(mel -> waveform) after the last few mel frames of the previous render, whose sine-source excitation is
+carried over; the waveform of those re-rendered frames is crossfaded with the tail held back last time.
+
+Batches (`render`): every stream due in a tick is rendered in one call, whatever its voice, window length or
+chunk index. Windows are grouped by a padded length (`FLOW_BUCKET_TOKENS`), the encoder, the Euler loop of the
+estimator (English: both CFG rows of every stream in one batch) and HiFT (`HIFT_BUCKET_FRAMES`) run once per
+group on padded, masked tensors, and nothing in a render is per stream except host-side bookkeeping in numpy:
+the torch ops of a tick do not grow with the number of streams (tests/synth/test_vocoder.py counts them).
+A stream's audio does not depend on what it is batched with: padding is masked out (flow) or fixed by the
+stream's own length (HiFT's bucket), its noise is drawn from its own seed by position (`synth/counter_noise.py`,
+no global RNG), and on the CPU every matrix product is row-invariant (`synth/invariant_ops.py`), so a seeded
+stream gives the same bits alone or among 63 others.
 
 Prompt cache (`cache_prompt=True`, the default): the voice prompt's activations are computed once per voice,
-in the encoder (every layer's attention keys and values, the conv inputs at the prompt's end:
-`synth/flow_encoder.py`) and in the decoder (attention keys and values and causal-conv tails at every Euler
-step), and each render then runs both on the window's positions only, so no chunk re-processes the prompt.
-That requires that prompt positions not attend to the positions after them, which the library's full
-attention lets them do: the cache uses a prefix mask instead (as the chunk-causal mask of CosyVoice2 streaming
-does for a prompt that ends on a chunk boundary), i.e. the prompt is encoded and denoised as if alone. With
-`cache_prompt=False` every render runs the library's exact one-shot semantics on [prompt | window] (and pays
-for the prompt's positions each time).
-
-The library's own modules do the work (`flow.input_embedding`, `flow.encoder`, `flow.encoder_proj`,
-`flow.decoder.estimator`, `s3gen.hift_inference`); this module only calls them on windows, taps the
-estimator's attention processors and causal convs for the prompt cache, and carries state between calls. It
-runs the Euler loop of `CausalConditionalCFM.solve_euler` / `basic_euler` itself because
-`CausalConditionalCFM.forward` redraws the prompt-region noise from the global RNG and
-`flow.inference(finalize=False)` crashes (see INSTALL-NOTES).
-
-Global RNG: HiFT's sine source draws from the global generator (harmonic phases, additive noise). Every HiFT
-call here runs inside `torch.random.fork_rng` with the global generator reseeded from (stream seed, absolute
-frame), so the caller's global RNG state is untouched.
+in the encoder (`synth/flow_encoder.py`) and in the estimator at every Euler step (`synth/flow_estimator.py`),
+and each render runs both on the window's positions only, so no chunk re-processes the prompt. The prompt is
+then encoded and denoised as if alone (a prefix mask: the prompt does not see the window, as with CosyVoice2's
+chunk-causal mask for a prompt that ends on a chunk boundary). With `cache_prompt=False` (or a prompt shorter
+than MIN_PREFIX_TOKENS) every render runs the library's exact one-shot semantics on [prompt | window].
 
 What a stream guarantees:
-- total samples = 960 x (tokens pushed + appended silence), whatever the push schedule;
-- its PCM is a pure function of (voice, seed, tokens, push schedule): same inputs, bitwise same PCM, whatever
-  else runs (streams never share a render);
-- pushing everything at once with final=True gives exactly `oneshot()`;
+- total samples = 960 x (tokens added + appended silence), whatever the render schedule;
+- its PCM is a pure function of (voice, seed, tokens, render boundaries): same inputs, bitwise same PCM, whatever
+  else runs and on whichever thread (CPU);
+- rendering everything at once gives exactly `oneshot()`;
 - other schedules give the same length and differ from `oneshot()` by about as much as two one-shot renders
-  that differ only in HiFT's random source (each HiFT call draws its own source noise and restarts the sine
-  phase where the carried-over source ends), plus the flow's windowing (a window sees 3 tokens ahead and
-  `left_context_tokens` behind, the one-shot render sees everything).
+  that differ only in HiFT's random source, plus the flow's windowing.
 
-Threads: the prompt cache swaps the estimator's attention processors and hooks its convs for the duration of a
-render, so `prepare_voice` and every `push`/`oneshot` of one S3Gen's streams must run on one thread (the
-engine's); nothing else may use the global RNG or that S3Gen's estimator concurrently.
+Threads: the modules hold no state between calls; `prepare_voice` may run on one thread while `render` runs on
+another. A stream is not thread-safe (its owner renders it); the prompt-cache table has its own lock.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import functools
-import itertools
 import logging
+import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
-from chatterbox.models.s3gen.decoder import CausalConv1d
-from diffusers.models.attention_processor import Attention
 
-from synth.flow_encoder import MIN_PREFIX_TOKENS, EncoderPrefix, PrefixCachedEncoder, nbytes_of
+from synth import counter_noise
+from synth.flow_encoder import (
+    MIN_PREFIX_TOKENS,
+    EncoderPrefix,
+    PrefixCachedEncoder,
+)
+from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
+from synth.hift import BatchedHift
+from synth.invariant_ops import row_invariant_default
 
 log = logging.getLogger(__name__)
+
+Pcm = npt.NDArray[np.float32]  # host float32 arrays: PCM, mels, carried sources
 
 SAMPLE_RATE_HZ = S3GEN_SR  # 24 kHz mono out
 SPEECH_VOCAB_SIZE = 6561  # ids >= this are T3 control tokens; S3Gen's embedding has 6561 rows
@@ -79,10 +80,9 @@ LOOKAHEAD_TOKENS = 3  # the encoder's pre-lookahead conv reads 3 tokens ahead (f
 
 # Prompt: the last 100 tokens (4 s, 200 mel frames) of the reference. 4 s is within the 3-10 s prompts
 # S3Gen/CosyVoice zero-shot voices use (the speaker x-vector still comes from the whole reference). Uncached,
-# every render pays for these frames (time to first chunk is linear in them: scripts/bench_vocoder.py);
-# cached, the prompt costs memory instead: per prompt frame, steps x CFG rows x attention layers x (K, V)
-# in the decoder, i.e. 4.6 MB (English, fp32) or 0.46 MB (Turbo), so 0.9 GB / 92 MB per voice at 100
-# tokens, plus 5.8 MB for the encoder's keys/values.
+# every render pays for these frames; cached, the prompt costs memory instead: per prompt frame, steps x CFG
+# rows x attention layers x (K, V) in the decoder, i.e. 4.6 MB (English, fp32) or 0.46 MB (Turbo), so 0.9 GB /
+# 92 MB per voice at 100 tokens, plus 5.8 MB for the encoder's keys/values.
 DEFAULT_PROMPT_MAX_TOKENS = 100
 # Tokens before the new ones that are re-rendered as context (1 s); bounds a window at
 # 25 + chunk + 3 tokens (plus the prompt when uncached) whatever the utterance length.
@@ -91,11 +91,44 @@ DEFAULT_LEFT_CONTEXT_TOKENS = 25
 # (160 ms, as CosyVoice2's `mel_cache_len`). HiFT's edge error falls below 0.1% of the signal's RMS 8 frames
 # from an edge (full-size model), so the crossfade never mixes in badly-conditioned samples. Must be even.
 DEFAULT_CROSSFADE_MEL_FRAMES = 8
-DEFAULT_PROMPT_CACHE_BYTES = 2 * 2**30  # LRU budget for prompt caches (a voice's is rebuilt when evicted)
+DEFAULT_MAX_CHUNK_TOKENS = 96  # new tokens one render covers at most (bounds the window and its bucket)
+DEFAULT_PROMPT_CACHE_BYTES = 2 * 2**30  # LRU budget for prompt caches not in use (streams hold theirs)
 PROMPT_NOISE_SEED = 0  # the prompt region's flow noise is fixed per voice (not per stream)
-NOISE_BLOCK_FRAMES = 64  # stream noise is drawn block by block, so frame f's noise depends on (seed, f) only
+# Padded lengths: rendered window tokens round up to a multiple of FLOW_BUCKET_TOKENS, HiFT inputs to a
+# multiple of HIFT_BUCKET_FRAMES. The usual windows (16, 49, 73, 121 tokens) waste 0-14 %; HiFT's
+# (32, 56, 104, 200 frames) 0-14 %. Each distinct bucket is one batched call per tick (and, on a GPU, one
+# captured graph per batch size).
+FLOW_BUCKET_TOKENS = 8
+HIFT_BUCKET_FRAMES = 16
+COMPILED_SHAPES = 256  # dynamo's per-function cache: one entry per (batch size, bucket) a compiled render meets
 
-_voice_keys = itertools.count()
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
+
+
+def _without_grad(method: _F) -> _F:
+    """Run a StreamingVocoder method in its grad mode: inference mode, or no_grad once compiled (torch.compile
+    cannot take inference tensors through views)."""
+    @functools.wraps(method)
+    def wrapper(self: StreamingVocoder, *args: Any, **kwargs: Any) -> Any:
+        with (torch.no_grad() if self.compiled else torch.inference_mode()):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+_voice_keys = iter(range(1, 2**62))
+_voice_keys_lock = threading.Lock()
+
+
+def _next_voice_key() -> int:
+    with _voice_keys_lock:
+        return next(_voice_keys)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,7 +139,7 @@ class VocoderVoice:
     prompt_mels: torch.Tensor  # [1, 80, 2P] their mel frames (decoder `cond` layout)
     prompt_noise: torch.Tensor  # [1, 80, 2P] flow noise of the prompt region
     speaker: torch.Tensor  # [1, 80] projected x-vector (flow.spk_embed_affine_layer(normalize(xvec)))
-    key: int = field(init=False, default_factory=lambda: next(_voice_keys))  # identifies its prompt cache
+    key: int = field(init=False, default_factory=_next_voice_key)  # identifies its prompt cache
 
     @property
     def prompt_token_count(self) -> int:
@@ -117,8 +150,39 @@ class VocoderVoice:
         return int(self.prompt_mels.shape[2])
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptCache:
+    """A prompt's encoder state and estimator activations at every Euler step; read-only."""
+
+    encoder: EncoderPrefix  # left-padded to prompt_max_tokens
+    steps: tuple[StepPrefix, ...]  # per Euler step; rows (cond, uncond) with CFG, else (cond,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoder.nbytes + sum(step.nbytes for step in self.steps)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RenderJob:
+    """One stream's share of a tick: its next window, planned from its state (which render() then advances)."""
+
+    stream: VocoderStream
+    window_first: int  # first token of the window (left context included)
+    stop: int  # mel frames are rendered for tokens [mel_tokens, stop)
+    final: bool  # the last render of the stream: everything left comes out
+
+    @property
+    def new_tokens(self) -> int:
+        return self.stop - self.stream.mel_tokens
+
+    @property
+    def window_tokens(self) -> list[int]:
+        end = self.stop if self.final else self.stop + LOOKAHEAD_TOKENS
+        return self.stream.tokens[self.window_first:end]
+
+
 class StreamingVocoder:
-    """Turns speech-token streams into PCM with one shared S3Gen; streams never share a render."""
+    """Turns speech-token streams into PCM with one shared S3Gen, many streams per render."""
 
     def __init__(
         self,
@@ -130,19 +194,24 @@ class StreamingVocoder:
         prompt_max_tokens: int = DEFAULT_PROMPT_MAX_TOKENS,
         left_context_tokens: int = DEFAULT_LEFT_CONTEXT_TOKENS,
         crossfade_mel_frames: int = DEFAULT_CROSSFADE_MEL_FRAMES,
+        max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
         cache_prompt: bool = True,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+        row_invariant: bool | None = None,
     ) -> None:
         if n_cfm_timesteps < 1:
             raise ValueError("n_cfm_timesteps must be >= 1")
         if min(append_silence_tokens, prompt_max_tokens, left_context_tokens, prompt_cache_bytes) < 0:
             raise ValueError("token counts and byte budgets must be >= 0")
+        if max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
         if crossfade_mel_frames < 0 or crossfade_mel_frames % MEL_FRAMES_PER_TOKEN:
             raise ValueError(f"crossfade_mel_frames must be a non-negative multiple of {MEL_FRAMES_PER_TOKEN}")
         flow = s3gen.flow
-        assert flow.token_mel_ratio == MEL_FRAMES_PER_TOKEN and flow.pre_lookahead_len == LOOKAHEAD_TOKENS
-        assert int(s3gen.mel2wav.f0_upsamp.scale_factor) == SAMPLES_PER_MEL_FRAME
-        assert flow.vocab_size == SPEECH_VOCAB_SIZE and flow.output_size == MEL_BINS
+        if not (flow.token_mel_ratio == MEL_FRAMES_PER_TOKEN and flow.pre_lookahead_len == LOOKAHEAD_TOKENS
+                and int(s3gen.mel2wav.f0_upsamp.scale_factor) == SAMPLES_PER_MEL_FRAME
+                and flow.vocab_size == SPEECH_VOCAB_SIZE and flow.output_size == MEL_BINS):
+            raise RuntimeError("this S3Gen's rates or sizes differ from chatterbox 0.1.7's")
         self.s3gen = s3gen
         self.n_cfm_timesteps = n_cfm_timesteps
         self.meanflow = meanflow
@@ -150,36 +219,77 @@ class StreamingVocoder:
         self.prompt_max_tokens = prompt_max_tokens
         self.left_context_tokens = left_context_tokens
         self.crossfade_mel_frames = crossfade_mel_frames
+        self.max_chunk_tokens = max_chunk_tokens
         self.prompt_cache_bytes = prompt_cache_bytes
         param = next(flow.parameters())
         self.device, self.dtype = param.device, param.dtype
+        invariant = row_invariant_default(self.device) if row_invariant is None else row_invariant
+        self.row_invariant = invariant
+        self.encoder = PrefixCachedEncoder(flow, invariant)
+        self.estimator = PrefixCachedEstimator(flow.decoder.estimator, invariant)
+        self.hift = BatchedHift(s3gen.mel2wav, invariant)
+        self.cache_prompt = cache_prompt
+        self.cfg_rows = 1 if meanflow else 2  # English: rows (cond, uncond); the mean-flow decoder folds CFG in
         self._t_span = _time_span(n_cfm_timesteps, meanflow, flow.decoder.t_scheduler, self.device, self.dtype)
         self._cfg_rate = float(flow.decoder.inference_cfg_rate)
-        fade_in_np = _raised_cosine(crossfade_mel_frames * SAMPLES_PER_MEL_FRAME)
-        self._fade_in = torch.from_numpy(fade_in_np).to(self.device, self.dtype)  # [crossfade samples]
-        self._trim_fade = s3gen.trim_fade.to(self.device, self.dtype)  # [960]: 20 ms of silence, 20 ms rise
-        self._tap = _EstimatorTap(flow.decoder.estimator)
-        self._encoder = PrefixCachedEncoder(flow) if cache_prompt else None
-        self._prompt_caches: OrderedDict[int, _PromptCache] = OrderedDict()  # voice key -> cache, LRU order
+        self._fade_in = _raised_cosine(crossfade_mel_frames * SAMPLES_PER_MEL_FRAME)  # [crossfade samples]
+        self._trim_fade = s3gen.trim_fade.detach().float().cpu().numpy()  # [960]: 20 ms of silence, 20 ms rise
+        self._time_embeddings = [self.estimator.time_embedding(t[None], r[None] if meanflow else None)
+                                 for t, r in zip(self._t_span[:-1], self._t_span[1:])]
+        self._prompt_caches: OrderedDict[int, PromptCache] = OrderedDict()  # voice key -> cache, LRU order
+        self._prompt_lock = threading.Lock()
+        self.compiled = False
+        # The three batched functions of a render (replaced by compiled versions in `compile`).
+        self._encode_fn: Callable[..., torch.Tensor] = self.encoder.encode
+        self._estimate_fn: Callable[..., torch.Tensor] = self._estimate_after_prompt
+        self._hift_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.hift.__call__
 
-    @property
-    def cache_prompt(self) -> bool:
-        return self._encoder is not None
+    def compile(self, mode: str = "reduce-overhead", backend: str = "inductor") -> None:
+        """Compile the encoder, the estimator step (cached prompts) and HiFT; on CUDA, mode "reduce-overhead"
+        captures a CUDA graph per input shape, i.e. per (batch size, bucket), batch sizes padded to powers of two.
+        Tensor inputs only: the host-side batch building stays eager."""
+        import torch._dynamo
+
+        with self._prompt_lock:
+            if self._prompt_caches:
+                raise RuntimeError("compile() before preparing voices (their caches would be inference tensors)")
+        self.compiled = True
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
+        compile_mode = mode if backend == "inductor" else None
+        self._encode_fn = torch.compile(self.encoder.encode, dynamic=False, backend=backend, mode=compile_mode)
+        self._estimate_fn = torch.compile(self._estimate_after_prompt, dynamic=False, backend=backend,
+                                          mode=compile_mode)
+        self._hift_fn = torch.compile(self.hift.__call__, dynamic=False, backend=backend, mode=compile_mode)
+
+    def _estimate_after_prompt(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, time_emb: torch.Tensor,
+                               spks: torch.Tensor, cond: torch.Tensor, keys: tuple[torch.Tensor, ...],
+                               values: tuple[torch.Tensor, ...], conv_tails: tuple[torch.Tensor, ...],
+                               key_mask: torch.Tensor) -> torch.Tensor:
+        """One estimator call after cached prompts, on tensors only (what `compile` wraps)."""
+        return self.estimator(x, mask, mu, time_emb, spks, cond, StepPrefix(keys, values, conv_tails, key_mask))
 
     @property
     def latency_tokens(self) -> int:
         """Tokens pushed but not yet returned while a stream is open: lookahead plus held-back frames."""
-        return LOOKAHEAD_TOKENS + self.crossfade_mel_frames // MEL_FRAMES_PER_TOKEN
+        return LOOKAHEAD_TOKENS + self.hold_tokens
+
+    @property
+    def hold_tokens(self) -> int:
+        return self.crossfade_mel_frames // MEL_FRAMES_PER_TOKEN
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return sum(cache.nbytes for cache in self._prompt_caches.values())
+        with self._prompt_lock:
+            return sum(cache.nbytes for cache in self._prompt_caches.values())
 
-    @torch.inference_mode()
+    # --- voices ------------------------------------------------------------------------------------------
+
+    @_without_grad
     def prepare_voice(self, ref_dict: dict[str, Any]) -> VocoderVoice:
-        """Standardise `S3Gen.embed_ref(...)` output (the last `prompt_max_tokens` tokens); cache the prompt.
+        """Standardise `S3Gen.embed_ref(...)` output (the last `prompt_max_tokens` tokens) and cache its prompt.
 
-        With the cache on this runs the decoder over the prompt once (about one uncached render's cost).
+        With the cache on this runs the estimator over the prompt once (about one uncached render's cost).
+        Thread-safe: it may run on any thread while others render.
         """
         tokens = torch.as_tensor(ref_dict["prompt_token"]).to(self.device).long().reshape(1, -1)  # [1, T]
         feats = torch.as_tensor(ref_dict["prompt_feat"]).to(self.device, self.dtype)
@@ -200,346 +310,359 @@ class StreamingVocoder:
             prompt_noise=prompt_noise.to(self.device, self.dtype),
             speaker=self.s3gen.flow.spk_embed_affine_layer(F.normalize(xvector, dim=1)),
         )
-        self._prompt_cache(voice)
+        self.prompt_cache(voice)
         return voice
 
-    def open(self, voice: VocoderVoice, seed: int) -> "VocoderStream":
+    def uses_prompt_cache(self, voice: VocoderVoice) -> bool:
+        return self.cache_prompt and voice.prompt_token_count >= MIN_PREFIX_TOKENS
+
+    def cached_prompt(self, voice: VocoderVoice) -> PromptCache | None:
+        """The voice's prompt cache if it is resident (no computation)."""
+        with self._prompt_lock:
+            cache = self._prompt_caches.get(voice.key)
+            if cache is not None:
+                self._prompt_caches.move_to_end(voice.key)
+            return cache
+
+    @_without_grad
+    def prompt_cache(self, voice: VocoderVoice) -> PromptCache | None:
+        """The voice's prompt activations, computed if not resident (LRU within `prompt_cache_bytes`; a rebuilt
+        cache is bitwise the same). None for a voice that renders uncached."""
+        if not self.uses_prompt_cache(voice):
+            return None
+        cache = self.cached_prompt(voice)
+        if cache is not None:
+            return cache
+        cache = self._build_prompt_cache(voice)
+        with self._prompt_lock:
+            self._prompt_caches[voice.key] = cache
+            while len(self._prompt_caches) > 1 and \
+                    sum(c.nbytes for c in self._prompt_caches.values()) > self.prompt_cache_bytes:
+                self._prompt_caches.popitem(last=False)
+        log.debug("prompt cache for voice %d: %d frames, %.1f MB", voice.key, voice.prompt_frames, cache.nbytes / 1e6)
+        return cache
+
+    def _build_prompt_cache(self, voice: VocoderVoice) -> PromptCache:
+        encoder = self.encoder.encode_prefix(voice.prompt_tokens)  # the prompt encoded alone
+        rows = self.cfg_rows
+        x = voice.prompt_noise.transpose(1, 2)  # [1, 2P, 80]
+        mu = _cfg_rows(encoder.mu, rows)
+        spks = _cfg_rows(voice.speaker, rows)
+        cond = _cfg_rows(voice.prompt_mels.transpose(1, 2), rows)
+        steps: list[StepPrefix] = []
+        for step, time_emb in enumerate(self._time_embeddings):
+            velocity, prefix = self.estimator.record(_repeat_rows(x, rows), mu, time_emb, spks, cond)
+            x = self._euler_step(x, velocity, step)
+            steps.append(prefix.left_padded(self.prompt_max_tokens * MEL_FRAMES_PER_TOKEN))
+        return PromptCache(encoder=encoder.left_padded(self.prompt_max_tokens), steps=tuple(steps))
+
+    # --- streams -----------------------------------------------------------------------------------------
+
+    def open(self, voice: VocoderVoice, seed: int) -> VocoderStream:
         if not 0 <= seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
-        return VocoderStream(vocoder=self, voice=voice, seed=seed,
-                             noise_generator=torch.Generator().manual_seed(seed))
+        return VocoderStream(vocoder=self, voice=voice, seed=seed)
 
-    # --- renders (no per-stream state here) ---------------------------------------------------------------
+    # --- the batched render ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def render_mel(self, voice: VocoderVoice, tokens: Sequence[int], noise: torch.Tensor,
-                   keep_from_token: int, final: bool) -> torch.Tensor:
-        """Mel frames [1, 80, 2 * kept tokens] of tokens[keep_from_token : len - (0 if final else 3)].
+    @_without_grad
+    def render(self, jobs: Sequence[RenderJob]) -> list[Pcm]:
+        """Render one window of each job's stream (one job per stream), all in one batch; returns each job's PCM
+        (float32 [960 n]) that is final now, in job order, and advances the streams."""
+        if len({job.stream for job in jobs}) != len(jobs):
+            raise ValueError("one job per stream per render")
+        if any(job.stream.vocoder is not self for job in jobs):
+            raise ValueError("a job of another vocoder's stream")
+        mels = self._render_flow(jobs)  # per job: [2 * new tokens, 80], or None when nothing new is rendered
+        waves = self._render_hift(jobs, mels)
+        return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves)]
 
-        `tokens` is the whole window (left context, new tokens and, unless final, the 3 lookahead tokens);
-        `noise` [1, 80, 2 * rendered tokens] is the flow noise of the window's rendered frames.
-        """
-        rendered_tokens = len(tokens) - (0 if final else LOOKAHEAD_TOKENS)
-        assert 0 <= keep_from_token < rendered_tokens, (keep_from_token, rendered_tokens)
-        window_frames = rendered_tokens * MEL_FRAMES_PER_TOKEN
-        assert noise.shape == (1, MEL_BINS, window_frames), noise.shape
-        noise = noise.to(self.device, self.dtype)
-        window = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, W]
-        cache = self._prompt_cache(voice)
-        if cache is not None:
-            mu = self._encode_window(cache.encoder, window)[:, :, :window_frames]  # [1, 80, window frames]
-            mel = self._solve(noise, mu, torch.zeros_like(noise), voice.speaker, cache)  # [1, 80, window frames]
-        else:
-            mu = self._encode(torch.cat([voice.prompt_tokens, window], dim=1))  # [1, 80, 2 (P + W)]
-            mu = mu[:, :, :voice.prompt_frames + window_frames]  # without the lookahead frames (finalize=False)
-            x = torch.cat([voice.prompt_noise, noise], dim=2)  # [1, 80, P + window frames]
-            cond = F.pad(voice.prompt_mels, (0, window_frames))  # [1, 80, P + window frames]
-            mel = self._solve(x, mu, cond, voice.speaker)[:, :, voice.prompt_frames:]
-        return mel[:, :, keep_from_token * MEL_FRAMES_PER_TOKEN:]
+    @_without_grad
+    def _render_flow(self, jobs: Sequence[RenderJob]) -> list[Pcm | None]:
+        """Mel frames [2 * new tokens, 80] (host float32) of each job with new tokens, grouped by padded length."""
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for index, job in enumerate(jobs):
+            if job.new_tokens <= 0:
+                continue
+            cached = job.stream.prompt is not None
+            rendered = job.stop - job.window_first + (0 if cached else job.stream.voice.prompt_token_count)
+            groups.setdefault((cached, _round_up(rendered, FLOW_BUCKET_TOKENS)), []).append(index)
+        out: list[Pcm | None] = [None] * len(jobs)
+        for (cached, bucket_tokens), indices in sorted(groups.items()):
+            group = self._batch_bucket([jobs[i] for i in indices])
+            mel = self._flow_group(group, cached, bucket_tokens).float().cpu().numpy()  # [B, frames, 80]
+            for row, (index, job) in enumerate(zip(indices, group)):
+                stream = job.stream
+                offset = 0 if cached else stream.voice.prompt_frames
+                keep = (stream.mel_tokens - job.window_first) * MEL_FRAMES_PER_TOKEN + offset
+                out[index] = mel[row, keep:keep + job.new_tokens * MEL_FRAMES_PER_TOKEN]
+        return out
 
-    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor, rng_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """HiFT on mel [1, 80, M] -> (wav [M * 480], source [1, 1, M * 480]), global RNG untouched."""
-        with _private_global_rng(rng_seed, self.device):
-            wav, source = self.s3gen.hift_inference(mel.to(self.dtype), cache_source)
-        return wav[0], source
+    def _flow_group(self, jobs: list[RenderJob], cached: bool, bucket_tokens: int) -> torch.Tensor:
+        """One padded batch through the encoder and the Euler loop -> mel [B, 2 * bucket_tokens, 80]."""
+        batch, device = len(jobs), self.device
+        width = bucket_tokens + LOOKAHEAD_TOKENS
+        tokens = np.zeros((batch, width), dtype=np.int64)
+        lengths = np.zeros(batch, dtype=np.int64)
+        rendered = np.zeros(batch, dtype=np.int64)
+        first_frame = np.zeros(batch, dtype=np.int64)
+        for row, job in enumerate(jobs):
+            window = job.window_tokens
+            if not cached:
+                window = job.stream.voice.prompt_tokens[0].tolist() + window
+            tokens[row, :len(window)] = window
+            lengths[row] = len(window)
+            rendered[row] = job.stop - job.window_first + (0 if cached else job.stream.voice.prompt_token_count)
+            first_frame[row] = job.window_first * MEL_FRAMES_PER_TOKEN
+        frames = bucket_tokens * MEL_FRAMES_PER_TOKEN
+        voices = [job.stream.voice for job in jobs]
+        prompts = [job.stream.prompt for job in jobs]
+        prefix = EncoderPrefix.cat([p.encoder for p in prompts if p is not None]) if cached else \
+            self.encoder.empty_prefix(batch, device, self.dtype)
+        mu = self._encode_fn(prefix, torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
+        mu = mu[:, :frames]  # [B, frames, 80]: the lookahead tokens' frames are not rendered (finalize=False)
+        frame_mask = (torch.arange(frames, device=device)[None, :]
+                      < torch.from_numpy(rendered * MEL_FRAMES_PER_TOKEN).to(device)[:, None])
+        frame_mask = frame_mask[:, :, None].to(self.dtype)  # [B, frames, 1]
+        seeds = torch.tensor([job.stream.seed for job in jobs], dtype=torch.int64, device=device)
+        keys = counter_noise.stream_keys(seeds, counter_noise.FLOW_NOISE)
+        x = counter_noise.normal_run(keys, torch.from_numpy(first_frame * MEL_BINS).to(device), frames * MEL_BINS,
+                                     self.dtype).view(batch, frames, MEL_BINS)  # [B, frames, 80]
+        speaker = torch.cat([voice.speaker for voice in voices])  # [B, 80]
+        cond = torch.zeros_like(x)
+        if not cached:  # [prompt | window]: the prompt region's own noise and mels, as flow.inference has them
+            prompt_frames = voices[0].prompt_frames
+            if any(voice.prompt_frames != prompt_frames for voice in voices):
+                raise RuntimeError("uncached renders of one batch need equal prompt lengths")
+            prompt_noise = torch.cat([voice.prompt_noise for voice in voices]).transpose(1, 2)  # [B, P, 80]
+            prompt_mels = torch.cat([voice.prompt_mels for voice in voices]).transpose(1, 2)
+            x = torch.cat([prompt_noise, x[:, :frames - prompt_frames]], dim=1)
+            cond = torch.cat([prompt_mels, cond[:, :frames - prompt_frames]], dim=1)
+        x = x * frame_mask
+        return self._solve(x, frame_mask, mu, speaker, cond, prompts if cached else None)
 
-    def _encode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [1, N] -> mu [1, 80, 2N], as flow.inference does (batch 1, no padding)."""
-        flow = self.s3gen.flow
-        lengths = torch.tensor([tokens.shape[1]], device=self.device)  # [1]
-        h, _ = flow.encoder(flow.input_embedding(tokens), lengths)  # [1, 2N, 512]
-        return flow.encoder_proj(h).transpose(1, 2).contiguous()  # [1, 80, 2N]
+    def _batch_bucket(self, group: list[_T]) -> list[_T]:
+        """Compiled: the group padded to a power of two with copies of its last row (read, never advanced), so a
+        CUDA graph serves every batch size up to it. Eager: as it is."""
+        if not self.compiled:
+            return group
+        size = 1 << (len(group) - 1).bit_length()
+        return group + [group[-1]] * (size - len(group))
 
-    def _encode_window(self, prefix: EncoderPrefix, window: torch.Tensor) -> torch.Tensor:
-        """window [1, W] after the cached prompt -> mu [1, 80, 2W]."""
-        assert self._encoder is not None
-        return self._encoder.encode_window(prefix, window)
+    def _solve(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, speaker: torch.Tensor,
+               cond: torch.Tensor, prompts: list[PromptCache | None] | None) -> torch.Tensor:
+        """Euler integration of the flow from noise x [B, T, 80] (mask [B, T, 1], mu, cond [B, T, 80], speaker
+        [B, 80]), with the rows' cached prompts or none. English: rows (cond, uncond) per stream, interleaved."""
+        rows = self.cfg_rows
+        mask_r, mu_r, spks_r, cond_r = (_repeat_rows(mask, rows), _cfg_rows(mu, rows), _cfg_rows(speaker, rows),
+                                        _cfg_rows(cond, rows))
+        for step, time_emb in enumerate(self._time_embeddings):
+            x_r = _repeat_rows(x, rows)
+            if prompts is None:
+                velocity = self.estimator(x_r, mask_r, mu_r, time_emb, spks_r, cond_r, None)
+            else:
+                prefix = StepPrefix.cat([p.steps[step] for p in prompts if p is not None])
+                velocity = self._estimate_fn(x_r, mask_r, mu_r, time_emb, spks_r, cond_r, prefix.keys, prefix.values,
+                                             prefix.conv_tails, prefix.key_mask)
+            x = self._euler_step(x, velocity, step)
+        return x
 
-    def _solve(self, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, speaker: torch.Tensor,
-               prompt_cache: "_PromptCache | None" = None, record: bool = False) -> torch.Tensor:
-        """Euler integration of the flow from noise x [1, 80, T] (mu, cond: [1, 80, T]; speaker [1, 80]).
+    def _euler_step(self, x: torch.Tensor, velocity: torch.Tensor, step: int) -> torch.Tensor:
+        """CausalConditionalCFM's update: rows (cond, uncond) combined with the CFG rate, or mean-flow's one row."""
+        t, r = self._t_span[step], self._t_span[step + 1]
+        if self.cfg_rows == 1:
+            return x + (r - t) * velocity
+        v = velocity.view(x.shape[0], 2, *x.shape[1:])
+        return x + (r - t) * ((1.0 + self._cfg_rate) * v[:, 0] - self._cfg_rate * v[:, 1])
 
-        With `prompt_cache`, the frames follow the cached prompt (record=False) or are the prompt (record=True).
-        """
-        estimator = self.s3gen.flow.decoder.estimator
-        mode = None if prompt_cache is None else (_TapMode.RECORD if record else _TapMode.EXTEND)
-        tap = self._tap.active(mode, prompt_cache) if mode is not None else contextlib.nullcontext()
-        mask = torch.ones_like(x[:, :1])  # [1, 1, T]
-        t_span = self._t_span
-        with tap:
-            if self.meanflow:  # distilled with CFG folded in: one row
-                for step, (t, r) in enumerate(zip(t_span[:-1], t_span[1:])):
-                    self._tap.step = step
-                    t, r = t[None], r[None]
-                    velocity = estimator(x, mask=mask, mu=mu, t=t, spks=speaker, cond=cond, r=r)
-                    x = x + (r - t) * velocity
-                return x
-            # CFG: rows (cond, uncond); the unconditional row has mu, speaker and cond zeroed.
-            mask2 = torch.cat([mask, mask])  # [2, 1, T]
-            mu2 = torch.cat([mu, torch.zeros_like(mu)])  # [2, 80, T]
-            speaker2 = torch.cat([speaker, torch.zeros_like(speaker)])  # [2, 80]
-            cond2 = torch.cat([cond, torch.zeros_like(cond)])  # [2, 80, T]
-            for step, (t, r) in enumerate(zip(t_span[:-1], t_span[1:])):
-                self._tap.step = step
-                velocity = estimator(torch.cat([x, x]), mask=mask2, mu=mu2, t=t.expand(2), spks=speaker2,
-                                     cond=cond2)
-                v_cond, v_uncond = velocity.chunk(2)  # [1, 80, T] each
-                x = x + (r - t) * ((1.0 + self._cfg_rate) * v_cond - self._cfg_rate * v_uncond)
-            return x
+    def _render_hift(self, jobs: Sequence[RenderJob], mels: list[Pcm | None]
+                     ) -> list[tuple[Pcm, Pcm] | None]:
+        """HiFT on [held frames | new frames] of each job with new frames -> (wav, source) (host float32)."""
+        groups: dict[int, list[int]] = {}
+        for index, (job, mel) in enumerate(zip(jobs, mels)):
+            if mel is not None:
+                groups.setdefault(_round_up(mel.shape[0] + job.stream.held_frames, HIFT_BUCKET_FRAMES), []).append(index)
+        out: list[tuple[Pcm, Pcm] | None] = [None] * len(jobs)
+        for bucket, indices in sorted(groups.items()):
+            group = self._batch_bucket([(jobs[i], mels[i]) for i in indices])
+            wav, source = self._hift_group(group, bucket)  # type: ignore[arg-type]
+            for row, index in enumerate(indices):
+                mel = mels[index]
+                assert mel is not None
+                samples = (mel.shape[0] + jobs[index].stream.held_frames) * SAMPLES_PER_MEL_FRAME
+                out[index] = (wav[row, :samples], source[row, :samples])
+        return out
 
-    def _prompt_cache(self, voice: VocoderVoice) -> "_PromptCache | None":
-        """The voice's prompt activations (LRU within `prompt_cache_bytes`; rebuilt identically on a miss)."""
-        if self._encoder is None or voice.prompt_token_count < MIN_PREFIX_TOKENS:
-            return None
-        cache = self._prompt_caches.get(voice.key)
-        if cache is not None:
-            self._prompt_caches.move_to_end(voice.key)
-            return cache
-        with torch.inference_mode():
-            encoder = self._encoder.encode_prefix(voice.prompt_tokens)  # the prompt encoded alone
-            cache = _PromptCache.empty(self.n_cfm_timesteps, self._tap, encoder)
-            self._solve(voice.prompt_noise, encoder.mu, voice.prompt_mels, voice.speaker, cache, record=True)
-        cache.seal()
-        self._prompt_caches[voice.key] = cache
-        while len(self._prompt_caches) > 1 and self.prompt_cache_nbytes > self.prompt_cache_bytes:
-            self._prompt_caches.popitem(last=False)
-        log.debug("prompt cache for voice %d: %d frames, %.1f MB", voice.key, voice.prompt_frames,
-                  cache.nbytes / 1e6)
-        return cache
+    @_without_grad
+    def _hift_group(self, group: list[tuple[RenderJob, Pcm]], frames: int) -> tuple[Pcm, Pcm]:
+        batch, device = len(group), self.device
+        samples = frames * SAMPLES_PER_MEL_FRAME
+        carried_width = self.crossfade_mel_frames * SAMPLES_PER_MEL_FRAME
+        mel = np.zeros((batch, frames, MEL_BINS), dtype=np.float32)
+        carried = np.zeros((batch, carried_width), dtype=np.float32)
+        carried_samples = np.zeros(batch, dtype=np.int64)
+        first_frame = np.zeros(batch, dtype=np.int64)
+        for row, (job, new_mel) in enumerate(group):
+            stream = job.stream
+            hift_in = new_mel if stream.held_mel is None else np.concatenate([stream.held_mel, new_mel])
+            mel[row, :hift_in.shape[0]] = hift_in
+            mel[row, hift_in.shape[0]:] = hift_in[-1]  # padding repeats the last frame (the bucket is the row's own)
+            if stream.held_source is not None:
+                carried[row, :stream.held_source.shape[0]] = stream.held_source
+                carried_samples[row] = stream.held_source.shape[0]
+            first_frame[row] = stream.emitted_samples // SAMPLES_PER_MEL_FRAME  # the held frames follow emitted ones
+        seeds = torch.tensor([job.stream.seed for job, _ in group], dtype=torch.int64, device=device)
+        first = torch.from_numpy(first_frame).to(device)
+        harmonics = self.hift.harmonics
+        phase_keys = counter_noise.stream_keys(seeds, counter_noise.SINE_PHASE)
+        phase_counters = first[:, None] * harmonics + torch.arange(harmonics, device=device)[None, :]
+        phases = (counter_noise.uniform(phase_keys[:, None], phase_counters) * (2 * np.pi) - np.pi).to(self.dtype)
+        phases[:, 0] = 0.0  # SineGen: the fundamental starts at phase 0
+        noise_keys = counter_noise.stream_keys(seeds, counter_noise.SINE_NOISE)
+        noise = counter_noise.normal_run(noise_keys, first * SAMPLES_PER_MEL_FRAME * harmonics, samples * harmonics,
+                                         self.dtype).view(batch, samples, harmonics).transpose(1, 2)
+        wav, source = self._hift_fn(torch.from_numpy(mel).to(device, self.dtype), phases, noise,
+                                torch.from_numpy(carried).to(device, self.dtype),
+                                torch.from_numpy(carried_samples).to(device))
+        return wav.float().cpu().numpy(), source.float().cpu().numpy()
 
 
 @dataclass(slots=True, eq=False)
 class VocoderStream:
-    """One utterance's vocoder state; not thread-safe (the engine thread owns it)."""
+    """One utterance's vocoder state; not thread-safe (its owner renders it)."""
 
     vocoder: StreamingVocoder
     voice: VocoderVoice
     seed: int
-    noise_generator: torch.Generator
-    tokens: list[int] = field(default_factory=list)  # every token pushed (+ appended silence once final)
+    tokens: list[int] = field(default_factory=list)  # every token added (+ appended silence once final)
+    final: bool = False  # every token is in (the silence appended)
     mel_tokens: int = 0  # tokens whose mel frames have been rendered (and handed to HiFT)
     emitted_samples: int = 0
-    finished: bool = False
-    noise: torch.Tensor = field(default_factory=lambda: torch.empty(1, MEL_BINS, 0))  # [1, 80, drawn frames] CPU
+    finished: bool = False  # the last render is done
+    prompt: PromptCache | None = None  # resolved before the first render of a cached voice (held: never evicted)
     # HiFT carry-over: the last mel frames of the previous HiFT call, their source excitation and waveform.
-    held_mel: torch.Tensor | None = None  # [1, 80, H]
-    held_source: torch.Tensor | None = None  # [1, 1, H * 480]
-    held_wav: torch.Tensor | None = None  # [H * 480], rendered without right context, not yet returned
+    held_mel: Pcm | None = None  # [H, 80]
+    held_source: Pcm | None = None  # [H * 480]
+    held_wav: Pcm | None = None  # [H * 480], rendered without right context, not yet returned
 
     @property
     def emitted_tokens(self) -> int:
         return self.emitted_samples // SAMPLES_PER_TOKEN
 
-    @torch.inference_mode()
-    def push(self, tokens: Sequence[int], final: bool) -> tuple[np.ndarray, int]:
-        """Add speech tokens (ids < 6561). Returns (pcm float32 [960 * n], n): the audio that is now final.
+    @property
+    def held_frames(self) -> int:
+        return 0 if self.held_mel is None else int(self.held_mel.shape[0])
 
-        With final=True everything left is returned, the appended silence tokens included.
-        """
-        if self.finished:
-            raise RuntimeError("push after final")
+    @property
+    def renderable_until(self) -> int:
+        """The last token whose mel frames can be rendered now (3 lookahead tokens must follow, unless final)."""
+        return len(self.tokens) if self.final else max(0, len(self.tokens) - LOOKAHEAD_TOKENS)
+
+    @property
+    def needs_prompt(self) -> bool:
+        return self.prompt is None and self.vocoder.uses_prompt_cache(self.voice)
+
+    def add(self, tokens: Sequence[int], final: bool) -> None:
+        """Add speech tokens (ids < 6561); with final=True the stream's tokens are complete."""
+        if self.final:
+            raise RuntimeError("tokens after final")
         new = [int(t) for t in tokens]
         if any(not 0 <= t < SPEECH_VOCAB_SIZE for t in new):
             raise ValueError(f"speech token ids must be in [0, {SPEECH_VOCAB_SIZE})")
         self.tokens.extend(new)
         if final:
             self.tokens.extend([SILENCE_TOKEN] * self.vocoder.append_silence_tokens)
-            self.finished = True
-        mel = self._render_new_mel(final)  # [1, 80, M]
-        wav = self._vocode(mel, final)  # [samples]
-        pcm = wav.float().cpu().numpy()
-        assert pcm.size % SAMPLES_PER_TOKEN == 0, pcm.size
+            self.final = True
+
+    def next_job(self, chunk_tokens: int | None = None) -> RenderJob | None:
+        """The next render: `chunk_tokens` more tokens of audio out (None: as many as are renderable), capped at
+        max_chunk_tokens; None when not enough tokens are in yet (or the stream is finished)."""
+        if self.finished:
+            return None
+        vocoder = self.vocoder
+        limit = self.renderable_until
+        if chunk_tokens is None:
+            stop = limit
+        else:
+            stop = self.emitted_tokens + vocoder.hold_tokens + chunk_tokens  # this much audio out after the render
+            if stop > limit:
+                if not self.final:
+                    return None
+                stop = limit
+        stop = min(stop, self.mel_tokens + vocoder.max_chunk_tokens)
+        final = self.final and stop == len(self.tokens)
+        if stop <= self.mel_tokens and not final:
+            return None
+        if self.needs_prompt:
+            raise RuntimeError("the stream's prompt cache is not resolved")
+        first = max(0, self.mel_tokens - vocoder.left_context_tokens)
+        return RenderJob(stream=self, window_first=first, stop=stop, final=final)
+
+    def push(self, tokens: Sequence[int], final: bool) -> tuple[Pcm, int]:
+        """Add tokens and render everything renderable, alone. Returns (pcm float32 [960 n], n)."""
+        self.add(tokens, final)
+        if self.needs_prompt:
+            self.prompt = self.vocoder.prompt_cache(self.voice)
+        pieces = []
+        while (job := self.next_job()) is not None:
+            pieces.append(self.vocoder.render([job])[0])
+        pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         return pcm, pcm.size // SAMPLES_PER_TOKEN
 
-    @torch.inference_mode()
-    def oneshot(self) -> np.ndarray:
-        """All tokens pushed so far rendered in one window and one HiFT call, with this stream's noise."""
-        vocoder = self.vocoder
-        if not self.tokens:
+    def oneshot(self) -> Pcm:
+        """All tokens added so far rendered in one window and one HiFT call, with this stream's noise."""
+        twin = VocoderStream(vocoder=self.vocoder, voice=self.voice, seed=self.seed, tokens=list(self.tokens),
+                             final=True, prompt=self.prompt or self.vocoder.prompt_cache(self.voice))
+        if not twin.tokens:
             return np.zeros(0, dtype=np.float32)
-        mel = vocoder.render_mel(self.voice, self.tokens, self._noise(0, len(self.tokens)), 0, final=True)
-        wav, _ = vocoder.vocode(mel, _empty_source(vocoder), self._hift_seed(0))
-        wav = _apply_trim_fade(wav, vocoder._trim_fade, 0)
-        return wav.float().cpu().numpy()
+        job = RenderJob(stream=twin, window_first=0, stop=len(twin.tokens), final=True)
+        return self.vocoder.render([job])[0]
 
-    def _render_new_mel(self, final: bool) -> torch.Tensor:
+    def _emit(self, job: RenderJob, mel: Pcm | None, hift: tuple[Pcm, Pcm] | None
+              ) -> Pcm:
+        """Apply a render's result: crossfade, hold back the tail (unless final), the start fade; advance."""
         vocoder = self.vocoder
-        stop = len(self.tokens) if final else len(self.tokens) - LOOKAHEAD_TOKENS
-        if stop <= self.mel_tokens:
-            return torch.empty(1, MEL_BINS, 0, device=vocoder.device, dtype=vocoder.dtype)
-        first = max(0, self.mel_tokens - vocoder.left_context_tokens)
-        window = self.tokens[first:]  # left context | new | lookahead (none when final)
-        mel = vocoder.render_mel(self.voice, window, self._noise(first, stop), self.mel_tokens - first, final)
-        self.mel_tokens = stop
-        return mel
-
-    def _vocode(self, mel: torch.Tensor, final: bool) -> torch.Tensor:
-        """HiFT on [held frames | new frames]; returns the samples that are final now."""
-        vocoder = self.vocoder
-        if mel.shape[2] == 0 and (not final or self.held_wav is None):
-            return torch.empty(0, device=vocoder.device, dtype=vocoder.dtype)
-        if mel.shape[2] == 0:  # final with nothing new: the held tail is all that is left
-            wav = self.held_wav
+        self.mel_tokens = job.stop
+        if hift is None:  # nothing new rendered
+            wav = self.held_wav if job.final and self.held_wav is not None else np.zeros(0, dtype=np.float32)
         else:
-            hift_in = mel if self.held_mel is None else torch.cat([self.held_mel, mel], dim=2)  # [1, 80, H + M]
-            source_in = _empty_source(vocoder) if self.held_source is None else self.held_source
-            first_frame = self.emitted_samples // SAMPLES_PER_MEL_FRAME  # the held frames follow the emitted ones
-            wav, source = vocoder.vocode(hift_in, source_in, self._hift_seed(first_frame))
+            assert mel is not None
+            wav, source = hift
+            hift_in = mel if self.held_mel is None else np.concatenate([self.held_mel, mel])
             if self.held_wav is not None:
                 overlap = self.held_wav.shape[0]
-                fade_in = vocoder._fade_in if overlap == vocoder._fade_in.shape[0] \
-                    else torch.from_numpy(_raised_cosine(overlap)).to(wav)
-                wav = torch.cat([self.held_wav * (1.0 - fade_in) + wav[:overlap] * fade_in, wav[overlap:]])
-            if not final:
-                hold_frames = min(vocoder.crossfade_mel_frames, hift_in.shape[2])
+                fade_in = vocoder._fade_in if overlap == vocoder._fade_in.shape[0] else _raised_cosine(overlap)
+                wav = np.concatenate([self.held_wav * (1.0 - fade_in) + wav[:overlap] * fade_in, wav[overlap:]])
+            if not job.final:
+                hold_frames = min(vocoder.crossfade_mel_frames, hift_in.shape[0])
                 hold_samples = hold_frames * SAMPLES_PER_MEL_FRAME
-                self.held_mel = hift_in[:, :, hift_in.shape[2] - hold_frames:]
-                self.held_source = source[:, :, source.shape[2] - hold_samples:]
-                self.held_wav = wav[wav.shape[0] - hold_samples:]
+                self.held_mel = hift_in[hift_in.shape[0] - hold_frames:].copy()
+                self.held_source = source[source.shape[0] - hold_samples:].copy()
+                self.held_wav = wav[wav.shape[0] - hold_samples:].copy()
                 wav = wav[:wav.shape[0] - hold_samples]
-        if final:
+        if job.final:
             self.held_mel = self.held_source = self.held_wav = None
-        wav = _apply_trim_fade(wav, vocoder._trim_fade, self.emitted_samples)
+            self.finished = True
+        wav = _apply_trim_fade(np.asarray(wav, dtype=np.float32), vocoder._trim_fade, self.emitted_samples)
         self.emitted_samples += wav.shape[0]
+        if wav.size % SAMPLES_PER_TOKEN:
+            raise RuntimeError(f"render returned {wav.size} samples, not whole tokens")
         return wav
-
-    def _noise(self, first_token: int, stop_token: int) -> torch.Tensor:
-        """Flow noise [1, 80, 2 * (stop - first)] of the utterance's frames from token `first_token` on."""
-        first_frame, stop_frame = first_token * MEL_FRAMES_PER_TOKEN, stop_token * MEL_FRAMES_PER_TOKEN
-        while self.noise.shape[2] < stop_frame:
-            block = torch.randn(1, MEL_BINS, NOISE_BLOCK_FRAMES, generator=self.noise_generator)
-            self.noise = torch.cat([self.noise, block], dim=2)
-        return self.noise[:, :, first_frame:stop_frame]
-
-    def _hift_seed(self, first_frame: int) -> int:
-        return int(np.random.SeedSequence([self.seed, first_frame]).generate_state(1, np.uint64)[0]) >> 1
-
-
-# --- prompt cache: taps on the estimator's attention layers and causal convs ------------------------------
-
-
-class _TapMode(enum.Enum):
-    RECORD = 1  # the estimator runs on the prompt frames: store their keys/values and conv tails
-    EXTEND = 2  # the estimator runs on frames that follow the prompt: prepend the stored ones
-
-
-@dataclass(slots=True, eq=False)
-class _PromptCache:
-    """A prompt's encoder state and decoder activations at every Euler step; read-only once sealed."""
-
-    keys: list[list[torch.Tensor | None]]  # [step][attention layer] -> [rows, P, inner]
-    values: list[list[torch.Tensor | None]]  # [step][attention layer] -> [rows, P, inner]
-    conv_tails: list[list[torch.Tensor | None]]  # [step][causal conv] -> [rows, C_in, kernel - 1]
-    encoder: EncoderPrefix  # the prompt's encoder state (synth/flow_encoder.py)
-    nbytes: int = 0
-
-    @staticmethod
-    def empty(steps: int, tap: "_EstimatorTap", encoder: EncoderPrefix) -> "_PromptCache":
-        return _PromptCache(
-            encoder=encoder,
-            keys=[[None] * len(tap.attentions) for _ in range(steps)],
-            values=[[None] * len(tap.attentions) for _ in range(steps)],
-            conv_tails=[[None] * len(tap.convs) for _ in range(steps)],
-        )
-
-    def seal(self) -> None:
-        tensors = [t for table in (self.keys, self.values, self.conv_tails) for row in table for t in row]
-        assert all(t is not None for t in tensors), "prompt cache incomplete"
-        self.nbytes = self.encoder.nbytes + nbytes_of(tensors)
-
-
-class _EstimatorTap:
-    """Installs, for the duration of a render, attention processors and conv hooks on the estimator."""
-
-    def __init__(self, estimator: torch.nn.Module) -> None:
-        self.attentions = [m for m in estimator.modules() if isinstance(m, Attention)]
-        self.convs = [m for m in estimator.modules() if isinstance(m, CausalConv1d)]
-        # Caching is exact only if attention and causal convs are the only ops that mix frames.
-        for module in estimator.modules():
-            mixes_frames = isinstance(module, torch.nn.ConvTranspose1d) or (
-                isinstance(module, torch.nn.Conv1d) and not isinstance(module, CausalConv1d)
-                and module.kernel_size != (1,))
-            if mixes_frames:
-                raise RuntimeError(f"prompt cache cannot handle {type(module).__name__} in the estimator")
-        for attn in self.attentions:
-            plain = (attn.spatial_norm is None and attn.group_norm is None and attn.norm_cross is None
-                     and not attn.residual_connection and attn.rescale_output_factor == 1.0)
-            if not plain:
-                raise RuntimeError("prompt cache expects plain self-attention in the estimator")
-        self.mode: _TapMode | None = None
-        self.cache: _PromptCache | None = None
-        self.step = 0
-
-    @contextlib.contextmanager
-    def active(self, mode: _TapMode, cache: _PromptCache) -> Iterator[None]:
-        saved = [attn.processor for attn in self.attentions]
-        handles = []
-        self.mode, self.cache, self.step = mode, cache, 0
-        try:
-            for slot, attn in enumerate(self.attentions):
-                attn.set_processor(_TapProcessor(self, slot, saved[slot]))
-            for slot, conv in enumerate(self.convs):
-                handles.append(conv.register_forward_pre_hook(functools.partial(self._conv_input, slot)))
-                handles.append(conv.register_forward_hook(self._conv_output))
-            yield
-        finally:
-            for attn, processor in zip(self.attentions, saved):
-                attn.set_processor(processor)
-            for handle in handles:
-                handle.remove()
-            self.mode, self.cache = None, None
-
-    def _conv_input(self, slot: int, conv: CausalConv1d, args: tuple[torch.Tensor, ...]) -> Any:
-        x = args[0]  # [rows, C_in, T]
-        tail_frames = conv.causal_padding[0]
-        assert self.cache is not None
-        if self.mode is _TapMode.RECORD:
-            self.cache.conv_tails[self.step][slot] = F.pad(x, (max(0, tail_frames - x.shape[2]), 0))[..., -tail_frames:]
-            return None
-        tail = self.cache.conv_tails[self.step][slot]
-        assert tail is not None
-        return (torch.cat([tail, x], dim=2),)  # the prompt's last input frames replace the zero padding
-
-    def _conv_output(self, conv: CausalConv1d, args: Any, output: torch.Tensor) -> Any:
-        if self.mode is _TapMode.EXTEND:
-            return output[:, :, conv.causal_padding[0]:]  # drop the outputs of the prepended tail
-        return None
-
-
-class _TapProcessor:
-    """Attention processor: records the prompt's keys/values, or attends over [prompt | frames]."""
-
-    def __init__(self, tap: _EstimatorTap, slot: int, inner: Any) -> None:
-        self.tap, self.slot, self.inner = tap, slot, inner
-
-    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None) -> torch.Tensor:
-        tap, cache = self.tap, self.tap.cache
-        assert encoder_hidden_states is None and cache is not None
-        if tap.mode is _TapMode.RECORD:
-            cache.keys[tap.step][self.slot] = attn.to_k(hidden_states)
-            cache.values[tap.step][self.slot] = attn.to_v(hidden_states)
-            return self.inner(attn, hidden_states, None, attention_mask, temb)
-        prompt_keys, prompt_values = cache.keys[tap.step][self.slot], cache.values[tap.step][self.slot]
-        assert prompt_keys is not None and prompt_values is not None
-        rows, frames, _ = hidden_states.shape  # hidden_states: [rows, T, dim]
-        prompt_frames = prompt_keys.shape[1]
-        key = torch.cat([prompt_keys, attn.to_k(hidden_states)], dim=1)  # [rows, P + T, inner]
-        value = torch.cat([prompt_values, attn.to_v(hidden_states)], dim=1)  # [rows, P + T, inner]
-        head_dim = key.shape[-1] // attn.heads
-        query = attn.to_q(hidden_states).view(rows, frames, attn.heads, head_dim).transpose(1, 2)  # [rows, H, T, d]
-        key = key.view(rows, prompt_frames + frames, attn.heads, head_dim).transpose(1, 2)  # [rows, H, P + T, d]
-        value = value.view(rows, prompt_frames + frames, attn.heads, head_dim).transpose(1, 2)
-        bias = None
-        if attention_mask is not None:  # additive bias [rows, 1 or T, T] over the frames; prompt keys visible
-            bias = F.pad(attention_mask, (prompt_frames, 0))[:, None]  # [rows, 1, 1 or T, P + T]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)  # [rows, H, T, d]
-        out = out.transpose(1, 2).reshape(rows, frames, attn.heads * head_dim).to(query.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _repeat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row repeated `rows` times, interleaved ([a, a, b, b] for 2)."""
+    return x if rows == 1 else x.repeat_interleave(rows, dim=0)
+
+
+def _cfg_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """CFG conditioning rows: (x, zeros) per row, interleaved; x itself without CFG."""
+    if rows == 1:
+        return x
+    return torch.stack([x, torch.zeros_like(x)], dim=1).flatten(0, 1)
 
 
 def _time_span(n_steps: int, meanflow: bool, scheduler: str, device: torch.device,
@@ -551,32 +674,18 @@ def _time_span(n_steps: int, meanflow: bool, scheduler: str, device: torch.devic
     return t_span
 
 
-def _raised_cosine(n: int) -> np.ndarray:
+def _raised_cosine(n: int) -> Pcm:
     """Fade-in weights [n] rising from ~0 to ~1; (1 - w) is the matching fade-out (they sum to 1)."""
-    return ((1.0 - np.cos(np.pi * (np.arange(n) + 0.5) / max(n, 1))) / 2.0).astype(np.float32)
+    weights: Pcm = ((1.0 - np.cos(np.pi * (np.arange(n) + 0.5) / max(n, 1))) / 2.0).astype(np.float32)
+    return weights
 
 
-def _empty_source(vocoder: StreamingVocoder) -> torch.Tensor:
-    return torch.zeros(1, 1, 0, device=vocoder.device, dtype=vocoder.dtype)
-
-
-def _apply_trim_fade(wav: torch.Tensor, trim_fade: torch.Tensor, first_sample: int) -> torch.Tensor:
+def _apply_trim_fade(wav: Pcm, trim_fade: Pcm, first_sample: int) -> Pcm:
     """S3Gen's start-of-utterance fade, applied to the utterance's first samples only."""
     fade_samples = trim_fade.shape[0] - first_sample
     if fade_samples <= 0 or wav.shape[0] == 0:
         return wav
     n = min(fade_samples, wav.shape[0])
-    return torch.cat([wav[:n] * trim_fade[first_sample:first_sample + n], wav[n:]])
-
-
-@contextlib.contextmanager
-def _private_global_rng(seed: int, device: torch.device) -> Iterator[None]:
-    """Run with the global generator(s) of `device` reseeded, restoring the caller's state afterwards."""
-    cuda = device.type == "cuda"
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            with torch.cuda.device(devices[0]):
-                torch.cuda.manual_seed(seed)
-        yield
+    out = wav.copy()
+    out[:n] *= trim_fade[first_sample:first_sample + n]
+    return out

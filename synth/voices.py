@@ -21,11 +21,13 @@ from chatterbox.models.s3tokenizer import S3_SR
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 
 from synth.api import EngineError, Variant
+from synth.cpu_threads import fixed_threads
 
 MIN_REFERENCE_S = 5.0
 S3GEN_PROMPT_S = 10.0  # DEC_COND_LEN in every variant
 T3_PROMPT_S: dict[Variant, float] = {"english": 6.0, "multilingual": 6.0, "turbo": 15.0}  # ENC_COND_LEN
 TURBO_TARGET_LUFS = -27.0
+VOICE_THREADS = 1  # a voice's conditioning is computed single-threaded: the same bits on any machine, any load
 
 
 @dataclass(slots=True, eq=False)
@@ -91,9 +93,18 @@ def _norm_loudness(wav: np.ndarray, sample_rate_hz: int) -> np.ndarray:
     return wav * gain if math.isfinite(gain) and gain > 0.0 else wav
 
 
-@torch.inference_mode()
 def make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> Voice:
-    """Conditioning from a reference clip (mono float, >= 5 s). Raises EngineError on a clip it cannot use."""
+    """Conditioning from a reference clip (mono float, >= 5 s). Raises EngineError on a clip it cannot use.
+
+    Computed with VOICE_THREADS threads whatever the caller's count or the machine's load: torch's FFTs (the mel
+    and the x-vector's features) give other bits with other thread counts, and a voice's conditioning is what
+    every seeded render of it starts from (same clip, same seed, same audio on any server)."""
+    with fixed_threads(VOICE_THREADS):
+        return _make_voice(bundle, voice_id, wav, sample_rate_hz)
+
+
+@torch.inference_mode()
+def _make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> Voice:
     wav = np.asarray(wav, dtype=np.float32)
     if wav.ndim != 1:
         raise EngineError("reference clip must be mono")

@@ -271,3 +271,22 @@ def test_a_bug_fails_the_stream_instead_of_hanging_it() -> None:
     request.sink(AudioChunk(request.request_id, 0, np.zeros((2, 2), dtype=np.float32), 1, time.monotonic()))
     assert stream.status == StreamStatus.FAILED  # the encoder refused a malformed chunk
     assert isinstance(rec.events[-1], StreamDone) and "server error" in rec.events[-1].detail
+
+
+def test_the_engine_hears_what_the_listener_holds() -> None:
+    """Every segment of a context carries one ListenerClock; each frame the writer gets out updates it, so the
+    engine's vocoder knows how much audio the client holds (sent minus played since its first frame)."""
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.push_text("Well hello there, this is the first sentence. And the second. ", 0.0)
+    stream.end(0.0)
+    listener = engine.submitted[0].listener
+    assert listener is not None and listener.buffered_s(0.0) is None  # nothing sent yet
+    engine.chunk(0, 25)  # 1 s of audio = 50 frames of 20 ms
+    frames = len(rec.of(AudioOut))
+    for _ in range(frames):
+        stream.on_frame_sent(10.0)
+    assert listener.buffered_s(10.0) == pytest.approx(1.0)  # all of it sent at once, none played yet
+    assert listener.buffered_s(10.25) == pytest.approx(0.75)
+    engine.event(0, EventKind.GENERATED)
+    assert engine.submitted[1].listener is listener  # the next segment sees the same listener

@@ -248,3 +248,105 @@ def test_a_voice_removed_and_re_added_under_its_id_speaks_with_its_new_condition
         assert len({pcm.tobytes() for _, pcm in swapped}) == len(swapped)  # the voices really differ
     finally:
         fresh.stop()
+
+
+def _run_sequence(engine: Engine, delays_s: list[float]) -> dict[str, tuple[list[int], np.ndarray]]:
+    """The same sequence of calls, with the given pauses between them: three seeded segments on the default
+    voice, a voice uploaded while they speak, two seeded segments on it (and one more on the default)."""
+    from synth.presets import synthetic_reference_wav
+
+    col = Collector()
+    ids = []
+
+    def submit(rid: str, text: str, seed: int, voice: str = "default") -> None:
+        engine.submit(_request(col, rid, text, seed=seed, n_tokens=40, voice=voice))
+        ids.append(rid)
+
+    pause = iter(delays_s)
+    for i in range(3):
+        submit(f"d{i}", TEXTS[i], seed=300 + i)
+        time.sleep(next(pause))
+    engine.add_voice("uploaded", synthetic_reference_wav(24_000, seconds=6.0, seed=77), 24_000)
+    time.sleep(next(pause))
+    submit("u0", TEXTS[3], seed=400, voice="uploaded")
+    time.sleep(next(pause))
+    submit("u1", TEXTS[4], seed=401, voice="uploaded")
+    submit("d3", TEXTS[5], seed=303)
+    col.wait_done(ids, timeout_s=300)
+    return {rid: (col.tokens(rid), _pcm(col, rid)) for rid in ids}
+
+
+def test_two_fresh_engines_fed_the_same_sequence_give_bit_identical_pcm() -> None:
+    """Same calls, other timing and other batching (one engine renders up to 8 streams per vocoder tick, the
+    other one at a time, and their calls come at other moments), a voice uploaded mid-stream: the same tokens
+    and bit-identical PCM for every seeded segment."""
+    runs = []
+    for max_batch, delays in ((8, [0.0, 0.0, 0.0, 0.0, 0.0]), (1, [0.05, 0.2, 0.0, 0.3, 0.1])):
+        engine = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                             chunk_schedule_tokens=(8, 16), vocoder_max_batch=max_batch)
+        from synth import default_voice
+
+        engine.voices.add(default_voice(tiny_bundle("english")))
+        engine.start()
+        try:
+            assert engine.wait_ready(120)
+            runs.append(_run_sequence(engine, delays))
+        finally:
+            engine.stop()
+    first, second = runs
+    assert set(first) == set(second)
+    for rid in first:
+        assert first[rid][0] == second[rid][0], rid
+        assert first[rid][1].size > 0 and np.array_equal(first[rid][1], second[rid][1]), rid
+
+
+def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Engine) -> None:
+    """A voice is uploaded and its vocoder preparation held (it takes ~10 s for English on a CPU); four segments
+    submitted meanwhile are decoded, rendered and finished while it is still held, and add_voice returned at
+    once. Counted: the decode steps run during the hold (at least each segment's tokens). The preparation's
+    only share of the decode thread is the voice's T3 prefix (one 34-position forward, about one prefill)."""
+    from synth.presets import synthetic_reference_wav
+
+    vocoder = engine.vocoder
+    started, release = threading.Event(), threading.Event()
+    original = vocoder.prepare_voice
+    uploaded: dict[str, object] = {}
+
+    def held(ref: dict[str, object]):  # noqa: ANN202
+        if ref is uploaded.get("ref"):
+            started.set()
+            assert release.wait(300)
+        return original(ref)
+
+    original_add = engine.voices.add
+
+    def remember(voice):  # noqa: ANN001, ANN202
+        uploaded["ref"] = voice.s3gen_ref
+        return original_add(voice)
+
+    vocoder.prepare_voice = held
+    engine.voices.add = remember  # type: ignore[method-assign]
+    try:
+        engine.add_voice("late", synthetic_reference_wav(24_000, seconds=6.0, seed=5), 24_000)
+        assert started.wait(60)
+        steps_before = engine.steps
+        col = Collector()
+        ids = [f"talk{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            engine.submit(_request(col, rid, TEXTS[i], seed=900 + i, n_tokens=60))
+        col.wait_done(ids)
+        assert not release.is_set()  # the preparation is still held
+        for rid in ids:
+            assert col.kinds(rid) == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE]
+            valid = [t for t in col.tokens(rid) if t < SPEECH_VOCAB_SIZE]
+            assert _pcm(col, rid).size == SAMPLES_PER_SPEECH_TOKEN * len(valid)
+        assert engine.steps - steps_before >= max(len(col.tokens(rid)) for rid in ids)
+        engine.submit(_request(col, "on-late", TEXTS[6], seed=1, n_tokens=20, voice="late"))
+        release.set()
+        col.wait_done(["on-late"])
+        assert col.kinds("on-late")[-1] == EventKind.DONE and _pcm(col, "on-late").size > 0
+    finally:
+        release.set()
+        del vocoder.prepare_voice
+        del engine.voices.add
+        engine.remove_voice("late")

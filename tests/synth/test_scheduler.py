@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 from synth.api import SamplingParams, SegmentRequest
+from synth.outlet import Outlet
 from synth.request import SegmentState, Status
 from synth.scheduler import Scheduler, SchedulerConfig, StepResult
 
 
 def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True, max_new: int = 5) -> SegmentState:
     req = SegmentRequest(request_id=rid, text="hi", sink=lambda _: None, first_audio_pending=first, may_wait=wait)
-    return SegmentState(request=req, params=SamplingParams(seed=1), voice=None, text_ids=[1],
+    outlet = Outlet(rid, req.sink, threading.Lock(), {})
+    return SegmentState(request=req, outlet=outlet, params=SamplingParams(seed=1), voice=None, text_ids=[1],
                         max_new_tokens=max_new, uses_cfg=cfg)
 
 

@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""Capacity of the real server: N native-protocol sessions at once, each streaming an LLM reply.
+
+For each checkout given (--repo, default this one) it starts `python -m agent_server.cli` from that checkout
+(PYTHONPATH set to it) on a free port, with the chosen variant and weights, and for each N in --sessions runs N
+sessions at once. Each session connects, opens a context, streams a ~170-character reply in 1-8 character
+pieces at --chars-per-s (an LLM's pace), ends it and waits for context_done. Reported per N:
+
+- time to first audio (first audio frame received - first text piece sent), p50 and p95 over sessions;
+- aggregate audio delivered per wall second (audio seconds received by all sessions / the round's wall time,
+  first text sent to last frame received);
+- playback underruns: each client starts playing at its first frame and plays in real time; whenever the next
+  frame has not arrived when the audio before it has finished playing, it runs dry until it arrives. Per
+  session: seconds dry and how many times; reported as the mean and p95 over sessions, and the count in all.
+
+Output: a table on stdout, <out>.json, and <out>.png when matplotlib is installed. Run the old and the new code
+side by side in one run (same machine state, alternating nothing: one checkout after the other):
+
+    python scripts/bench_capacity.py --variant turbo --weights random-full --sessions 1 2 4 8 16 \\
+        --repo old=/path/to/checkout-at-ece70d8 --repo new=. --out out/capacity_turbo
+
+Anything after `--` goes to every server (e.g. `-- --cpu-weights bf16 --threads 1,1`; an older checkout may not
+know a flag: then give it only where it applies, with --server-args-for LABEL="..."). --busy-cores K keeps K
+other processes spinning during the measured rounds (the "one core taken by another process" experiment).
+--weights random-tiny runs end to end in a minute (tests/synth/test_bench_capacity.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import orjson
+from websockets.asyncio.client import connect
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the client side always runs from this checkout (the servers from --repo)
+
+from agent_server.protocol import FRAME_HEADER_BYTES
+from tests.agent_server.native_client import llm_pieces
+
+SAMPLE_RATE_HZ = 24_000
+BYTES_PER_SAMPLE = 2  # pcm_s16le
+SERVER_START_TIMEOUT_S = 900.0  # full-size models load and warm up (English prepares its voice prompt)
+DEFAULT_REPLY = ("Sure, I can help with that. Your flight to Lisbon leaves at nine fifteen tomorrow morning from "
+                 "gate twelve, and boarding starts forty minutes before. Want me to add a seat with extra legroom?")
+RANDOM_WEIGHTS_MAX_NEW_TOKENS = 90  # random weights never say EOS: cap a segment near what real speech takes
+
+
+@dataclass
+class SessionResult:
+    ok: bool
+    error: str = ""
+    first_text_s: float = 0.0
+    ttfa_s: float | None = None
+    audio_s: float = 0.0
+    last_frame_s: float = 0.0
+    frames: int = 0
+    underrun_s: float = 0.0
+    underruns: int = 0
+    reason: str = ""
+
+
+@dataclass
+class RoundResult:
+    sessions: int
+    ok: int
+    failed: int
+    errors: list[str]
+    wall_s: float
+    audio_s: float
+    audio_s_per_wall_s: float
+    ttfa_p50_s: float | None
+    ttfa_p95_s: float | None
+    underrun_mean_s: float
+    underrun_p95_s: float
+    underruns: int
+    sessions_with_underrun: int
+
+
+@dataclass
+class RepoRun:
+    label: str
+    repo: str
+    commit: str
+    server_args: list[str]
+    variant: str
+    random_weights: bool | None
+    rounds: list[RoundResult] = field(default_factory=list)
+
+
+def playback(frames: list[tuple[float, float]]) -> tuple[float, int]:
+    """(receive time, duration) of each frame in order -> (seconds dry, times dry) of a real-time player that
+    starts at the first frame."""
+    dry_s, times = 0.0, 0
+    play_end: float | None = None
+    for received_s, duration_s in frames:
+        if play_end is not None and received_s > play_end:
+            dry_s += received_s - play_end
+            times += 1
+            play_end = received_s
+        play_end = (received_s if play_end is None else play_end) + duration_s
+    return dry_s, times
+
+
+async def one_session(url: str, index: int, text: str, chars_per_s: float, max_new_tokens: int, seed: int | None,
+                      timeout_s: float) -> SessionResult:
+    frames: list[tuple[float, float]] = []
+    result = SessionResult(ok=False)
+    try:
+        async with connect(url, max_size=None, compression=None, open_timeout=60) as ws:
+            hello = orjson.loads(await ws.recv())
+            if hello.get("type") != "session_started":
+                raise RuntimeError(f"unexpected first message {hello}")
+            context = f"c{index}"
+            open_msg: dict[str, Any] = {"type": "open", "context_id": context}
+            if max_new_tokens:
+                open_msg["sampling"] = {"max_new_tokens": max_new_tokens}
+            if seed is not None:
+                open_msg["seed"] = seed + index
+            await ws.send(orjson.dumps(open_msg).decode())
+            done = asyncio.Event()
+
+            async def read() -> None:
+                async for raw in ws:
+                    now_s = time.monotonic()
+                    if isinstance(raw, bytes):
+                        payload = len(raw) - FRAME_HEADER_BYTES
+                        frames.append((now_s, payload / BYTES_PER_SAMPLE / SAMPLE_RATE_HZ))
+                        continue
+                    event = orjson.loads(raw)
+                    kind = event.get("type")
+                    if kind in ("error", "busy"):
+                        result.error = f"{kind}: {event.get('message') or event.get('reason') or event}"
+                        done.set()
+                        return
+                    if kind == "context_done":
+                        result.reason = str(event.get("reason"))
+                        done.set()
+                        return
+
+            reader = asyncio.create_task(read())
+            result.first_text_s = time.monotonic()
+            for piece in llm_pieces(text, seed=index):
+                await ws.send(orjson.dumps({"type": "text", "context_id": context, "text": piece}).decode())
+                await asyncio.sleep(len(piece) / chars_per_s)
+            await ws.send(orjson.dumps({"type": "end", "context_id": context}).decode())
+            await asyncio.wait_for(done.wait(), timeout_s)
+            reader.cancel()
+    except Exception as exc:  # noqa: BLE001 - a failed session is a result, not a crash of the benchmark
+        result.error = result.error or f"{type(exc).__name__}: {exc}"
+    result.frames = len(frames)
+    if frames:
+        result.ttfa_s = frames[0][0] - result.first_text_s
+        result.audio_s = sum(d for _, d in frames)
+        result.last_frame_s = frames[-1][0]
+        result.underrun_s, result.underruns = playback(frames)
+    result.ok = not result.error and result.reason == "completed" and bool(frames)
+    if not result.ok and not result.error:
+        result.error = f"context ended {result.reason or 'without context_done'}"
+    return result
+
+
+async def one_round(url: str, sessions: int, args: argparse.Namespace, max_new_tokens: int) -> RoundResult:
+    results = await asyncio.gather(*(one_session(url, i, args.text, args.chars_per_s, max_new_tokens, args.seed,
+                                                 args.session_timeout_s) for i in range(sessions)))
+    ok = [r for r in results if r.ok]
+    started = min(r.first_text_s for r in results)
+    ended = max((r.last_frame_s for r in results if r.frames), default=started)
+    wall_s = max(ended - started, 1e-9)
+    audio_s = sum(r.audio_s for r in results)
+    ttfas = [r.ttfa_s for r in ok if r.ttfa_s is not None]
+    dry = [r.underrun_s for r in ok]
+    return RoundResult(
+        sessions=sessions, ok=len(ok), failed=len(results) - len(ok), errors=sorted({r.error for r in results if r.error}),
+        wall_s=wall_s, audio_s=audio_s, audio_s_per_wall_s=audio_s / wall_s,
+        ttfa_p50_s=float(np.percentile(ttfas, 50)) if ttfas else None,
+        ttfa_p95_s=float(np.percentile(ttfas, 95)) if ttfas else None,
+        underrun_mean_s=float(np.mean(dry)) if dry else 0.0, underrun_p95_s=float(np.percentile(dry, 95)) if dry else 0.0,
+        underruns=sum(r.underruns for r in ok), sessions_with_underrun=sum(1 for r in ok if r.underruns))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return json.loads(response.read())
+
+
+def git_commit(repo: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Server:
+    """`python -m agent_server.cli` from one checkout, on a free port, logging to a file."""
+
+    def __init__(self, repo: Path, args: argparse.Namespace, extra: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.data_dir = tempfile.TemporaryDirectory(prefix="bench_capacity_")
+        env = {**os.environ, "PYTHONPATH": str(repo), "AGENT_SERVER_DATA_DIR": self.data_dir.name,
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("AGENT_SERVER_ENGINE_FACTORY", None)
+        command = [sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--variant", args.variant, "--weights", args.weights, "--log-level", "warning",
+                   "--max-slots", str(max(args.sessions)), "--max-sessions", str(max(args.sessions) + 8), *extra]
+        self.command = command
+        self.log_path = log_path
+        with open(log_path, "w") as log_file:
+            self.proc = subprocess.Popen(command, cwd=repo, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.data_dir.cleanup()
+
+
+def _spin(stop: Any) -> None:
+    x = 0
+    while not stop.is_set():
+        x = (x * 1103515245 + 12345) % 2**31
+
+
+class BusyCores:
+    """K processes that keep one core each busy (the rest of the machine is someone else's)."""
+
+    def __init__(self, count: int) -> None:
+        self.stop = multiprocessing.Event()
+        self.procs = [multiprocessing.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(count)]
+
+    def __enter__(self) -> Self:
+        for proc in self.procs:
+            proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(10)
+
+
+def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str], out_dir: Path) -> RepoRun:
+    server = Server(repo, args, extra, out_dir / f"{args.out.name}_{label}_server.log")
+    run = RepoRun(label=label, repo=str(repo), commit=git_commit(repo), server_args=server.command[3:],
+                  variant=args.variant, random_weights=None)
+    try:
+        server.wait_ready(args.server_start_timeout_s)
+        status = http_json(f"http://127.0.0.1:{server.port}/v1/status")
+        engine = status.get("engine", status) if isinstance(status, dict) else {}
+        run.random_weights = bool(engine.get("random_weights", args.weights.startswith("random")))
+        max_new = args.max_new_tokens if args.max_new_tokens >= 0 else (
+            RANDOM_WEIGHTS_MAX_NEW_TOKENS if run.random_weights else 0)
+        print(f"[{label}] {repo} @ {run.commit}: server ready on port {server.port}; max_new_tokens per segment "
+              f"{max_new or 'server default'}", flush=True)
+        asyncio.run(one_round(server.url, 1, args, max_new))  # warm-up: first-use costs are not capacity
+        with BusyCores(args.busy_cores):
+            for sessions in args.sessions:
+                result = asyncio.run(one_round(server.url, sessions, args, max_new))
+                run.rounds.append(result)
+                print(f"[{label}] N={sessions}: {format_row(result)}", flush=True)
+    finally:
+        server.stop()
+    return run
+
+
+def format_row(r: RoundResult) -> str:
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    return (f"ok {r.ok}/{r.sessions}, first audio p50 {s(r.ttfa_p50_s)} s p95 {s(r.ttfa_p95_s)} s, "
+            f"{r.audio_s_per_wall_s:.3f} audio-s/s, dry mean {r.underrun_mean_s:.2f} s p95 {r.underrun_p95_s:.2f} s "
+            f"({r.underruns} times, {r.sessions_with_underrun} sessions)")
+
+
+def print_table(runs: list[RepoRun]) -> None:
+    print(f"\n{'checkout':12} {'N':>3} {'ok':>5} {'TTFA p50':>9} {'TTFA p95':>9} {'audio-s/s':>10} {'x N=1':>6} "
+          f"{'dry mean':>9} {'dry p95':>8} {'dry times':>9}")
+    for run in runs:
+        base = next((r.audio_s_per_wall_s for r in run.rounds if r.sessions == 1), None)
+        for r in run.rounds:
+            ratio = f"{r.audio_s_per_wall_s / base:.2f}" if base else "-"
+            p50 = "-" if r.ttfa_p50_s is None else f"{r.ttfa_p50_s:.2f}"
+            p95 = "-" if r.ttfa_p95_s is None else f"{r.ttfa_p95_s:.2f}"
+            print(f"{run.label[:12]:12} {r.sessions:>3} {r.ok:>2}/{r.sessions:<2} {p50:>9} {p95:>9} "
+                  f"{r.audio_s_per_wall_s:>10.3f} {ratio:>6} {r.underrun_mean_s:>9.2f} {r.underrun_p95_s:>8.2f} "
+                  f"{r.underruns:>9}")
+
+
+def plot(runs: list[RepoRun], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run in runs:
+        n = [r.sessions for r in run.rounds]
+        axes[0].plot(n, [r.ttfa_p50_s or np.nan for r in run.rounds], "o-", label=f"{run.label} p50")
+        axes[0].plot(n, [r.ttfa_p95_s or np.nan for r in run.rounds], "s--", label=f"{run.label} p95")
+        axes[1].plot(n, [r.audio_s_per_wall_s for r in run.rounds], "o-", label=run.label)
+        axes[2].plot(n, [r.underrun_mean_s for r in run.rounds], "o-", label=f"{run.label} mean")
+        axes[2].plot(n, [r.underrun_p95_s for r in run.rounds], "s--", label=f"{run.label} p95")
+    titles = ("time to first audio (s)", "audio seconds delivered per wall second", "playback dry time per session (s)")
+    for axis, title in zip(axes, titles):
+        axis.set_title(title)
+        axis.set_xlabel("concurrent sessions")
+        axis.set_xscale("log", base=2)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.suptitle(f"bench_capacity: {runs[0].variant}, {', '.join(f'{r.label}@{r.commit}' for r in runs)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def parse_repos(values: list[str]) -> list[tuple[str, Path]]:
+    repos = []
+    for value in values or [f"this={REPO}"]:
+        label, _, path = value.rpartition("=")
+        repo = Path(path).resolve()
+        if not (repo / "agent_server" / "cli.py").is_file():
+            raise SystemExit(f"{repo} is not a checkout of this project (no agent_server/cli.py)")
+        repos.append((label or repo.name, repo))
+    return repos
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repo", action="append", default=[], help="[LABEL=]PATH of a checkout (repeat to compare)")
+    parser.add_argument("--server-args-for", action="append", default=[], metavar="LABEL=ARGS",
+                        help="extra server arguments for one checkout only (shell-quoted)")
+    parser.add_argument("--variant", default="turbo", choices=("english", "turbo", "multilingual"))
+    parser.add_argument("--weights", default="random-full", help="random-tiny, random-full, auto or a checkpoint dir")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--chars-per-s", type=float, default=300.0, help="LLM text pace per session")
+    parser.add_argument("--text", default=DEFAULT_REPLY, help="the reply each session streams")
+    parser.add_argument("--max-new-tokens", type=int, default=-1,
+                        help=f"per segment (-1: {RANDOM_WEIGHTS_MAX_NEW_TOKENS} with random weights, else the "
+                             "server's default; 0: the server's default)")
+    parser.add_argument("--seed", type=int, default=None, help="seed the contexts (seed + session index)")
+    parser.add_argument("--threads", default=None, help="--threads for the servers (checkouts that know it)")
+    parser.add_argument("--busy-cores", type=int, default=0, help="processes spinning during the measured rounds")
+    parser.add_argument("--session-timeout-s", type=float, default=600.0)
+    parser.add_argument("--server-start-timeout-s", type=float, default=SERVER_START_TIMEOUT_S)
+    parser.add_argument("--out", type=Path, default=Path("out/bench_capacity"), help="output path without suffix")
+    args = parser.parse_args(argv)
+    if min(args.sessions) < 1:
+        parser.error("--sessions must be >= 1")
+    per_repo = {}
+    for value in args.server_args_for:
+        label, _, rest = value.partition("=")
+        per_repo[label] = shlex.split(rest)
+    if args.threads:
+        extra = [*extra, "--threads", args.threads]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = [run_repo(label, repo, args, extra + per_repo.get(label, []), args.out.parent)
+            for label, repo in parse_repos(args.repo)]
+    report = {"machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                          "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "server_args": extra, "runs": [asdict(run) for run in runs]}
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print_table(runs)
+    if plot(runs, args.out.with_suffix(".png")):
+        print(f"\nplot: {args.out.with_suffix('.png')}")
+    print(f"json: {args.out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Linear and convolution kernels for batched S3Gen renders, whose result for one row does not depend on the rows
+it is batched with.
+
+Why: a seeded stream must give the same PCM whatever it is batched with (docs/protocol.md promises it), and
+which streams share a vocoder tick depends on timing. On the CPU, torch's default kernels do not keep a row's
+bits when the batch changes (measured on the development machine, torch 2.13: `F.linear` (MKL) changes them
+with the number of rows, oneDNN's direct convolution between one image and several, oneDNN's prepacked linear
+for large inner sizes). What does keep them is one GEMM per row of the batch, all of the same shape:
+`torch.baddbmm` with the weight expanded over the batch (stride 0), which MKL runs as a batch of identical
+GEMMs, once each product has at least 4 rows and a multiple of 16 columns (smaller ones are padded: below
+that MKL's batched GEMM, too, changed a row's bits for some shapes; tests/synth/test_invariant_ops.py checks
+the shape classes S3Gen meets: odd and small column counts, 1-3 rows). So on the CPU:
+
+- a linear layer is one `baddbmm` over [B, T, in] (the same T for every row of a bucket);
+- a convolution is the sum of one `baddbmm` per kernel tap over shifted views of channels-last activations
+  [B, T, C] (no im2col copy: the views are strided, not copied); 1.1-1.6x oneDNN's direct convolution on HiFT's
+  shapes, measured on the 2-core development machine;
+- a transposed convolution is one `baddbmm` to [B, T, k * out] and an overlap-add of the k taps (F.fold).
+
+On CUDA the same classes call cuBLAS/cuDNN (`F.linear`, `F.conv1d`, `F.conv_transpose1d`): fastest, and what
+`torch.compile` / CUDA graphs capture; a row's last bits may then depend on its batch (see BENCHMARKS.md).
+
+Every layer is read once from the library's module (weight-norm parametrisations resolved), so the library's
+modules stay untouched and chatterbox's own inference keeps running them as shipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# MKL's batched GEMM kept a row's bits whatever the batch for every shape tried with at least 4 rows per
+# matrix and a column count that is a multiple of 16, not always otherwise (1 row with 257 columns, 19 rows with
+# 6, 7 or 9 columns: measured, tests/synth/test_invariant_ops.py), so products are padded up to such shapes
+# (zero rows and columns) and cut back.
+MIN_GEMM_ROWS = 4
+GEMM_COLUMN_MULTIPLE = 16
+
+
+def _gemm_columns(columns: int) -> int:
+    return -(-columns // GEMM_COLUMN_MULTIPLE) * GEMM_COLUMN_MULTIPLE
+
+
+def row_invariant_default(device: torch.device) -> bool:
+    """CPU: the batch-invariant kernels; CUDA: cuBLAS/cuDNN."""
+    return device.type != "cuda"
+
+
+class Linear:
+    """y = x W^T + b over the last dim of x [B, T, in] (or [B, in])."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> None:
+        weight = weight.detach()  # [out, in]
+        self.bias = None if bias is None else bias.detach()  # [out]
+        self.in_features = int(weight.shape[1])
+        self.out_features = int(weight.shape[0])
+        self.invariant = invariant
+        self.weight = weight.contiguous()  # [out, in] for F.linear
+        # [in, out'] for baddbmm, out' padded to a multiple of 16 (see GEMM_COLUMN_MULTIPLE).
+        self._columns = _gemm_columns(self.out_features)
+        self.weight_t = F.pad(weight.t(), (0, self._columns - self.out_features)).contiguous()
+        self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_features))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.invariant:
+            return F.linear(x, self.weight, self.bias)
+        squeeze = x.dim() == 2
+        x3 = x[:, None] if squeeze else x  # [B, T, in]
+        rows = x3.shape[1]
+        if rows < MIN_GEMM_ROWS:
+            x3 = F.pad(x3, (0, 0, 0, MIN_GEMM_ROWS - rows))
+        weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
+        y = torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
+        y = y[:, :rows, :self.out_features]
+        return y[:, 0] if squeeze else y  # [B, T, out] or [B, out]
+
+    @staticmethod
+    def of(module: Any, invariant: bool) -> Linear:
+        """From an nn.Linear, or a kernel-1 nn.Conv1d (the linear layer it is, channels-last)."""
+        weight = module.weight.detach()
+        if isinstance(module, torch.nn.Conv1d):
+            if module.kernel_size != (1,) or module.stride != (1,) or module.padding != (0,) or module.groups != 1:
+                raise ValueError("only a pointwise convolution is a linear layer")
+            weight = weight[:, :, 0]
+        return Linear(weight, module.bias, invariant)
+
+
+class Conv1d:
+    """A convolution on channels-last x [B, T, C_in] that is already padded: out [B, T_out, C_out] with
+    T_out = (T - dilation * (kernel - 1) - 1) // stride + 1. Callers pad (zeros, a cached prefix, ...)."""
+
+    def __init__(self, module: Any, invariant: bool) -> None:
+        if module.groups != 1:
+            raise ValueError("grouped convolutions are not used by S3Gen")
+        weight = module.weight.detach()  # [out, in, k] (weight norm resolved by the access)
+        self.kernel = int(weight.shape[2])
+        self.stride = int(module.stride[0])
+        self.dilation = int(module.dilation[0])
+        self.in_channels = int(weight.shape[1])
+        self.out_channels = int(weight.shape[0])
+        self.bias = None if module.bias is None else module.bias.detach()
+        self.invariant = invariant
+        self.weight = weight.contiguous()  # [out, in, k] for F.conv1d
+        self._columns = _gemm_columns(self.out_channels)
+        taps = weight.permute(2, 1, 0)  # [k, in, out]: one [in, out] matrix per tap
+        self.taps = F.pad(taps, (0, self._columns - self.out_channels)).contiguous()  # [k, in, out']
+        self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_channels))
+
+    @property
+    def receptive_field(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
+    def out_len(self, in_len: int) -> int:
+        return (in_len - self.receptive_field) // self.stride + 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        batch, in_len, _ = x.shape
+        out_len = self.out_len(in_len)
+        if not self.invariant:
+            y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
+            return y.transpose(1, 2)
+        if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
+            x = F.pad(x, (0, 0, 0, (MIN_GEMM_ROWS - out_len) * self.stride))
+            return self(x)[:, :out_len]
+        span = (out_len - 1) * self.stride + 1
+        out: torch.Tensor | None = None
+        for tap in range(self.kernel):
+            start = tap * self.dilation
+            shifted = x[:, start:start + span:self.stride]  # [B, T_out, C_in], a strided view
+            weight = self.taps[tap].expand(batch, self.in_channels, self._columns)
+            if out is None:
+                out = torch.bmm(shifted, weight) if self._bias_padded is None else \
+                    torch.baddbmm(self._bias_padded, shifted, weight)
+            else:
+                out = torch.baddbmm(out, shifted, weight)
+        assert out is not None
+        return out if self._columns == self.out_channels else out[:, :, :self.out_channels]
+
+
+class ConvTranspose1d:
+    """A transposed convolution on channels-last x [B, T, C_in] -> [B, (T - 1) * stride + k - 2 * padding, C_out]."""
+
+    def __init__(self, module: Any, invariant: bool) -> None:
+        if module.groups != 1 or module.dilation[0] != 1 or module.output_padding[0] != 0:
+            raise ValueError("only plain transposed convolutions are used by S3Gen")
+        weight = module.weight.detach()  # [in, out, k]
+        self.kernel = int(weight.shape[2])
+        self.stride = int(module.stride[0])
+        self.padding = int(module.padding[0])
+        self.in_channels = int(weight.shape[0])
+        self.out_channels = int(weight.shape[1])
+        self.bias = None if module.bias is None else module.bias.detach()
+        self.invariant = invariant
+        self.weight = weight.contiguous()
+        self.taps = weight.permute(0, 2, 1).reshape(self.in_channels, self.kernel * self.out_channels)  # [in, k out]
+        self._columns = _gemm_columns(self.kernel * self.out_channels)
+        self.taps = F.pad(self.taps, (0, self._columns - self.kernel * self.out_channels)).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        batch, in_len, _ = x.shape
+        if not self.invariant:
+            y = F.conv_transpose1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride,
+                                   padding=self.padding)
+            return y.transpose(1, 2)
+        if in_len < MIN_GEMM_ROWS:
+            x = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - in_len))
+        taps = torch.bmm(x, self.taps.expand(batch, self.in_channels, self._columns))
+        taps = taps[:, :in_len, :self.kernel * self.out_channels]
+        taps = taps.reshape(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
+        full_len = (in_len - 1) * self.stride + self.kernel
+        # input t feeds output t * stride + tap: an overlap-add (col2im, each output summed in a fixed order)
+        columns = taps.permute(0, 3, 2, 1).reshape(batch, self.out_channels * self.kernel, in_len)
+        out = F.fold(columns, output_size=(1, full_len), kernel_size=(1, self.kernel), stride=(1, self.stride))
+        out = out[:, :, 0, self.padding:full_len - self.padding].transpose(1, 2)  # [B, T_out, C_out]
+        return out if self.bias is None else out + self.bias

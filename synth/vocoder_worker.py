@@ -1,0 +1,468 @@
+"""The vocoder's own thread: token runs in from the step loop, batched S3Gen renders, audio out through outlets.
+
+The engine thread decodes; after each step it hands every segment's new speech tokens to this worker in one
+message (`feed`, a bounded queue: when the vocoder falls more than MAX_PENDING_STEPS steps behind, the decode
+waits for it) and goes on with the next step. The worker owns every segment's vocoder state from then on:
+
+    drain messages (opens, tokens, cancels, prepared voices)
+    -> pick the due streams (ChunkPolicy: chunk sizes, and the order: listeners about to run dry first)
+    -> one batched render (StreamingVocoder.render) -> each stream's chunk out through its Outlet
+
+and emits each segment's DONE after its last chunk. The worker emits itself rather than handing PCM back to
+the engine thread: the engine thread may be busy with a decode step for 100+ ms on a CPU, and a chunk that
+waits for it is latency the listener hears; the Outlet keeps ordering, cancel and exactly-once terminal
+events across the two threads.
+
+Voices are prepared (the S3Gen prompt cache: ~10 s on a CPU for English) on a separate, low-priority thread,
+never on the decode thread or this one: streams of a voice that is not ready yet wait for it, everyone else
+keeps speaking. A cancelled stream's pending renders are dropped at the next message drain, and its Outlet
+drops anything a render already in flight produces.
+
+On a GPU the worker renders on its own CUDA stream, so its kernels overlap the decode's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from synth.api import (
+    OUTPUT_SAMPLE_RATE_HZ,
+    SAMPLES_PER_SPEECH_TOKEN,
+    AudioChunk,
+    EventKind,
+    ListenerClock,
+    SegmentEvent,
+)
+from synth.cpu_threads import use_threads
+from synth.outlet import Delivery, Outlet
+from synth.vocoder import (
+    PromptCache,
+    RenderJob,
+    StreamingVocoder,
+    VocoderStream,
+    VocoderVoice,
+)
+
+log = logging.getLogger(__name__)
+
+Pcm = npt.NDArray[np.float32]  # host float32 arrays: PCM, mels, carried sources
+
+SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # 25
+MAX_PENDING_STEPS = 1024  # feed messages (one per decode step) the worker may be behind before the decode waits
+IDLE_WAIT_S = 0.05  # nothing open: block this long on the inbox
+PENDING_WAIT_S = 0.01  # streams open but none due: re-check the listeners this often
+PREPARED_VOICES = 64  # prepared vocoder voices kept (their prompt caches have their own byte budget)
+PREPARER_THREADS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPolicy:
+    """How much audio each render of a stream produces, and which due streams render first.
+
+    - A listener with nothing buffered (the first chunk of a turn, or one that ran dry) gets a small chunk:
+      that is time to first audio.
+    - Otherwise the chunk is about as long as what the listener holds (clamped to [first, max]): a stream with
+      seconds buffered renders long, efficient chunks, late; one about to run dry renders a short one first.
+    - Seeded requests keep the fixed schedule (first, then `schedule_tokens`), whatever the listener does: the
+      protocol promises the same audio for the same seed, and chunk boundaries change the audio (slightly).
+    - Due streams render in the order of how soon their listener runs dry; listeners that hold nothing render
+      alone in their tick.
+    """
+
+    first_chunk_tokens: int = 12
+    schedule_tokens: tuple[int, ...] = (24, 48, 96)
+    max_chunk_tokens: int = 96
+
+    def chunk_tokens(self, chunks_emitted: int, buffered_s: float, reproducible: bool) -> int:
+        if reproducible:
+            if chunks_emitted == 0:
+                return self.first_chunk_tokens
+            return self.schedule_tokens[min(chunks_emitted - 1, len(self.schedule_tokens) - 1)]
+        held_tokens = int(max(0.0, buffered_s) * SPEECH_TOKENS_PER_S)
+        return max(self.first_chunk_tokens, min(self.max_chunk_tokens, held_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpen:
+    """A segment's first message to the worker (sent with its first tokens)."""
+
+    request_id: str
+    outlet: Outlet
+    voice: Any  # synth.voices.Voice: key (content hash) and s3gen_ref
+    seed: int
+    reproducible: bool  # the client gave the seed: fixed chunk boundaries
+    listener: ListenerClock | None
+    admitted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Feed:
+    """New valid speech tokens of one segment; `final` once T3 is done (then the DONE event's contents)."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    final: bool = False
+    speech_tokens: int = 0  # final: valid tokens in all
+    finish_reason: str = ""  # final: why T3 stopped
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _VoiceReady:
+    key: str
+    voice: VocoderVoice | None  # None: preparation failed
+    prompt: PromptCache | None = None  # its prompt cache (None: the voice renders uncached)
+    error: str = ""
+
+
+_Message = list[StreamOpen | Feed] | _Cancel | _VoiceReady
+
+
+@dataclass(slots=True, eq=False)
+class Speech:
+    """The worker's state of one segment; only the worker thread touches it."""
+
+    spec: StreamOpen
+    stream: VocoderStream | None = None  # once its voice is prepared
+    waiting_tokens: list[int] = field(default_factory=list)  # tokens that came before the voice was ready
+    final: Feed | None = None
+    chunks_emitted: int = 0
+    emitted_s: float = 0.0
+    first_chunk_s: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    def buffered_s(self, now_s: float) -> float:
+        """Audio its listener holds now: the session's report, or (none yet) a listener that started playing at
+        this segment's first chunk."""
+        listener = self.spec.listener
+        reported = listener.buffered_s(now_s) if listener is not None else None
+        if reported is not None:
+            return reported
+        if self.chunks_emitted == 0:
+            return 0.0
+        return self.emitted_s - (now_s - self.first_chunk_s)
+
+
+@dataclass(slots=True)
+class RenderStats:
+    """Renders since the last `take_stats` (read by the engine thread once per step)."""
+
+    ms: float = 0.0
+    audio_s: float = 0.0
+    ticks: int = 0
+    streams: int = 0
+
+
+class VocoderWorker:
+    def __init__(self, vocoder: StreamingVocoder, policy: ChunkPolicy, *, threads: int, max_batch: int,
+                 on_sink_failed: Callable[[str], None], max_pending_steps: int = MAX_PENDING_STEPS) -> None:
+        if max_batch < 1 or threads < 1:
+            raise ValueError("max_batch and threads must be >= 1")
+        self.vocoder = vocoder
+        self.policy = policy
+        self.threads = threads
+        self.max_batch = max_batch
+        self._on_sink_failed = on_sink_failed
+        self._inbox: queue.Queue[_Message] = queue.Queue()
+        # Feeds are the one producer that can run ahead (the decode): each holds a slot until handled.
+        self._feed_slots = threading.BoundedSemaphore(max_pending_steps)
+        self._prepare_queue: queue.Queue[Any] = queue.Queue()
+        self._speeches: dict[str, Speech] = {}  # worker thread only
+        self._voices: dict[str, VocoderVoice] = {}  # voice key -> prepared (worker thread only), insertion = age
+        self._preparing: set[str] = set()  # worker thread only
+        self._stats = RenderStats()
+        self._stats_lock = threading.Lock()
+        self._prepared_keys: dict[str, None] = {}  # voices whose preparation finished, oldest first (_prepared)
+        self._prepared = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._preparer: threading.Thread | None = None
+        self.failure = ""
+        self.ticks = 0  # renders done (worker thread writes; tests read)
+        self.drains = 0  # inbox drains done
+
+    # --- any thread --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="synth-vocoder", daemon=True)
+        self._preparer = threading.Thread(target=self._run_preparer, name="synth-voice-prep", daemon=True)
+        self._thread.start()
+        self._preparer.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._prepare_queue.put(None)
+        for thread in (self._thread, self._preparer):
+            if thread is not None:
+                thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def feed(self, items: list[StreamOpen | Feed]) -> None:
+        """One decode step's opens and token runs. Blocks only while the worker is MAX_PENDING_STEPS behind."""
+        while not self._feed_slots.acquire(timeout=IDLE_WAIT_S):
+            if self._stop.is_set():
+                return
+        self._inbox.put(items)
+
+    def cancel(self, request_id: str) -> None:
+        """Drop the stream's pending renders (its Outlet already drops its output)."""
+        self._inbox.put(_Cancel(request_id))
+
+    def prepare_voice(self, voice: Any) -> None:
+        """Prepare a voice's vocoder prompt on the preparation thread, ahead of its first request."""
+        self._prepare_queue.put(voice)
+
+    def wait_prepared(self, keys: list[str], timeout_s: float) -> bool:
+        """Wait until the preparation thread has finished these voices (successfully or not)."""
+        with self._prepared:
+            return self._prepared.wait_for(lambda: all(key in self._prepared_keys for key in keys), timeout_s)
+
+    def take_stats(self) -> RenderStats:
+        with self._stats_lock:
+            stats, self._stats = self._stats, RenderStats()
+        return stats
+
+    # --- the worker thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        use_threads(self.threads)
+        torch.set_grad_enabled(False)
+        device = self.vocoder.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        try:
+            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                while not self._stop.is_set():
+                    self._drain(block=not self._speeches)
+                    jobs = self._due(time.monotonic())
+                    if jobs:
+                        self._render(jobs)
+                    elif self._speeches:
+                        self._drain(block=True, timeout_s=PENDING_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - report, fail what is open, never hang
+            log.exception("vocoder worker died")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            for speech in list(self._speeches.values()):
+                self._fail(speech, f"vocoder failure: {self.failure}")
+
+    def _drain(self, block: bool, timeout_s: float = IDLE_WAIT_S) -> None:
+        try:
+            message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(message)
+                message = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        self.drains += 1
+
+    def _handle(self, message: _Message) -> None:
+        if isinstance(message, _Cancel):
+            self._speeches.pop(message.request_id, None)  # its pending renders go with it
+        elif isinstance(message, _VoiceReady):
+            self._voice_ready(message)
+        else:
+            self._feed_slots.release()
+            for item in message:
+                if isinstance(item, StreamOpen):
+                    self._open(item)
+                else:
+                    self._add(item)
+
+    def _open(self, spec: StreamOpen) -> None:
+        if not spec.outlet.is_open:  # cancelled before its first tokens got here
+            return
+        speech = Speech(spec=spec)
+        self._speeches[spec.request_id] = speech
+        prepared = self._voices.get(spec.voice.key)
+        prompt = None
+        if prepared is not None and self.vocoder.uses_prompt_cache(prepared):
+            prompt = self.vocoder.cached_prompt(prepared)
+            if prompt is None:  # evicted from the prompt-cache budget since: rebuilt off this thread
+                prepared = None
+        if prepared is not None:
+            self._start_stream(speech, prepared, prompt)
+        elif spec.voice.key not in self._preparing:
+            self._preparing.add(spec.voice.key)
+            self._prepare_queue.put(spec.voice)
+
+    def _add(self, feed: Feed) -> None:
+        speech = self._speeches.get(feed.request_id)
+        if speech is None:  # cancelled
+            return
+        if feed.final:
+            speech.final = feed
+        try:
+            if speech.stream is None:
+                speech.waiting_tokens.extend(feed.tokens)
+            else:
+                speech.stream.add(feed.tokens, feed.final)
+        except ValueError as exc:  # token ids the vocoder cannot take: this segment only
+            self._fail(speech, f"vocoder failure: {exc}")
+
+    def _voice_ready(self, ready: _VoiceReady) -> None:
+        self._preparing.discard(ready.key)
+        if ready.voice is not None:
+            self._voices[ready.key] = ready.voice
+            while len(self._voices) > PREPARED_VOICES:
+                self._voices.pop(next(iter(self._voices)))
+        for speech in list(self._speeches.values()):
+            if speech.stream is None and speech.spec.voice.key == ready.key:
+                if ready.voice is None:
+                    self._fail(speech, f"voice preparation failed: {ready.error}")
+                else:
+                    self._start_stream(speech, ready.voice, ready.prompt)
+
+    def _start_stream(self, speech: Speech, voice: VocoderVoice, prompt: PromptCache | None) -> None:
+        stream = self.vocoder.open(voice, speech.spec.seed)
+        stream.prompt = prompt  # the stream holds it: an eviction from the budget does not take it away
+        speech.stream = stream
+        try:
+            stream.add(speech.waiting_tokens, speech.final is not None)
+        except ValueError as exc:
+            self._fail(speech, f"vocoder failure: {exc}")
+        speech.waiting_tokens = []
+
+    def _due(self, now_s: float) -> list[tuple[Speech, RenderJob]]:
+        """The streams whose next chunk can render now, most urgent first, at most max_batch. When some listener
+        holds nothing (a turn's first audio, or one that ran dry), the tick takes only those: on a CPU a tick
+        costs about the sum of its renders, and a first chunk must not wait for other streams' long ones."""
+        due: list[tuple[float, float, Speech, RenderJob]] = []
+        for speech in self._speeches.values():
+            stream = speech.stream
+            if stream is None:
+                continue
+            buffered_s = speech.buffered_s(now_s)
+            chunk = self.policy.chunk_tokens(speech.chunks_emitted, buffered_s, speech.spec.reproducible)
+            job = stream.next_job(chunk)
+            if job is not None:
+                due.append((buffered_s, speech.spec.admitted_s, speech, job))
+        due.sort(key=lambda item: (item[0], item[1]))
+        if due and due[0][0] <= 0.0:
+            due = [item for item in due if item[0] <= 0.0]
+        return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
+
+    def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:
+        t0 = time.perf_counter()
+        outputs: list[Pcm | None] = []
+        try:
+            outputs.extend(self.vocoder.render([job for _, job in tick]))
+        except Exception:  # noqa: BLE001 - find the stream that fails, render the others
+            log.exception("batched render of %d streams failed; rendering them one by one", len(tick))
+            outputs = []
+            for speech, job in tick:
+                try:
+                    outputs.append(self.vocoder.render([job])[0])
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("render of %s failed", speech.request_id)
+                    self._fail(speech, f"vocoder failure: {type(exc).__name__}: {exc}")
+                    outputs.append(None)
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        audio_s = 0.0
+        now_s = time.monotonic()
+        for (speech, job), pcm in zip(tick, outputs):
+            if pcm is None or speech.request_id not in self._speeches:
+                continue
+            audio_s += pcm.size / OUTPUT_SAMPLE_RATE_HZ
+            self._deliver(speech, pcm, now_s)
+            if job.final:
+                self._finish(speech)
+        self.ticks += 1
+        with self._stats_lock:
+            self._stats.ms += elapsed_ms
+            self._stats.audio_s += audio_s
+            self._stats.ticks += 1
+            self._stats.streams += len(tick)
+
+    def _deliver(self, speech: Speech, pcm: Pcm, now_s: float) -> None:
+        n_tokens = pcm.size // SAMPLES_PER_SPEECH_TOKEN
+        if not n_tokens:
+            return
+        chunk = AudioChunk(request_id=speech.request_id, seq=speech.chunks_emitted, pcm=pcm, speech_tokens=n_tokens,
+                           ready_monotonic_s=now_s)
+        if speech.chunks_emitted == 0:
+            speech.first_chunk_s = now_s
+        speech.chunks_emitted += 1
+        speech.emitted_s += pcm.size / OUTPUT_SAMPLE_RATE_HZ
+        self._send(speech, chunk)
+
+    def _finish(self, speech: Speech) -> None:
+        final = speech.final
+        assert final is not None
+        self._speeches.pop(speech.request_id, None)
+        self._send(speech, SegmentEvent(request_id=speech.request_id, kind=EventKind.DONE,
+                                        at_monotonic_s=time.monotonic(), speech_tokens=final.speech_tokens,
+                                        reason=final.finish_reason))
+
+    def _fail(self, speech: Speech, reason: str) -> None:
+        self._speeches.pop(speech.request_id, None)
+        self._send(speech, SegmentEvent(request_id=speech.request_id, kind=EventKind.FAILED,
+                                        at_monotonic_s=time.monotonic(), reason=reason))
+
+    def _send(self, speech: Speech, output: AudioChunk | SegmentEvent) -> None:
+        if speech.spec.outlet.send(output) == Delivery.SINK_FAILED:
+            self._speeches.pop(speech.request_id, None)
+            self._on_sink_failed(speech.request_id)
+
+    # --- the preparation thread --------------------------------------------------------------------------
+
+    def _run_preparer(self) -> None:
+        use_threads(PREPARER_THREADS)
+        torch.set_grad_enabled(False)
+        device = self.vocoder.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        prepared_voices: dict[str, VocoderVoice] = {}  # this thread only: a voice asked for again is not redone
+        while True:
+            voice = self._prepare_queue.get()
+            if voice is None or self._stop.is_set():
+                return
+            try:
+                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                    prepared = prepared_voices.get(voice.key)
+                    if prepared is None:
+                        prepared = self.vocoder.prepare_voice(voice.s3gen_ref)
+                        prepared_voices[voice.key] = prepared
+                        while len(prepared_voices) > PREPARED_VOICES:
+                            prepared_voices.pop(next(iter(prepared_voices)))
+                    prompt = self.vocoder.prompt_cache(prepared)  # resident again if it was evicted
+                if stream is not None:
+                    stream.synchronize()  # the worker's stream reads the cache next
+                message = _VoiceReady(voice.key, prepared, prompt)
+            except Exception as exc:  # noqa: BLE001 - a bad voice fails its own requests, not the worker
+                log.exception("preparing the vocoder prompt of voice %s failed", voice.voice_id)
+                message = _VoiceReady(voice.key, None, error=f"{type(exc).__name__}: {exc}")
+            self._inbox.put(message)
+            with self._prepared:
+                self._prepared_keys[voice.key] = None
+                while len(self._prepared_keys) > PREPARED_VOICES:
+                    self._prepared_keys.pop(next(iter(self._prepared_keys)))
+                self._prepared.notify_all()
+            del voice, message  # hold no voice between preparations (a removed voice is freed)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,32 @@
+"""Counting the aten ops a piece of code runs (a TorchDispatchMode): for op-count invariants such as "a render
+tick runs as many ops for 16 streams as for 1"."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def count_ops() -> Iterator[OpCounter]:
+    counter = OpCounter()
+    with counter:
+        yield counter

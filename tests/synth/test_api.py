@@ -1,0 +1,35 @@
+"""synth/api.py: the listener clock and the thread budget (pure data, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from synth.api import ListenerClock, ThreadBudget
+
+
+def test_listener_clock_plays_in_real_time_from_its_start() -> None:
+    clock = ListenerClock()
+    assert clock.buffered_s(5.0) is None
+    clock.report(sent_audio_s=2.0, started_monotonic_s=10.0)
+    assert clock.buffered_s(10.0) == 2.0
+    assert clock.buffered_s(11.5) == 0.5
+    assert clock.buffered_s(13.0) == -1.0  # ran dry a second ago
+    clock.report(sent_audio_s=4.0, started_monotonic_s=10.0)
+    assert clock.buffered_s(13.0) == 1.0
+
+
+def test_thread_budget_split_and_parse() -> None:
+    assert ThreadBudget.split(1) == ThreadBudget(1, 1)  # both single-threaded: no OpenMP barriers at all
+    assert ThreadBudget.split(2) == ThreadBudget(1, 1)
+    assert ThreadBudget.split(4) == ThreadBudget(1, 2)  # one core left to the event loop
+    assert ThreadBudget.split(16) == ThreadBudget(7, 8)
+    for cores in range(1, 65):
+        budget = ThreadBudget.split(cores)
+        assert budget.decode + budget.vocoder <= max(2, cores)  # never more compute threads than cores
+    assert ThreadBudget.parse("auto") == (0, 0)
+    assert ThreadBudget.parse("3,5") == (3, 5)
+    assert ThreadBudget.parse("8") == (3, 4)
+    assert ThreadBudget.resolve(0, 3, cores=2) == ThreadBudget(1, 3)
+    for bad in ("0", "1,0", "x", "1,2,3", "-2"):
+        with pytest.raises(ValueError):
+            ThreadBudget.parse(bad)

@@ -1,0 +1,46 @@
+"""scripts/bench_capacity.py end to end on the tiny preset: it starts the real server from a checkout given with
+--repo, runs 1 and 2 native sessions, and writes the JSON the issue asks for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_bench_capacity_runs_on_tiny_weights(tmp_path: Path) -> None:
+    out = tmp_path / "capacity"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_capacity.py", "--weights", "random-tiny", "--variant", "turbo",
+         "--sessions", "1", "2", "--repo", f"mine={ROOT}", "--threads", "1,1", "--out", str(out),
+         "--", "--cpu-weights", "fp32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    (run,) = report["runs"]
+    assert run["label"] == "mine" and run["repo"] == str(ROOT) and run["random_weights"] is True
+    assert "--threads" in run["server_args"] and "--cpu-weights" in run["server_args"]
+    assert [r["sessions"] for r in run["rounds"]] == [1, 2]
+    for r in run["rounds"]:
+        assert r["ok"] == r["sessions"] and r["failed"] == 0, r["errors"]
+        assert 0 < r["ttfa_p50_s"] <= r["ttfa_p95_s"] < 60
+        assert r["audio_s"] > 0 and r["audio_s_per_wall_s"] > 0
+        assert r["underrun_mean_s"] >= 0 and r["underruns"] >= 0
+    assert "audio-s/s" in proc.stdout and "mine" in proc.stdout
+
+
+def test_playback_counts_dry_time() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_capacity
+
+    # frames of 0.5 s: the second arrives on time, the third 0.3 s after the second has finished playing
+    frames = [(10.0, 0.5), (10.4, 0.5), (11.3, 0.5), (11.5, 0.5)]
+    dry_s, times = bench_capacity.playback(frames)
+    assert times == 1 and dry_s == pytest.approx(0.3)
+    assert bench_capacity.playback([(0.0, 1.0), (0.5, 1.0), (1.9, 1.0)]) == (0.0, 0)

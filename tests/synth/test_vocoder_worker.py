@@ -1,0 +1,211 @@
+"""synth/vocoder_worker.py on a tiny English S3Gen: the worker thread, its chunk policy, cancel, voices."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from synth.api import EventKind, ListenerClock
+from synth.outlet import Outlet
+from synth.tiny_s3gen import build_s3gen
+from synth.vocoder import StreamingVocoder
+from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
+from tests.synth.conftest import Collector
+from tests.synth.test_vocoder import reference_wav, utterance
+
+PROMPT_TOKENS = 50
+POLICY = ChunkPolicy(first_chunk_tokens=6, schedule_tokens=(8, 16), max_chunk_tokens=16)
+
+
+@dataclass(frozen=True)
+class FakeVoice:
+    """What the worker reads of an engine voice: key, s3gen_ref, voice_id."""
+
+    voice_id: str
+    key: str
+    s3gen_ref: dict[str, Any]
+
+
+@dataclass
+class Setup:
+    vocoder: StreamingVocoder
+    voices: list[FakeVoice]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    registry: dict[str, Outlet] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    torch.manual_seed(0)
+    s3gen = build_s3gen("tiny", meanflow=False)
+    ref = s3gen.embed_ref(reference_wav(), 24_000)
+    vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=10, meanflow=False, prompt_max_tokens=PROMPT_TOKENS,
+                               max_chunk_tokens=16)
+    other = {**ref, "embedding": ref["embedding"] + 0.5}
+    return Setup(vocoder, [FakeVoice("a", "key-a", ref), FakeVoice("b", "key-b", other)])
+
+
+@pytest.fixture
+def worker(setup: Setup) -> Iterator[VocoderWorker]:
+    w = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    w.start()
+    yield w
+    w.stop()
+
+
+def open_stream(setup: Setup, collector: Collector, rid: str, voice: FakeVoice, seed: int,
+                listener: ListenerClock | None = None, reproducible: bool = True) -> StreamOpen:
+    outlet = Outlet(rid, collector.sink_for(rid), setup.lock, setup.registry)
+    return StreamOpen(request_id=rid, outlet=outlet, voice=voice, seed=seed, reproducible=reproducible,
+                      listener=listener, admitted_s=0.0)
+
+
+def final(rid: str, tokens: list[int], total: int) -> Feed:
+    return Feed(rid, tuple(tokens), final=True, speech_tokens=total, finish_reason="eos")
+
+
+def pcm(collector: Collector, rid: str) -> np.ndarray:
+    chunks = collector.chunks(rid)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    return np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.float32)
+
+
+def test_streams_speak_through_their_outlets(setup: Setup, worker: VocoderWorker) -> None:
+    col = Collector()
+    tokens = utterance(40, seed=1)
+    opened = open_stream(setup, col, "s1", setup.voices[0], seed=3)
+    worker.feed([opened, Feed("s1", tuple(tokens[:20]))])
+    worker.feed([final("s1", tokens[20:], 40)])
+    col.wait_done(["s1"])
+    assert col.kinds("s1") == [EventKind.DONE]
+    assert pcm(col, "s1").size == 40 * 960
+    assert [c.speech_tokens for c in col.chunks("s1")][:3] == [6, 8, 16]  # the seeded schedule
+
+
+def test_cancel_mid_render_drops_that_streams_audio_only(setup: Setup) -> None:
+    """A render of three streams is held in flight; one is cancelled meanwhile: its chunk from that render is
+    dropped (its outlet), and the worker renders it no more; the other two get every chunk and finish."""
+    vocoder = setup.vocoder
+    in_render, release = threading.Event(), threading.Event()
+    rendered: list[list[str]] = []
+    original = vocoder.render
+
+    def held_render(jobs):
+        rendered.append([job.stream.seed for job in jobs])
+        if len(rendered) == 1:
+            in_render.set()
+            assert release.wait(60)
+        return original(jobs)
+
+    vocoder.render = held_render  # type: ignore[method-assign]
+    worker = VocoderWorker(vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    worker.start()
+    try:
+        col = Collector()
+        ids = ["x", "y", "z"]
+        opens = [open_stream(setup, col, rid, setup.voices[0], seed=10 + i) for i, rid in enumerate(ids)]
+        tokens = {rid: utterance(48, seed=20 + i) for i, rid in enumerate(ids)}
+        worker.feed([item for o in opens for item in (o, Feed(o.request_id, tuple(tokens[o.request_id][:24])))])
+        assert in_render.wait(60)
+        assert sorted(rendered[0]) == [10, 11, 12]  # one tick, all three
+        opens[1].outlet.cancel()  # what Engine.cancel does: the outlet first, then the worker
+        worker.cancel("y")
+        release.set()
+        worker.feed([final(rid, tokens[rid][24:], 48) for rid in ids])
+        col.wait_done(["x", "z"])
+        assert not col.chunks("y") and not col.kinds("y")
+        assert all(11 not in seeds for seeds in rendered[1:])  # never rendered again
+        for rid in ("x", "z"):
+            assert pcm(col, rid).size == 48 * 960 and col.kinds(rid) == [EventKind.DONE]
+    finally:
+        worker.stop()
+        del vocoder.render
+
+
+def test_a_voice_being_prepared_stalls_no_other_stream(setup: Setup) -> None:
+    """While a new voice's preparation is held (it would take ~10 s for English on a CPU), four streams of a
+    ready voice speak to the end; the new voice's stream waits and then speaks too."""
+    vocoder = setup.vocoder
+    started, release = threading.Event(), threading.Event()
+    original = vocoder.prepare_voice
+
+    def slow_prepare(ref: dict[str, Any]):
+        if ref is setup.voices[1].s3gen_ref:
+            started.set()
+            assert release.wait(120)
+        return original(ref)
+
+    vocoder.prepare_voice = slow_prepare  # type: ignore[method-assign]
+    worker = VocoderWorker(vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    worker.start()
+    try:
+        worker.prepare_voice(setup.voices[0])
+        assert worker.wait_prepared([setup.voices[0].key], 120)
+        col = Collector()
+        new_voice = open_stream(setup, col, "new", setup.voices[1], seed=99)
+        worker.feed([new_voice, final("new", utterance(20, seed=9), 20)])
+        assert started.wait(60)
+        ids = [f"s{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            worker.feed([open_stream(setup, col, rid, setup.voices[0], seed=i), final(rid, utterance(30, seed=i), 30)])
+        col.wait_done(ids)  # all four finished while the preparation is still held
+        assert not release.is_set() and not col.chunks("new")
+        release.set()
+        col.wait_done(["new"])
+        assert pcm(col, "new").size == 20 * 960
+    finally:
+        release.set()
+        worker.stop()
+        del vocoder.prepare_voice
+
+
+def test_the_listener_about_to_run_dry_renders_first(setup: Setup, worker: VocoderWorker) -> None:
+    """Two streams due at once with room for one per tick: the one whose listener holds less goes first."""
+    narrow = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=1, on_sink_failed=lambda rid: None)
+    col = Collector()
+    rich, poor = ListenerClock(), ListenerClock()
+    now = 1000.0
+    rich.report(sent_audio_s=5.0, started_monotonic_s=now - 1.0)  # holds 4 s
+    poor.report(sent_audio_s=1.2, started_monotonic_s=now - 1.0)  # holds 0.2 s
+    for rid, listener, seed in (("rich", rich, 1), ("poor", poor, 2)):
+        narrow.feed([open_stream(setup, col, rid, setup.voices[0], seed, listener, reproducible=False),
+                     Feed(rid, tuple(utterance(120, seed=seed)))])
+    narrow._drain(block=False)  # not started: driven by hand (its voice is prepared below, not by its thread)
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    for speech in narrow._speeches.values():
+        narrow._start_stream(speech, voice, setup.vocoder.prompt_cache(voice))
+    tick = narrow._due(now)
+    assert [speech.request_id for speech, _ in tick] == ["poor"]
+    narrow.max_batch = 8
+    assert [speech.request_id for speech, _ in narrow._due(now)] == ["poor", "rich"]  # both, most urgent first
+    starving = ListenerClock()
+    starving.report(sent_audio_s=0.5, started_monotonic_s=now - 1.0)  # ran dry half a second ago
+    narrow.feed([open_stream(setup, col, "dry", setup.voices[0], 3, starving, reproducible=False),
+                 Feed("dry", tuple(utterance(120, seed=3)))])
+    narrow._drain(block=False)
+    narrow._start_stream(narrow._speeches["dry"], voice, setup.vocoder.prompt_cache(voice))
+    assert [speech.request_id for speech, _ in narrow._due(now)] == ["dry"]  # it renders alone, first
+    # and chunk sizes follow what each holds: 0.2 s -> the smallest chunk; 4 s -> the largest
+    assert POLICY.chunk_tokens(3, 0.2, reproducible=False) == 6
+    assert POLICY.chunk_tokens(3, 4.0, reproducible=False) == 16
+    assert POLICY.chunk_tokens(3, 0.5, reproducible=False) == 12
+    assert POLICY.chunk_tokens(3, 4.0, reproducible=True) == 16 and POLICY.chunk_tokens(1, 4.0, True) == 8
+    assert POLICY.chunk_tokens(0, 4.0, reproducible=True) == 6
+
+
+def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
+    """The feed queue is bounded in decode steps: with the worker not draining, the bound is used up (proved by
+    the slot count, not by waiting), and a drain frees it."""
+    idle = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=1, on_sink_failed=lambda rid: None,
+                         max_pending_steps=2)
+    idle.feed([Feed("a", (1,))])
+    idle.feed([Feed("a", (2,))])
+    assert not idle._feed_slots.acquire(blocking=False)  # a third feed would wait
+    idle._drain(block=False)
+    assert idle._feed_slots.acquire(blocking=False)
