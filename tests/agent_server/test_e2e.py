@@ -305,7 +305,7 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         ('{"type": "open", "context_id": "x", "voice": "nobody"}', "voice"),
         ('{"type": "open", "context_id": "x", "output_format": {"sample_rate_hz": 11025}}', "output_format.sample_rate_hz"),
         ('{"type": "open", "context_id": "x", "output_format": {"encoding": "opus"}}', "output_format.encoding"),
-        (orjson.dumps({"type": "text", "context_id": "x", "text": "a" * 100_000}).decode(), "text"),
+        (orjson.dumps({"type": "text", "context_id": "t", "text": "a" * 100_000}).decode(), "text"),
     ]
 
     async def scenario() -> tuple[list[dict[str, Any]], ContextLog, ContextLog]:
@@ -314,9 +314,12 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         quiet = await bystander.open("q", seed=31)
         streaming = asyncio.create_task(bystander.stream_text("q", OTHER_TEXTS[1], chars_per_s=400.0))
         errors = []
+        t = await victim.open("t")  # for the text over the limit
         for raw, _ in bad:
             await victim.ws.send(raw)
             errors.append(await asyncio.wait_for(victim.errors.get(), 5))
+        await victim.cancel("t")
+        await asyncio.wait_for(t.finished.wait(), 5)
         # a message over the size limit closes that socket with 1009 (RFC 6455) and nothing else
         oversized = await connect(server.ws_url, max_size=None)
         await oversized.recv()
@@ -338,9 +341,10 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         return errors, after, quiet
 
     errors, after, quiet = run(scenario())
-    for (raw, field), error in zip(bad, errors):
+    for (raw, field), error in zip(bad, errors, strict=True):
         assert error["type"] == "error" and error["field"] == field, (raw[:60], error)
         assert error["message"]
+    assert errors[-1]["code"] == "text_too_long" and errors[-1]["context_id"] == "t"
     assert_audio_matches(after, 32, engine)
     assert_audio_matches(quiet, 31, engine)
     assert httpx.get(server.http_url + "/readyz").status_code == 200

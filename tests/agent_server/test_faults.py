@@ -22,7 +22,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from agent_server import session as session_module
+from agent_server.native import NativeProtocol
 from agent_server.observers import ObservedEvent, SlowClientDropped
 from agent_server.settings import Settings
 
@@ -353,14 +353,14 @@ def test_inactivity_timeout_and_keepalive(tmp_path: Path) -> None:
 
 def test_a_failure_in_one_session_leaves_the_others_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = FaultyEngine(realtime_factor=0.5)
-    original_open = session_module.NativeSession._open
+    original_open = NativeProtocol._open
 
-    def buggy_open(self: Any, message: Any, now_s: float) -> None:
+    async def buggy_open(self: Any, message: Any, now_s: float) -> None:
         if message.context_id == "bug":
             raise RuntimeError("injected protocol bug")
-        original_open(self, message, now_s)
+        await original_open(self, message, now_s)
 
-    monkeypatch.setattr(session_module.NativeSession, "_open", buggy_open)
+    monkeypatch.setattr(NativeProtocol, "_open", buggy_open)
     with live_server(engine, Settings(data_dir=tmp_path)) as server:
 
         async def scenario() -> dict[str, Any]:
@@ -395,14 +395,14 @@ def test_a_failure_in_one_session_leaves_the_others_running(tmp_path: Path, monk
 
 
 def test_a_bug_in_one_sessions_tick_ends_it_and_the_ticker_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original_tick = session_module.NativeSession.tick
+    original_tick = NativeProtocol.on_tick
 
     def buggy_tick(self: Any, now_s: float) -> None:
-        if "tickbug" in self.contexts:
+        if "tickbug" in self.session.contexts:
             raise RuntimeError("injected tick bug")
         original_tick(self, now_s)
 
-    monkeypatch.setattr(session_module.NativeSession, "tick", buggy_tick)
+    monkeypatch.setattr(NativeProtocol, "on_tick", buggy_tick)
     settings = Settings(data_dir=tmp_path, inactivity_timeout_s=1.0)
     with live_server(FakeEngine(realtime_factor=1.0), settings) as server:
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_server import protocol as wire
+from agent_server.errors import FieldError
 from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,7 +226,7 @@ def test_native_valid_messages(cid: str, text: str, kind: str) -> None:
     if kind == "text":
         obj["text"] = text
     message = wire.parse(orjson.dumps(obj).decode())
-    assert not isinstance(message, wire.ProtocolError), message
+    assert not isinstance(message, FieldError), message
     assert message.context_id == cid
     if kind == "text":
         assert isinstance(message, wire.Text) and message.text == text
@@ -235,7 +236,7 @@ def test_native_valid_messages(cid: str, text: str, kind: str) -> None:
 @given(obj=message_objects)
 def test_native_errors_name_a_field_and_keep_the_context(obj: dict[str, Any]) -> None:
     result = wire.parse(_dumps(obj).decode())
-    if isinstance(result, wire.ProtocolError):
+    if isinstance(result, FieldError):
         assert (result.field or "" in obj) and isinstance(result.message, str)  # an unknown field may be named ""
         assert result.context_id is None or result.context_id == obj.get("context_id")
         event = orjson.loads(wire.encode(wire.error_event(result)))

@@ -11,7 +11,7 @@ from cartesia import Cartesia
 
 from agent_server.audio import mulaw_to_pcm16
 from agent_server.compat import cartesia as ca
-from agent_server.compat.common import CompatError
+from agent_server.errors import FieldError
 
 from tests.agent_server.compat.conftest import Served, assert_length
 
@@ -99,5 +99,5 @@ def test_parse_request() -> None:
     for bad in ('{"transcript": "x"}', '{"context_id": "c", "output_format": {"container": "mp3"}}',
                 '{"context_id": "c", "output_format": {"encoding": "pcm_mulaw", "sample_rate": 16000}}',
                 '{"context_id": "c", "bogus": 1}'):
-        with pytest.raises(CompatError):
+        with pytest.raises(FieldError):
             ca.parse_request(bad)

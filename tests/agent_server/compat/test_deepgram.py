@@ -12,7 +12,7 @@ from deepgram.speak.v1.types import SpeakV1Text
 
 from agent_server.audio import alaw_to_pcm16
 from agent_server.compat import deepgram as dg
-from agent_server.compat.common import CompatError
+from agent_server.errors import FieldError
 
 from tests.agent_server.compat.conftest import Served, assert_length
 
@@ -100,8 +100,8 @@ def test_parse_query_and_messages() -> None:
     assert (q.output_format.encoding, q.output_format.sample_rate_hz, q.seed) == ("mulaw", 8000, 3)
     for bad in ({"encoding": "mp3"}, {"encoding": "mulaw", "sample_rate": "16000"}, {"container": "wav"},
                 {"sample_rate": "x"}, {"model": "turbo"}):
-        with pytest.raises(CompatError):
+        with pytest.raises(FieldError):
             dg.parse_query(bad, "english")
     assert dg.parse_message('{"type": "Speak", "text": "hi"}') == ("Speak", "hi")
-    with pytest.raises(CompatError):
+    with pytest.raises(FieldError):
         dg.parse_message('{"type": "Shout"}')

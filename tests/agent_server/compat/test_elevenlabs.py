@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosedError
 
 from agent_server.audio import float_to_pcm16
 from agent_server.compat import elevenlabs as el
-from agent_server.compat.common import CompatError
+from agent_server.errors import FieldError
 
 from tests.agent_server.compat.conftest import Served, assert_length, pcm16
 from tests.agent_server.fake_engine import FakeEngine
@@ -195,7 +195,7 @@ def test_output_formats(value: str, encoding: str, rate: int) -> None:
 
 @pytest.mark.parametrize("value", [None, "mp3_44100_128", "opus_48000_64", "pcm_12345", "ulaw_16000", "pcm"])
 def test_output_formats_refused(value: str | None) -> None:
-    with pytest.raises(CompatError) as raised:
+    with pytest.raises(FieldError) as raised:
         el.parse_output_format(value)
     assert raised.value.field == "output_format"
 
@@ -204,14 +204,14 @@ def test_query_and_messages() -> None:
     q = el.parse_query({"output_format": "pcm_16000", "seed": "9", "model_id": "eleven_flash_v2_5",
                         "auto_mode": "true", "sync_alignment": "true"}, "english")
     assert (q.seed, q.auto_mode, q.inactivity_timeout_s) == (9, True, 20.0)
-    with pytest.raises(CompatError, match="variant"):
+    with pytest.raises(FieldError, match="variant"):
         el.parse_query({"output_format": "pcm_16000", "model_id": "turbo"}, "english")
-    with pytest.raises(CompatError, match="English only"):
+    with pytest.raises(FieldError, match="English only"):
         el.parse_query({"output_format": "pcm_16000", "language_code": "fr"}, "english")
-    with pytest.raises(CompatError):
+    with pytest.raises(FieldError):
         el.parse_query({"output_format": "pcm_16000", "inactivity_timeout": "500"}, "english")
     m = el.parse_message('{"text": "hi ", "flush": true, "context_id": "c"}')
     assert (m.text, m.flush, m.context_id) == ("hi ", True, "c")
     for bad in ('{"text": 3}', '[1]', '{"txet": "x"}', '{"flush": "yes"}', "nope"):
-        with pytest.raises(CompatError):
+        with pytest.raises(FieldError):
             el.parse_message(bad)
