@@ -84,7 +84,7 @@ class Open:
 @dataclass(frozen=True, slots=True)
 class Text:
     context_id: str
-    text: str
+    text: str | None  # None: the message carries none (the session core answers `empty_message`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ def parse(raw: str | bytes) -> Message | FieldError:
         if kind == "open":
             return _open(obj, context_id)
         if kind == "text":
-            return Text(context_id, _text(obj, "text", required=True))
+            return Text(context_id, _optional_text(obj, "text"))
         if kind == "flush":
             return Flush(context_id)
         if kind == "end":
@@ -182,12 +182,10 @@ def _context_id(obj: Mapping[str, Any]) -> str:
     return value
 
 
-def _text(obj: Mapping[str, Any], name: str, *, required: bool) -> str:
+def _optional_text(obj: Mapping[str, Any], name: str) -> str | None:
     value = obj.get(name)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str):
-        raise FieldError(name, "missing or not a string")
+    if value is not None and not isinstance(value, str):
+        raise FieldError(name, "must be a string")
     return value
 
 
@@ -214,7 +212,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         sampling=_sampling(obj.get("sampling")),
         seed=seed,
         language=language.lower() if language else None,
-        text=_text(obj, "text", required=False),
+        text=_optional_text(obj, "text") or "",
     )
 
 

@@ -244,8 +244,9 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
     def render_error(self, error: FieldError) -> None:
         cid = error.context_id if self.multi else None
         if error.busy:
-            if self.multi and error.code == "too_many_contexts":
-                self.session.send(error_message("max_active_conversations", error.message, CLOSE_TRY_AGAIN_LATER, cid))
+            if self.multi:  # other contexts may be speaking: refuse this one, keep the socket
+                name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
+                self.session.send(error_message(name, error.message, CLOSE_TRY_AGAIN_LATER, cid))
                 return
             self._fail(BUSY, error.message, CLOSE_TRY_AGAIN_LATER, cid)
             return

@@ -22,7 +22,7 @@ import orjson
 
 from agent_server.audio import OutputFormat
 from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
-from agent_server.errors import EMPTY_MESSAGE, RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
+from agent_server.errors import BAD_REQUEST, RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
 from agent_server.hub import Refusal
 from agent_server.session import (
     CLOSE_GOING_AWAY,
@@ -167,7 +167,7 @@ class OpenAISpeechProtocol(WireProtocol[SpeechState]):
             self._error_response(429, error.message, param, "rate_limit_exceeded", code)
             self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
         else:
-            code = error.code if error.code == EMPTY_MESSAGE else None
+            code = None if error.code == BAD_REQUEST else error.code
             self._error_response(400, error.message, param, "invalid_request_error", code)
             self.session.close(CLOSE_POLICY, error.message)
 
