@@ -603,7 +603,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         status = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()
         assert status["variant"] == "turbo" and status["random_weights"] is True
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        assert proc.wait(20) == 0  # a complete drain (uvicorn alone would re-raise the signal: 143)
     lines = [orjson.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     events = [line.get("event") for line in lines]
     assert "random_weights" in events and "server_ready" in events and "server_stopped" in events

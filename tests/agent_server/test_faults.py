@@ -488,4 +488,4 @@ def test_sigterm_during_speech_finishes_turns_whole(tmp_path: Path) -> None:
         assert log.done is not None and log.done["reason"] == "completed"
         assert [h.seq for h, _, _ in log.frames] == list(range(log.done["frames"]))  # every frame, whole
         assert all(len(payload) == len(log.frames[0][1]) for _, payload, _ in log.frames[:-1])
-    assert exit_code in (0, -signal.SIGTERM)
+    assert exit_code == 0  # every turn ended within the grace period
