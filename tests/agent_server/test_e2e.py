@@ -26,7 +26,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from agent_server.cli import settings_from
-from agent_server.observers import ObservedEvent, SlowClientDropped
+from agent_server.observers import ObservedEvent, SessionClosed, SlowClientDropped
 from agent_server.settings import Settings
 from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
@@ -252,7 +252,11 @@ def test_cancel_mid_stream(tmp_path: Path) -> None:
             await client.cancel("doomed")
             await asyncio.wait_for(doomed.finished.wait(), 10)
             await asyncio.wait_for(keeper.finished.wait(), 20)
-            await asyncio.sleep(0.2)  # anything still in flight for "doomed" would show up now
+            # a barrier: one socket delivers in order, so anything of "doomed" still queued would
+            # arrive before this context's context_done
+            barrier = await client.open("barrier", text="Done. ")
+            await client.end("barrier")
+            await asyncio.wait_for(barrier.finished.wait(), 10)
             await client.close()
             return doomed, keeper
 
@@ -388,12 +392,15 @@ def test_busy_when_every_slot_is_taken(tmp_path: Path) -> None:
         assert scopes == ["context", "session"]
 
 
+@pytest.mark.timing
 def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> None:
     engine = FakeEngine(realtime_factor=0.25, max_slots=8)
     settings = Settings(data_dir=tmp_path, slow_client_stall_s=1.0)
     with live_server(engine, settings) as server:
         dropped: list[ObservedEvent] = []
+        closed_sessions: list[SessionClosed] = []
         server.hub.observers.subscribe(lambda e: dropped.append(e) if isinstance(e, SlowClientDropped) else None)
+        server.hub.observers.subscribe(lambda e: closed_sessions.append(e) if isinstance(e, SessionClosed) else None)
 
         async def scenario() -> tuple[float, ContextLog, ConnectionClosed | None]:
             good = await NativeClient.connect(server.ws_url)
@@ -428,8 +435,9 @@ def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> No
         assert dropped, "the slow client was never dropped"
         assert dropped_after_s < 8.0
         assert closed is not None  # the socket was closed by the server
-        if closed.rcvd is not None:
-            assert closed.rcvd.code == 1008
+        # the close frame (1008) may not get through a socket that is not read: then the server drops
+        # the connection; either way the session ended with 1008 on the server's side
+        assert closed.rcvd is None or closed.rcvd.code == 1008
         assert log.done is not None and log.done["reason"] == "completed"
         assert_audio_matches(log, 3, engine)
         arrivals = [recv_s for _, _, recv_s in log.frames]
@@ -439,6 +447,9 @@ def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> No
         while server.hub.sessions:
             assert time.monotonic() < deadline_s
             time.sleep(0.02)
+        slow = dropped[0]
+        assert isinstance(slow, SlowClientDropped)
+        assert [c.code for c in closed_sessions if c.session_id == slow.session_id] == [1008]
 
 
 def test_graceful_shutdown_lets_speech_finish_then_closes_1001(tmp_path: Path) -> None:

@@ -77,11 +77,18 @@ def _dumps(value: object) -> bytes:
         return json.dumps(value).encode()
 
 
+# Characters for which str.isdigit() is True but int() refuses them, or reads them as another digit:
+# the query parser that trusted isdigit() raised on them (`?inactivity_timeout=¹` leaked a session).
+UNICODE_DIGITS = ["¹", "²", "³", "①", "٣", "۴", "𝟙", "৫", "²⁴⁰⁰⁰"]
+
 query_strings = st.dictionaries(
     st.sampled_from(["model_id", "model", "output_format", "language_code", "inactivity_timeout", "seed",
                      "sync_alignment", "auto_mode", "encoding", "sample_rate", "container"]) | st.text(max_size=8),
     st.sampled_from(["pcm_16000", "ulaw_8000", "pcm_1", "linear16", "mulaw", "none", "wav", "24000", "8000",
-                     "20", "181", "0", "-1", "true", "maybe", "en", "xx-YY", "english", "turbo"]) | st.text(max_size=12),
+                     "20", "181", "0", "-1", "true", "maybe", "en", "xx-YY", "english", "turbo"])
+    | st.sampled_from(UNICODE_DIGITS).map(lambda d: d * 2 if len(d) == 1 else d)
+    | st.builds(lambda prefix, digits: prefix + digits, st.sampled_from(["", "pcm_", "ulaw_"]), st.sampled_from(UNICODE_DIGITS))
+    | st.text(max_size=12),
     max_size=6,
 ).map(lambda d: "&".join(f"{k}={v}" for k, v in d.items()).encode("utf-8", errors="replace"))
 
