@@ -11,8 +11,8 @@ stored voices are back.
 from __future__ import annotations
 
 import importlib
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware

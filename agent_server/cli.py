@@ -18,8 +18,9 @@ import dataclasses
 import os
 import socket
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import structlog
 import uvicorn
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--handshake-timeout-s", "handshake_timeout_s",
         "drop a connection that has not sent its request head (or WebSocket handshake) by then (0: never)", type=float)
     add("--auth", "auth", "on, off, or auto (on when API keys are configured)", choices=("auto", "on", "off"))
-    add("--api-keys-file", "api_keys_file", "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
+    add("--api-keys-file", "api_keys_file",
+        "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
     add("--allowed-origins", "allowed_origins", "comma list of browser Origins allowed (empty: any)", type=comma_list)
     add("--token-ttl-s", "token_ttl_s", "the longest life of a POST /v1/tokens token", type=float)
     add("--metrics-auth", "metrics_auth", "require credentials for /metrics and /dashboard/stream too",
@@ -218,9 +220,8 @@ def handshake_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol] | No
         def _head_timed_out(self) -> None:
             self._head_deadline = None
             if not self.transport.is_closing():
-                structlog.get_logger("agent_server.cli").info(
-                    "handshake_timeout", client="%s:%d" % self.client if self.client else "", timeout_s=timeout_s
-                )
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else ""
+                structlog.get_logger("agent_server.cli").info("handshake_timeout", client=client, timeout_s=timeout_s)
                 self.transport.close()
 
     return HandshakeDeadlineProtocol
@@ -266,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def on_engine_failed(detail: str) -> None:
         failures.append(detail)
-        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail, exit_code=EXIT_ENGINE_FAILED)
+        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail,
+                                                       exit_code=EXIT_ENGINE_FAILED)
         server.grace_s = min(server.grace_s, ENGINE_FAILED_GRACE_S)
         server.should_exit = True
 

@@ -19,9 +19,9 @@ import itertools
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -124,6 +124,9 @@ class Hub:
         # (a dead engine cannot be revived in-process); without it the server stays up, not ready.
         self.on_engine_failed: Callable[[str], None] | None = None
         self._drained_complete = True  # the last drain ended every session within its grace period
+        self._no_sessions = asyncio.Event()  # set while no session is registered
+        self._no_sessions.set()
+        self.engine_settled = asyncio.Event()  # set once the engine is loaded, or failed to load
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -161,17 +164,23 @@ class Hub:
             session.begin_drain()
         deadline_s = time.monotonic() + grace_s
         while self.sessions and time.monotonic() < deadline_s and not give_up():
-            await asyncio.sleep(DRAIN_POLL_S)
+            await self._until_no_sessions(min(DRAIN_POLL_S, deadline_s - time.monotonic()))
         self._drained_complete = not self.sessions
         if self.sessions:
             log.warning("drain_deadline", sessions=len(self.sessions))
             for session in list(self.sessions):
                 session.close_now(1001, "server shutting down")
-            deadline_s = time.monotonic() + self.settings.close_timeout_s + 1.0
-            while self.sessions and time.monotonic() < deadline_s:
-                await asyncio.sleep(DRAIN_POLL_S)
+            await self._until_no_sessions(self.settings.close_timeout_s + 1.0)
         log.info("drain_done", sessions_left=len(self.sessions), complete=self._drained_complete)
         return self._drained_complete
+
+    async def _until_no_sessions(self, timeout_s: float) -> None:
+        """Return when the last session is gone, or after `timeout_s`."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._no_sessions.wait()
+        except TimeoutError:
+            pass
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -188,10 +197,11 @@ class Hub:
         refusal = await resolved(self.auth.acquire_session(session.principal))
         if refusal is not None:
             return Refusal(refusal, unavailable=False)
-        if self.status != ServerStatus.READY:  # the drain may have begun while the key's limit was read
+        if not self.ready:  # the drain may have begun while the key's limit was read
             self._release(session.principal)
             return Refusal(self._not_serving_reason(), unavailable=True)
         self.sessions.add(session)
+        self._no_sessions.clear()
         return None
 
     def remove(self, session: SessionHandle) -> None:
@@ -199,13 +209,16 @@ class Hub:
         if session in self.sessions:
             self.sessions.discard(session)
             self._release(session.principal)
+            if not self.sessions:
+                self._no_sessions.set()
 
     async def charge_text(self, principal: Principal | None, chars: int) -> str | None:
         """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
         return await resolved(self.auth.charge_text(principal, chars))
 
     def _release(self, principal: Principal | None) -> None:
-        released: object = self.auth.release_session(principal)
+        release: Callable[[Principal | None], object] = self.auth.release_session  # sync today, async later
+        released = release(principal)
         if inspect.iscoroutine(released):
             self.spawn(released, "release_session")
 
@@ -313,8 +326,10 @@ class Hub:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
             log.exception("engine_load_failed")
+            self.engine_settled.set()
             self._report_failure()
             return
+        self.engine_settled.set()
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"

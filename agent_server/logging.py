@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -45,7 +46,7 @@ def _redact_pair(match: re.Match[str]) -> str:
     return match[0]
 
 
-def redact_credentials(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def redact_credentials(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: `redact` every string value of the line."""
     for key, value in event_dict.items():
         if isinstance(value, str):

@@ -26,9 +26,10 @@ import collections
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any
 
 import orjson
 import structlog
@@ -76,7 +77,6 @@ SAMPLE_PERIOD_S = 0.5  # dashboard resolution
 HISTORY_S = 120.0  # dashboard history kept (and sent to a dashboard that connects)
 TTFA_WINDOW_S = 60.0  # sliding window of the dashboard's time-to-first-audio quantiles
 MAX_TTFA_SAMPLES = 20_000  # bound on that window's raw values
-ENGINE_WATCH_POLL_S = 0.05  # (the first session event attaches it too: no step of a session goes unseen)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 NO_CACHE = {"Cache-Control": "no-cache"}
 
@@ -213,8 +213,8 @@ class Metrics:
     async def run(self) -> None:
         """Background task for the app's lifespan: attach the listener as soon as the engine exists, then
         keep the dashboard's history sampled whether or not a dashboard is open."""
-        while not self.attach_engine() and self.hub.status == ServerStatus.LOADING:
-            await asyncio.sleep(ENGINE_WATCH_POLL_S)
+        await self.hub.engine_settled.wait()
+        self.attach_engine()
         while True:
             self.feed.sample_if_due()
             await asyncio.sleep(self.feed.sample_period_s / 2)

@@ -11,8 +11,9 @@ Server -> client: JSON text events (`encode(event)`) and binary audio frames
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any
 
 import orjson
 
@@ -107,7 +108,7 @@ class KeepAlive:
     """Keeps an idle socket from the inactivity timeout; no context, no answer."""
 
 
-Message = Union[Open, Text, Flush, End, Cancel, KeepAlive]
+Message = Open | Text | Flush | End | Cancel | KeepAlive
 
 
 # sampling field name -> accepted Python type (bool is rejected separately: it is an int subclass)
@@ -367,7 +368,7 @@ class Error:
     code: str = "bad_request"
 
 
-Event = Union[SessionStarted, ContextStarted, SegmentStarted, SegmentDone, ContextDone, Busy, Error]
+Event = SessionStarted | ContextStarted | SegmentStarted | SegmentDone | ContextDone | Busy | Error
 
 
 def encode(event: Event) -> str:

@@ -598,7 +598,7 @@ class Session(Generic[S]):
 
     def _on_stream_event(self, ctx: Context[S], stream: Stream, event: StreamEvent) -> None:
         done = isinstance(event, StreamDone)
-        if done:  # its bookkeeping runs once what was queued for it went out: the audio it sent is known then
+        if isinstance(event, StreamDone):  # its bookkeeping runs once what was queued for it went out
             self._finished.append(partial(self._context_finished, ctx, event))
         if self.state < SessionState.CLOSING:  # once closing, nothing more is rendered
             try:

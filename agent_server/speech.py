@@ -30,11 +30,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, Union
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
+from numpy.typing import NDArray
 
 from agent_server.audio import AudioEncoder, OutputFormat
 from agent_server.errors import FieldError
@@ -79,7 +81,8 @@ def build_params(
 ) -> SamplingParams:
     """The variant's defaults with the client's overrides and seed. Raises FieldError("sampling.x", ...)."""
     base = SamplingParams.defaults(variant)  # type: ignore[arg-type]
-    params = dataclasses.replace(base, **dict(overrides), seed=seed)
+    changes: dict[str, Any] = {**dict(overrides), "seed": seed}
+    params = dataclasses.replace(base, **changes)
     try:
         params.validate()
     except ValueError as exc:
@@ -166,16 +169,20 @@ class StreamDone:
         return self.status.reason
 
 
-StreamEvent = Union[StreamStarted, SegmentStarted, AudioOut, SegmentDone, StreamDone]
+StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone
 Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
 
 class SegmentLike(Protocol):
-    index: int
-    text: str
-    start_char: int
-    end_char: int
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def start_char(self) -> int: ...
+    @property
+    def end_char(self) -> int: ...
 
 
 class SegmenterLike(Protocol):
@@ -207,7 +214,7 @@ class SegmentState:
     end_char: int
     request_id: str = ""
     status: SegmentStatus = SegmentStatus.PENDING
-    held: list[np.ndarray] = field(default_factory=list)  # chunks that came before their turn to play
+    held: list[NDArray[Any]] = field(default_factory=list)  # chunks that came before their turn to play
     speech_tokens: int = 0
     samples_24k: int = 0  # audio received so far
     audio_offset_ms: float = 0.0
@@ -475,7 +482,7 @@ class SpeechStream:
         seg.audio_offset_ms = self._timeline_ms()
         self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms))
 
-    def _play(self, seg: SegmentState, pcm: np.ndarray) -> None:
+    def _play(self, seg: SegmentState, pcm: NDArray[Any]) -> None:
         if not seg.announced:
             self._announce(seg)
         self._send_frames(seg.index, self._encoder.push(pcm))

@@ -9,14 +9,16 @@
   "end"}} (seconds from the context's start), {"type": "flush_done", "flush_id"}, {"type": "done"},
   {"type": "error", "title", "message", "status_code", "done": true}.
 - a request without `transcript` (and without `flush` or `cancel`) is refused: "the message carries no text".
-- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by auth.AuthMiddleware when auth is on.
+- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by
+  auth.AuthMiddleware when auth is on.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import orjson
@@ -37,7 +39,9 @@ from agent_server.hub import Refusal
 from agent_server.session import Context, WireProtocol
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 
-ENCODINGS: Mapping[str, str] = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+ENCODINGS: Mapping[str, str] = {
+    "pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"
+}
 PCM16_SCALE = 32768.0
 STATUS_PARTIAL = 206
 STATUS_OK = 200

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import orjson
 

@@ -19,8 +19,9 @@ its times relative to the segment's start (ElevenLabs: relative to the chunk), e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import orjson
 
@@ -116,7 +117,8 @@ def parse_output_format(value: str | None) -> OutputFormat:
     """pcm_<rate> (PCM16), ulaw_8000, alaw_8000. mp3/opus need an encoder this server does not carry."""
     if not value:
         raise FieldError(
-            "output_format", "output_format is required here: pcm_8000..pcm_48000, ulaw_8000 or alaw_8000 (mp3 is not served)"
+            "output_format",
+            "output_format is required here: pcm_8000..pcm_48000, ulaw_8000 or alaw_8000 (mp3 is not served)",
         )
     kind, _, rate = value.partition("_")
     encodings = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw"}
@@ -128,7 +130,8 @@ def parse_output_format(value: str | None) -> OutputFormat:
         return OutputFormat(encodings[kind], int(rate))  # type: ignore[arg-type]
     except ValueError as exc:
         allowed = ", ".join(f"pcm_{r}" for r in PCM_SAMPLE_RATES_HZ)
-        raise FieldError("output_format", f"unsupported output_format {value!r} ({allowed}, ulaw_8000, alaw_8000)") from exc
+        raise FieldError("output_format",
+                         f"unsupported output_format {value!r} ({allowed}, ulaw_8000, alaw_8000)") from exc
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
@@ -245,8 +248,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         cid = error.context_id if self.multi else None
         if error.busy:
             if self.multi:  # other contexts may be speaking: refuse this one, keep the socket
-                name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
-                self.session.send(error_message(name, error.message, CLOSE_TRY_AGAIN_LATER, cid))
+                busy_name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
+                self.session.send(error_message(busy_name, error.message, CLOSE_TRY_AGAIN_LATER, cid))
                 return
             self._fail(BUSY, error.message, CLOSE_TRY_AGAIN_LATER, cid)
             return
@@ -384,7 +387,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             self._render_done(ctx, event)
 
     def _audio_json(self, ctx: ElevenLabsContext, audio: str, alignment: dict[str, Any] | None) -> str:
-        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": alignment, "alignment": alignment}
+        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": alignment,
+                                "alignment": alignment}
         if self.multi:
             body["contextId"] = ctx.context_id
         return orjson.dumps(body).decode()

@@ -44,7 +44,9 @@ SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # usage.
 FORMATS = ("pcm", "wav")
 UNSERVED_FORMATS = ("mp3", "opus", "aac", "flac")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-BODY_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "seed"})
+BODY_FIELDS = frozenset(
+    {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "seed"}
+)
 CONTEXT_ID = "speech"
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "sse": "text/event-stream"}
 # A close with no response started yet -> (status, type, code) of the error the client gets.
@@ -163,8 +165,8 @@ class OpenAISpeechProtocol(WireProtocol[SpeechState]):
             self._error_response(503, error.message, param, "server_error", "not_ready")
             self.session.close(CLOSE_GOING_AWAY, error.message)
         elif error.busy or error.code == RATE_LIMITED:
-            code = "rate_limited" if error.code == RATE_LIMITED else "busy"
-            self._error_response(429, error.message, param, "rate_limit_exceeded", code)
+            busy_code = "rate_limited" if error.code == RATE_LIMITED else "busy"
+            self._error_response(429, error.message, param, "rate_limit_exceeded", busy_code)
             self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
         else:
             code = None if error.code == BAD_REQUEST else error.code

@@ -115,9 +115,11 @@ class Driver:
         if self.name == "elevenlabs":
             return message.get("error") == "busy" and message.get("code") == 1013
         if self.name == "cartesia":
-            return message.get("type") == "error" and message.get("status_code") == 429 and message.get("title") == "Busy"
+            return (message.get("type") == "error" and message.get("status_code") == 429
+                    and message.get("title") == "Busy")
         if self.name == "deepgram":
-            return message.get("err_code") == "BUSY" or (message.get("type") == "Warning" and message.get("code") == "BUSY")
+            warning = message.get("type") == "Warning" and message.get("code") == "BUSY"
+            return message.get("err_code") == "BUSY" or warning
         return False
 
     def error_of(self, message: Json) -> tuple[str, str] | None:

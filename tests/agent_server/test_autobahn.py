@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 import pytest
@@ -112,9 +112,9 @@ def test_the_classifier_calls_a_wrong_close_code_genuine() -> None:
     class Result:
         case_id = "7.1.5"
         passed = False
-        received: list[Any] = []
-        expected = {"OK": []}
-        expected_close = {"closedByMe": True, "closeCode": [1000], "requireClean": True}
+        received: ClassVar[list[Any]] = []
+        expected: ClassVar[dict[str, list[Any]]] = {"OK": []}
+        expected_close: ClassVar[dict[str, Any]] = {"closedByMe": True, "closeCode": [1000], "requireClean": True}
         behavior = Value("FAILED")
         behavior_close = Value("WRONG CODE")
         failed_by_me = False

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import structlog
+from starlette.applications import Starlette
 
 from agent_server.app import create_app
 from agent_server.compat import routes
@@ -28,7 +29,6 @@ from agent_server.observers import (
     SlowClientDropped,
 )
 from agent_server.settings import Settings
-from starlette.applications import Starlette
 
 from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
@@ -42,7 +42,9 @@ KEY = "sk-behaviour-test-key"
 EMPTY_ANSWER = "the message carries no text"  # the core's one answer, whatever the protocol's shape
 
 
-def make_app(tmp_path: Path, engine: FakeEngine | None = None, **settings: Any) -> tuple[Starlette, list[ObservedEvent]]:
+def make_app(
+    tmp_path: Path, engine: FakeEngine | None = None, **settings: Any
+) -> tuple[Starlette, list[ObservedEvent]]:
     app = create_app(engine or FakeEngine(), Settings(data_dir=tmp_path, **settings))
     served = {getattr(route, "path", None) for route in app.router.routes}
     app.router.routes.extend(r for r in routes() if getattr(r, "path", None) not in served)

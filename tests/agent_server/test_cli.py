@@ -197,7 +197,8 @@ def test_each_protocols_first_audio_is_counted(tmp_path: Path) -> None:
 
         asyncio.run(turns())
         response = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech",
-                              json={"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"})
+                              json={"model": "tts-1", "voice": "alloy", "input": "Hello there.",
+                                    "response_format": "pcm"})
         assert response.status_code == 200 and response.content
         scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     counts = {}

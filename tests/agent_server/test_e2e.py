@@ -7,6 +7,7 @@ checked sample by sample against what the FakeEngine produced for the segments t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import numpy as np
 import orjson
 import pytest
 import soxr
+from numpy.typing import NDArray
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -57,7 +59,7 @@ def run(coro: Any) -> Any:
 # ---- checks -------------------------------------------------------------------------------------
 
 
-def expected_timeline(log: ContextLog, seed: int, engine: FakeEngine, n_samples: int) -> np.ndarray:
+def expected_timeline(log: ContextLog, seed: int, engine: FakeEngine, n_samples: int) -> NDArray[Any]:
     """What the FakeEngine produced for the segments the server announced, at 24 kHz, each placed at
     the offset the server gave it (silence between segments when the stream went idle)."""
     timeline = np.zeros(n_samples, dtype=np.float64)
@@ -151,7 +153,7 @@ def test_llm_stream_first_audio_and_exact_audio(server: LiveServer, engine: Fake
         assert abs(end_ms - (seg["audio_offset_ms"] + seg["audio_ms"])) <= 1
 
 
-def g711_decode(data: bytes, law: str) -> np.ndarray:
+def g711_decode(data: bytes, law: str) -> NDArray[Any]:
     """G.711 bytes -> float in [-1, 1] (test-side reference decoder)."""
     u = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
     if law == "mulaw":
@@ -307,7 +309,8 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         ('{"type": "open", "context_id": "x", "seed": "seven"}', "seed"),
         ('{"type": "open", "context_id": "x", "sampling": {"temperature": -1}}', "sampling.temperature"),
         ('{"type": "open", "context_id": "x", "voice": "nobody"}', "voice"),
-        ('{"type": "open", "context_id": "x", "output_format": {"sample_rate_hz": 11025}}', "output_format.sample_rate_hz"),
+        ('{"type": "open", "context_id": "x", "output_format": {"sample_rate_hz": 11025}}',
+         "output_format.sample_rate_hz"),
         ('{"type": "open", "context_id": "x", "output_format": {"encoding": "opus"}}', "output_format.encoding"),
         (orjson.dumps({"type": "text", "context_id": "t", "text": "a" * 100_000}).decode(), "text"),
     ]
@@ -441,7 +444,7 @@ def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> No
         assert log.done is not None and log.done["reason"] == "completed"
         assert_audio_matches(log, 3, engine)
         arrivals = [recv_s for _, _, recv_s in log.frames]
-        worst_gap_s = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+        worst_gap_s = max(b - a for a, b in itertools.pairwise(arrivals))
         assert worst_gap_s < 1.0, worst_gap_s  # chunks come every ~0.25 s at this pace
         deadline_s = time.monotonic() + 5
         while server.hub.sessions:
@@ -580,7 +583,8 @@ def test_settings_from_flags_and_environment() -> None:
     env = {"PORT": "9123", "AGENT_SERVER_VARIANT": "turbo", "AGENT_SERVER_WEIGHTS": "random-tiny",
            "AGENT_SERVER_MAX_SESSIONS": "12", "AGENT_SERVER_DATA_DIR": "/tmp/x"}
     settings = settings_from([], env)
-    assert (settings.port, settings.variant, settings.weights, settings.max_sessions) == (9123, "turbo", "random-tiny", 12)
+    got = (settings.port, settings.variant, settings.weights, settings.max_sessions)
+    assert got == (9123, "turbo", "random-tiny", 12)
     assert settings.data_dir == Path("/tmp/x")
     settings = settings_from(["--port", "9000", "--variant", "multilingual", "--log-level", "debug"], env)
     assert (settings.port, settings.variant, settings.log_level) == (9000, "multilingual", "debug")
@@ -634,7 +638,8 @@ def test_tls_serves_wss(tmp_path: Path) -> None:
     engine = FakeEngine()
     with live_server(engine, settings) as server:
         assert server.ws_url.startswith("wss://")
-        assert httpx.get(server.http_url + "/readyz", verify=ssl.create_default_context(cafile=str(cert))).status_code == 200
+        verify = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(server.http_url + "/readyz", verify=verify).status_code == 200
 
         async def scenario() -> ContextLog:
             client = await NativeClient.connect(server.ws_url, ssl=ssl.create_default_context(cafile=str(cert)))

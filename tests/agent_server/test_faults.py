@@ -123,7 +123,7 @@ def test_disconnects_mid_stream_free_their_slots(tmp_path: Path) -> None:
         async def scenario() -> list[ContextLog]:
             clients = [await NativeClient.connect(server.ws_url) for _ in range(4)]
             logs = [await c.open(f"v{i}", text=BIG_TEXT) for i, c in enumerate(clients)]
-            for c, log in zip(clients, logs):
+            for c, log in zip(clients, logs, strict=False):
                 await c.end(log.context_id)
             while not all(log.frames for log in logs):
                 await asyncio.sleep(0.01)
@@ -138,7 +138,7 @@ def test_disconnects_mid_stream_free_their_slots(tmp_path: Path) -> None:
                 await asyncio.sleep(0.02)
             fresh = [await NativeClient.connect(server.ws_url) for _ in range(4)]
             again = [await c.open(f"w{i}", text=SENTENCE) for i, c in enumerate(fresh)]
-            for c, log in zip(fresh, again):
+            for c, log in zip(fresh, again, strict=False):
                 await c.end(log.context_id)
             await asyncio.wait_for(asyncio.gather(*(log.finished.wait() for log in again)), 20)
             for c in fresh:
@@ -219,7 +219,7 @@ def test_a_thousand_idle_sessions_bounded_memory(tmp_path: Path) -> None:
             before = rss_bytes(proc.pid)
             started_s = time.monotonic()
             idle: list[ClientConnection] = []
-            for batch in range(0, IDLE_SESSIONS, 50):
+            for _ in range(0, IDLE_SESSIONS, 50):
                 idle += await asyncio.gather(*(connect(url, max_queue=4) for _ in range(50)))
             for ws in idle:
                 assert orjson.loads(await ws.recv())["type"] == "session_started"
@@ -294,7 +294,7 @@ def test_handshake_deadline_drops_silent_and_dribbling_connections(tmp_path: Pat
                 try:
                     if sock.recv(1024) == b"":
                         return False
-                except socket.timeout:
+                except TimeoutError:
                     pass
                 except ConnectionResetError:
                     return False
@@ -400,7 +400,9 @@ def test_a_failure_in_one_session_leaves_the_others_running(tmp_path: Path, monk
         assert server.hub.ready
 
 
-def test_a_bug_in_one_sessions_tick_ends_it_and_the_ticker_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_in_one_sessions_tick_ends_it_and_the_ticker_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original_tick = NativeProtocol.on_tick
 
     def buggy_tick(self: Any, now_s: float) -> None:
@@ -453,7 +455,8 @@ def test_engine_death_fails_sessions_and_exits_for_the_supervisor(tmp_path: Path
 
         speaking, fatal, code, failed_after_s = run(scenario())
         exit_code = proc.wait(15)
-    print(f"\nengine death: sessions failed and closed {failed_after_s:.2f} s after the fatal request; exit {exit_code}")
+    print(f"\nengine death: sessions failed and closed {failed_after_s:.2f} s after the fatal request; "
+          f"exit {exit_code}")
     assert speaking.done is not None and speaking.done["reason"] == "failed"
     assert [e["code"] for e in speaking.errors] == ["engine_failed"]
     assert speaking.done["frames"] == len(speaking.frames)  # nothing it had was cut
@@ -472,7 +475,7 @@ def test_sigterm_during_speech_finishes_turns_whole(tmp_path: Path) -> None:
         async def scenario() -> tuple[list[ContextLog], list[int | None], bool]:
             clients = [await NativeClient.connect(url) for _ in range(3)]
             logs = [await c.open(f"t{i}", seed=i, text=SENTENCE * 2) for i, c in enumerate(clients)]
-            for c, log in zip(clients, logs):
+            for c, log in zip(clients, logs, strict=False):
                 await c.end(log.context_id)
             while not all(log.frames for log in logs):
                 await asyncio.sleep(0.01)

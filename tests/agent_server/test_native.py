@@ -15,6 +15,7 @@ from websockets.sync.client import connect
 
 from agent_server import protocol as wire
 from agent_server.settings import Settings
+
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import LiveServer, live_server
 

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_server import protocol as wire
-from agent_server.errors import FieldError
 from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech
+from agent_server.errors import FieldError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +87,8 @@ query_strings = st.dictionaries(
     st.sampled_from(["pcm_16000", "ulaw_8000", "pcm_1", "linear16", "mulaw", "none", "wav", "24000", "8000",
                      "20", "181", "0", "-1", "true", "maybe", "en", "xx-YY", "english", "turbo"])
     | st.sampled_from(UNICODE_DIGITS).map(lambda d: d * 2 if len(d) == 1 else d)
-    | st.builds(lambda prefix, digits: prefix + digits, st.sampled_from(["", "pcm_", "ulaw_"]), st.sampled_from(UNICODE_DIGITS))
+    | st.builds(lambda prefix, digits: prefix + digits, st.sampled_from(["", "pcm_", "ulaw_"]),
+                st.sampled_from(UNICODE_DIGITS))
     | st.text(max_size=12),
     max_size=6,
 ).map(lambda d: "&".join(f"{k}={v}" for k, v in d.items()).encode("utf-8", errors="replace"))
@@ -135,16 +136,18 @@ def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     paths = []
     if isinstance(obj, dict):
         for key, value in obj.items():
-            paths.append(prefix + (key,))
-            paths += _paths(value, prefix + (key,))
+            paths.append((*prefix, key))
+            paths += _paths(value, (*prefix, key))
     elif isinstance(obj, list):
         for i, value in enumerate(obj):
-            paths.append(prefix + (i,))
-            paths += _paths(value, prefix + (i,))
+            paths.append((*prefix, i))
+            paths += _paths(value, (*prefix, i))
     return paths
 
 
-replacements = st.one_of(scalars, st.lists(scalars, max_size=2), st.dictionaries(st.text(max_size=4), scalars, max_size=2))
+replacements = st.one_of(
+    scalars, st.lists(scalars, max_size=2), st.dictionaries(st.text(max_size=4), scalars, max_size=2)
+)
 
 
 @st.composite
@@ -189,7 +192,9 @@ def test_every_input_parses_or_is_the_protocols_error(target: str, data: st.Data
     assert fuzz.check(target, raw, variant) in (fuzz.PARSED, fuzz.ERROR)
 
 
-TYPE_CONFUSIONS: list[Any] = [None, True, False, 0, -1, 2**70, 1.5, -1e308, "", "x", "\u0000", [], [1], ["a"], {}, {"a": 1}]
+TYPE_CONFUSIONS: list[Any] = [
+    None, True, False, 0, -1, 2**70, 1.5, -1e308, "", "x", "\u0000", [], [1], ["a"], {}, {"a": 1}
+]
 
 
 @pytest.mark.parametrize("target", list(VALID_MESSAGES))
@@ -255,7 +260,8 @@ def test_native_errors_name_a_field_and_keep_the_context(obj: dict[str, Any]) ->
 def test_cartesia_valid_requests(cid: str, text: str, cont: bool, flush: bool) -> None:
     request = cartesia.parse_request(orjson.dumps({
         "context_id": cid, "transcript": text, "continue": cont, "flush": flush,
-        "voice": {"mode": "id", "id": "v"}, "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000},
+        "voice": {"mode": "id", "id": "v"},
+        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000},
     }).decode())
     assert (request.context_id, request.transcript, request.continue_, request.flush) == (cid, text, cont, flush)
     assert request.sample_rate_hz == 16000

@@ -18,7 +18,7 @@ from agent_server.compat.deepgram import DeepgramProtocol
 from agent_server.compat.elevenlabs import ElevenLabsProtocol
 from agent_server.compat.openai_speech import OpenAISpeechProtocol
 from agent_server.native import NativeProtocol
-from agent_server.observers import ObservedEvent, SessionClosed, SessionOpened
+from agent_server.observers import SessionClosed, SessionOpened
 from agent_server.session import DrainWatch, WireProtocol
 
 from tests.agent_server.fake_asgi import FakeWebSocket, running

@@ -27,10 +27,12 @@ def sdk(served: Served) -> DeepgramClient:
 
 
 def kind(message: object) -> str:
-    return "audio" if isinstance(message, bytes) else str(getattr(message, "type"))
+    return "audio" if isinstance(message, bytes) else str(message.type)
 
 
-@pytest.mark.parametrize("encoding, rate_hz, width", [("linear16", 16_000, 2), ("linear16", 48_000, 2), ("alaw", 8_000, 1)])
+@pytest.mark.parametrize(
+    ("encoding", "rate_hz", "width"), [("linear16", 16_000, 2), ("linear16", 48_000, 2), ("alaw", 8_000, 1)]
+)
 def test_speak_flush_close(served: Served, encoding: str, rate_hz: int, width: int) -> None:
     with sdk(served).speak.v1.connect(model="aura-2-thalia-en", encoding=encoding, sample_rate=str(rate_hz)) as conn:
         for piece in PIECES:
@@ -68,7 +70,8 @@ def test_flushed_follows_all_of_the_flushed_speech(served: Served) -> None:
 
 def test_clear_is_a_barge_in(served_realtime: Served) -> None:
     engine = served_realtime.engine
-    with sdk(served_realtime).speak.v1.connect(model="aura-2-thalia-en", encoding="linear16", sample_rate="24000") as conn:
+    connect = sdk(served_realtime).speak.v1.connect
+    with connect(model="aura-2-thalia-en", encoding="linear16", sample_rate="24000") as conn:
         conn.send_text(SpeakV1Text(text="This is a long answer, " * 8))
         conn.send_flush()
         for message in conn:

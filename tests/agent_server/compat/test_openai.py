@@ -89,7 +89,8 @@ def test_parse_request() -> None:
                                      "speed": 1.0, "seed": 5}, "english")
     assert (r.voice, r.seed, r.stream_format) == ("v1", 5, "audio")
     for bad in ({"input": "hi", "voice": "a"}, {"model": "m", "voice": "a", "input": ""},
-                {"model": "m", "voice": "a", "input": "x", "speed": 9}, {"model": "m", "voice": "a", "input": "x", "foo": 1},
+                {"model": "m", "voice": "a", "input": "x", "speed": 9},
+                {"model": "m", "voice": "a", "input": "x", "foo": 1},
                 {"model": "m", "voice": "a", "input": "x", "response_format": "pcm", "stream_format": "chunks"}):
         with pytest.raises(FieldError):
             openai_speech.parse_request(bad, "english")
