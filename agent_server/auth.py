@@ -315,9 +315,9 @@ def find_credential(scope: Scope) -> str | None:
         if found.get(header):
             return found[header]
     query = _query(scope)
-    for name in QUERY_NAMES:
-        if query.get(name):
-            return query[name]
+    for query_name in QUERY_NAMES:
+        if query.get(query_name):
+            return query[query_name]
     return None
 
 

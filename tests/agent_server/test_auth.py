@@ -215,8 +215,8 @@ def test_websocket_handshakes_are_refused_before_upgrade(server: LiveServer) -> 
             "expired": await handshake_status(ws_url(server, query=f"token={expired}")),
             "token": await handshake_status(ws_url(server, query=f"token={token}")),
             "header": await handshake_status(ws_url(server), additional_headers={"Authorization": f"Bearer {KEY_B}"}),
-            "bad_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin="https://evil.example"),  # type: ignore[arg-type]
-            "good_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin=ORIGIN),  # type: ignore[arg-type]
+            "bad_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin="https://evil.example"),
+            "good_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin=ORIGIN),
             # each vendor endpoint, with the vendor's own header
             "deepgram": await handshake_status(ws_url(server, "/v1/speak"),
                                                additional_headers={"Authorization": f"Token {KEY_A}"}),

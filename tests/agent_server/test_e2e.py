@@ -28,7 +28,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from agent_server.cli import settings_from
-from agent_server.observers import ObservedEvent, SessionClosed, SlowClientDropped
+from agent_server.observers import BusyRejected, ObservedEvent, SessionClosed, SlowClientDropped
 from agent_server.settings import Settings
 from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
@@ -391,7 +391,7 @@ def test_busy_when_every_slot_is_taken(tmp_path: Path) -> None:
         assert refusal["type"] == "busy" and refusal["context_id"] is None
         assert closed is not None and closed.rcvd is not None and closed.rcvd.code == 1013
         assert holder.done is not None and holder.done["reason"] == "cancelled"
-        scopes = sorted(e.scope for e in busy_events if type(e).__name__ == "BusyRejected")
+        scopes = sorted(e.scope for e in busy_events if isinstance(e, BusyRejected))
         assert scopes == ["context", "session"]
 
 
@@ -552,8 +552,8 @@ def test_voices_upload_use_delete_and_survive_restart(tmp_path: Path) -> None:
 
     restarted = FakeEngine()
     with live_server(restarted, settings) as server:
-        listed = {v["voice_id"] for v in httpx.get(server.http_url + "/v1/voices").json()["voices"]}
-        assert listed == {"default", "bob"} and "bob" in restarted.voices
+        kept = {v["voice_id"] for v in httpx.get(server.http_url + "/v1/voices").json()["voices"]}
+        assert kept == {"default", "bob"} and "bob" in restarted.voices
 
 
 def test_health_while_loading_and_busy_refusal(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_native_session_errors_keep_the_session(server: LiveServer) -> None:
 
         def error_of(message: str | dict[str, Any]) -> dict[str, Any]:
             ws.send(message if isinstance(message, str) else orjson.dumps(message).decode())
-            reply = orjson.loads(ws.recv(timeout=5))
+            reply: dict[str, Any] = orjson.loads(ws.recv(timeout=5))
             assert reply["type"] == "error", reply
             return reply
 

@@ -153,7 +153,7 @@ def test_text_length_is_not_the_parsers_business() -> None:
     """One set of text limits for every protocol lives in the session core (tests/agent_server/
     test_session_core.py); the parser takes any length."""
     ok = parse_obj({"type": "text", "context_id": "c", "text": "a" * 100_000})
-    assert isinstance(ok, wire.Text) and len(ok.text) == 100_000
+    assert isinstance(ok, wire.Text) and ok.text is not None and len(ok.text) == 100_000
 
 
 def test_sampling_fields_are_sampling_params() -> None:

@@ -20,6 +20,7 @@ from agent_server.speech import (
     SegmentDone,
     SegmentStarted,
     SpeechStream,
+    Stream,
     StreamDone,
     StreamEvent,
     StreamSpec,
@@ -36,6 +37,7 @@ from synth.api import (
     SamplingParams,
     SegmentEvent,
     SegmentRequest,
+    Variant,
 )
 
 from tests.agent_server.fake_engine import FakeEngine
@@ -49,7 +51,7 @@ PCM24 = OutputFormat.parse("pcm_s16le", 24000, 20)
 class ManualEngine(EngineLike):
     """Records submits and cancels; the test plays the engine thread by calling `chunk` / `event`."""
 
-    variant: str = "english"
+    variant: Variant = "english"
     random_weights: bool = True
     max_slots: int = 4
     refuse: bool = False
@@ -78,7 +80,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[StreamEvent] = []
 
-    def __call__(self, stream: SpeechStream, event: StreamEvent) -> None:
+    def __call__(self, stream: Stream, event: StreamEvent) -> None:
         self.events.append(event)
 
     def of(self, kind: type) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def sdk(served: Served) -> DeepgramClient:
 
 
 def kind(message: object) -> str:
-    return "audio" if isinstance(message, bytes) else str(message.type)
+    return "audio" if isinstance(message, bytes) else str(cast(Any, message).type)
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,7 @@ def test_stream_input_seed_gives_the_same_bytes_under_load(served: Served) -> No
         return audio_of(messages)
 
     async def main() -> list[bytes]:
-        return await asyncio.gather(one(42), one(5), one(42), one(6))
+        return list(await asyncio.gather(one(42), one(5), one(42), one(6)))
 
     a, _, b, _ = asyncio.run(main())
     assert a == b
