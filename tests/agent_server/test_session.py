@@ -6,6 +6,7 @@ skip-on-cancel and what a cancelled context reports, and the slow-client watchdo
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,54 @@ def test_drain_watch_framing_bytes_never_pass_for_progress() -> None:
         unsent += 960 + 4  # payload and the WebSocket header, never acknowledged
         watch.observe(unsent, i * 0.1)
     assert watch.stalled_s(10.0) == pytest.approx(10.0)
+
+
+class OffLoopEncoding(NativeProtocol):
+    """The native protocol with its audio frames "encoded" on a thread pool: each frame is queued as a
+    future, the way a compressing encoder (MP3/Opus/AAC/FLAC) plugs in between the stream's PCM and the
+    writer. Later frames are made to finish first."""
+
+    name = "native"
+
+    def render(self, ctx: Any, event: Any) -> None:
+        from agent_server.speech import AudioOut
+
+        if isinstance(event, AudioOut):
+            delay_s = 0.02 if event.seq % 2 == 0 else 0.0  # even frames take longer: done out of order
+
+            def encode(payload: bytes = event.payload, seq: int = event.seq) -> bytes:
+                time.sleep(delay_s)
+                return seq.to_bytes(4, "little") + payload
+
+            future = asyncio.get_running_loop().run_in_executor(None, encode)
+            self.session.send_audio(ctx, future, event.duration_ms)
+            return
+        super().render(ctx, event)
+
+
+def test_an_off_loop_encoding_stage_keeps_frame_order(tmp_path: Path) -> None:
+    from agent_server.session import websocket_route
+
+    app, _ = make_app(tmp_path)
+    app.router.routes.insert(0, websocket_route("/offloop", OffLoopEncoding))
+
+    async def scenario() -> tuple[list[int], dict[str, Any]]:
+        async with running(app):
+            ws = FakeWebSocket(app, "/offloop")
+            await ws.connect()
+            await ws.next_json()
+            ws.send_json({"type": "open", "context_id": "c", "seed": 1, "text": TEXT})
+            ws.send_json({"type": "end", "context_id": "c"})
+            while True:
+                message = await ws.next()
+                if isinstance(message, str) and orjson.loads(message)["type"] == "context_done":
+                    done = orjson.loads(message)
+                    break
+            seqs = [int.from_bytes(m[:4], "little") for m in ws.log if isinstance(m, bytes)]
+            ws.disconnect()
+            await ws.finished()
+            return seqs, done
+
+    seqs, done = run(scenario())
+    assert len(seqs) > 4 and seqs == list(range(len(seqs)))  # awaited in queue order, not completion order
+    assert done["frames"] == len(seqs) and done["reason"] == "completed"
