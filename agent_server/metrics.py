@@ -115,7 +115,7 @@ class Metrics:
         self.contexts_finished = counter("tts_contexts_finished", "Contexts ended, by reason", ("protocol", "reason"))
         self.audio_sent = counter("tts_audio_sent_seconds", "Audio sent to clients (counted as contexts end)", proto)
         # ---- per session (observers) ----
-        self.sessions_opened = counter("tts_sessions_opened", "WebSocket sessions admitted", proto)
+        self.sessions_opened = counter("tts_sessions_opened", "Sessions admitted (WebSockets, HTTP requests)", proto)
         self.sessions_closed = counter("tts_sessions_closed", "Sessions closed, by close code", ("protocol", "code"))
         self.busy = counter("tts_busy_rejections", "Refusals of a session or a context", ("protocol", "scope"))
         self.slow_clients = counter("tts_slow_clients_dropped", "Sessions closed: the client stopped reading", proto)
@@ -259,7 +259,7 @@ class _HubCollector(Collector):
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [
-            GaugeMetricFamily("tts_sessions_active", "WebSocket sessions open", labels=["protocol"]),
+            GaugeMetricFamily("tts_sessions_active", "Sessions open (WebSockets, HTTP requests)", labels=["protocol"]),
             GaugeMetricFamily("tts_contexts_active", "Contexts (turns) open, all sessions"),
             GaugeMetricFamily("tts_engine_slots_in_use", "Segments holding an engine slot"),
             GaugeMetricFamily("tts_engine_max_slots", "Engine slots (the batch size)"),

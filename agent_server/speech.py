@@ -122,8 +122,6 @@ class StreamStatus(enum.IntEnum):
         return self in (StreamStatus.CANCELLED, StreamStatus.SHUTDOWN)
 
 
-TERMINAL_STATUSES = tuple(s for s in StreamStatus if s.done)
-
 
 @dataclass(frozen=True, slots=True)
 class StreamStarted:

@@ -24,7 +24,6 @@ class Driver:
     http: bool = False
     multi: bool = False  # several contexts per session
     greeting: str | None = None  # the "type" of the first message of a session
-    drain_sessions_close_on_last_turn: bool = True
 
     def __str__(self) -> str:
         return self.id

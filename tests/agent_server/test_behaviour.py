@@ -71,6 +71,18 @@ def run(coro: Any) -> Any:
 # ---- admission ---------------------------------------------------------------------------------------
 
 
+async def assert_session_refused(driver: Driver, app: Starlette, http_status: int, http_code: str) -> None:
+    """A new session of `driver` is refused: its protocol's busy then close 1013, or the HTTP error."""
+    if driver.http:
+        request = driver.request(app, TEXT)
+        await request.done()
+        assert request.status == http_status and request.json()["error"]["code"] == http_code
+    else:
+        ws = await driver.connect(app)
+        assert await ws.wait_closed() == 1013
+        assert driver.is_session_refusal(ws.json_messages()[0]), ws.json_messages()
+
+
 @pytest.mark.parametrize("driver", DRIVERS, ids=str)
 def test_refused_when_full(tmp_path: Path, driver: Driver) -> None:
     """max_sessions counts every protocol; the refusal is the protocol's busy and 1013 (HTTP: 429)."""
@@ -79,14 +91,7 @@ def test_refused_when_full(tmp_path: Path, driver: Driver) -> None:
     async def scenario() -> None:
         async with running(app) as hub:
             holder = await hold_a_session(app)
-            if driver.http:
-                request = driver.request(app, TEXT)
-                await request.done()
-                assert request.status == 429 and request.json()["error"]["code"] == "busy"
-            else:
-                ws = await driver.connect(app)
-                assert await ws.wait_closed() == 1013
-                assert driver.is_session_refusal(ws.json_messages()[0]), ws.json_messages()
+            await assert_session_refused(driver, app, http_status=429, http_code="busy")
             assert len(hub.sessions) == 1
             holder.disconnect()
             await holder.finished()
@@ -106,14 +111,7 @@ def test_refused_while_not_serving(tmp_path: Path, driver: Driver) -> None:
     async def scenario() -> None:
         async with running(app) as hub:
             await hub.drain(0.0)
-            if driver.http:
-                request = driver.request(app, TEXT)
-                await request.done()
-                assert request.status == 503 and request.json()["error"]["code"] == "not_ready"
-            else:
-                ws = await driver.connect(app)
-                assert await ws.wait_closed() == 1013
-                assert driver.is_session_refusal(ws.json_messages()[0]), ws.json_messages()
+            await assert_session_refused(driver, app, http_status=503, http_code="not_ready")
 
     run(scenario())
     assert [e.scope for e in of(events, BusyRejected, driver.name)] == ["session"]
