@@ -11,21 +11,23 @@ stored voices are back.
 from __future__ import annotations
 
 import importlib
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
 from agent_server import compat, metrics, voices
 from agent_server.auth import TOKEN_PATH, AuthMiddleware, issue_token
 from agent_server.hub import EngineFactory, Hub, SegmenterFactory
-from agent_server.session import NativeSession, SocketControlMiddleware
+from agent_server.native import NativeProtocol
+from agent_server.session import websocket_route
 from agent_server.settings import Settings
+from agent_server.transport import SocketControlMiddleware
 from synth.api import EngineLike
 
 NATIVE_PATH = "/v1/stream"
@@ -54,12 +56,12 @@ def create_app(
             await hub.drain(settings.shutdown_grace_s)  # at once when the server already drained
             await hub.stop()
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/v1/status", status, methods=["GET"]),
         Route(TOKEN_PATH, issue_token, methods=["POST"]),
-        WebSocketRoute(NATIVE_PATH, native_stream),
+        websocket_route(NATIVE_PATH, NativeProtocol),
         *voices.routes,
         *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
@@ -109,6 +111,3 @@ async def readyz(request: Request) -> Response:
 async def status(request: Request) -> Response:
     return JSONResponse(_hub(request).status_json())
 
-
-async def native_stream(websocket: WebSocket) -> None:
-    await NativeSession(_hub(websocket), websocket).serve()

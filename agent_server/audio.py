@@ -12,11 +12,13 @@ is queued) call `drain()`, or the end of the last word waits for the next segmen
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import soxr
+from numpy.typing import NDArray
 
 from synth.api import OUTPUT_SAMPLE_RATE_HZ
 
@@ -98,7 +100,7 @@ class OutputFormat:
             )
 
     @classmethod
-    def parse(cls, encoding: object, sample_rate_hz: object, frame_ms: object = None) -> "OutputFormat":
+    def parse(cls, encoding: object, sample_rate_hz: object, frame_ms: object = None) -> OutputFormat:
         """Validate untrusted values; the ValueError's message starts with the field's name."""
         if not isinstance(encoding, str):
             raise ValueError(f"encoding: must be a string (got {type(encoding).__name__})")
@@ -151,7 +153,7 @@ class AudioEncoder:
             self._resampler = soxr.ResampleStream(
                 ENGINE_SAMPLE_RATE_HZ, rate, 1, dtype="float32", quality=RESAMPLER_QUALITY
             )
-        self._encode: Callable[[np.ndarray], bytes] = _ENCODERS[fmt.encoding]
+        self._encode: Callable[[NDArray[Any]], bytes] = _ENCODERS[fmt.encoding]
         self._pending = bytearray()  # encoded output short of a whole frame
         self.samples_in = 0  # engine samples pushed
         self.samples_fed = 0  # engine samples given to the resampler: samples_in plus drain() silence
@@ -160,7 +162,7 @@ class AudioEncoder:
         self.samples_out = 0  # output-rate samples in the frames returned so far
         self.finished = False
 
-    def push(self, pcm_24k: np.ndarray) -> list[bytes]:
+    def push(self, pcm_24k: NDArray[Any]) -> list[bytes]:
         """Encoded frames ready now (maybe none: the resampler and the framer hold some back)."""
         self._require_open("push")
         x = _as_mono_float32(pcm_24k)
@@ -208,14 +210,14 @@ class AudioEncoder:
         """Abandon the stream (a cancel): nothing more is encoded. Idempotent; nothing to release."""
         self.finished = True
 
-    def _resample(self, x: np.ndarray, last: bool) -> np.ndarray:
+    def _resample(self, x: NDArray[Any], last: bool) -> NDArray[Any]:
         # x: [samples] float32 at 24 kHz -> [samples'] float32 at the output rate
         self.samples_fed += len(x)
         y = x if self._resampler is None else self._resampler.resample_chunk(x, last=last)
         self.samples_resampled += len(y)
         return y
 
-    def _frames(self, y: np.ndarray) -> list[bytes]:
+    def _frames(self, y: NDArray[Any]) -> list[bytes]:
         if not len(y):
             return []
         return self._frame(self._encode(float_to_pcm16(y)))
@@ -241,26 +243,27 @@ class AudioEncoder:
 # ---- sample conversions ----------------------------------------------------------------------------
 
 
-def float_to_pcm16(x: np.ndarray) -> np.ndarray:
+def float_to_pcm16(x: NDArray[Any]) -> NDArray[Any]:
     """[-1, 1] float -> int16: clip, scale by 32767, round half to even. NaN -> 0, +-inf -> full scale."""
     if not np.isfinite(x).all():
         x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
-    return np.rint(np.clip(x, -1.0, 1.0) * PCM16_FULL_SCALE).astype(np.int16)
+    pcm16: NDArray[np.int16] = np.rint(np.clip(x, -1.0, 1.0) * PCM16_FULL_SCALE).astype(np.int16)
+    return pcm16
 
 
-def pcm16_to_mulaw(pcm16: np.ndarray) -> np.ndarray:
+def pcm16_to_mulaw(pcm16: NDArray[Any]) -> NDArray[Any]:
     return _ULAW_ENCODE[np.asarray(pcm16, dtype=np.int16).view(np.uint16)]
 
 
-def pcm16_to_alaw(pcm16: np.ndarray) -> np.ndarray:
+def pcm16_to_alaw(pcm16: NDArray[Any]) -> NDArray[Any]:
     return _ALAW_ENCODE[np.asarray(pcm16, dtype=np.int16).view(np.uint16)]
 
 
-def mulaw_to_pcm16(codes: np.ndarray) -> np.ndarray:
+def mulaw_to_pcm16(codes: NDArray[Any]) -> NDArray[Any]:
     return _ULAW_DECODE[np.asarray(codes, dtype=np.uint8)]
 
 
-def alaw_to_pcm16(codes: np.ndarray) -> np.ndarray:
+def alaw_to_pcm16(codes: NDArray[Any]) -> NDArray[Any]:
     return _ALAW_DECODE[np.asarray(codes, dtype=np.uint8)]
 
 
@@ -317,19 +320,19 @@ def _as_int(value: object) -> int | None:
     return None
 
 
-def _as_mono_float32(pcm: np.ndarray) -> np.ndarray:
+def _as_mono_float32(pcm: NDArray[Any]) -> NDArray[Any]:
     x = np.ascontiguousarray(pcm, dtype=np.float32)
     if x.ndim != 1:
         raise ValueError(f"pcm_24k must be mono, shape [samples] (got shape {x.shape})")
     return x
 
 
-def _all_int16_by_uint16_index() -> np.ndarray:
+def _all_int16_by_uint16_index() -> NDArray[Any]:
     """Every int16 value, in the order of its uint16 bit pattern (so tables index with .view(uint16))."""
     return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16).astype(np.int32)
 
 
-def _build_ulaw_encode() -> np.ndarray:
+def _build_ulaw_encode() -> NDArray[Any]:
     x = _all_int16_by_uint16_index() >> ULAW_INPUT_SHIFT
     negative = x < 0
     magnitude = np.minimum(np.abs(x), ULAW_CLIP) + (ULAW_BIAS >> ULAW_INPUT_SHIFT)
@@ -338,10 +341,11 @@ def _build_ulaw_encode() -> np.ndarray:
     code = (in_range << SEG_SHIFT) | ((magnitude >> (in_range + 1)) & QUANT_MASK)
     code = np.where(seg >= N_SEGMENTS, 0x7F, code)
     mask = np.where(negative, 0x7F, 0xFF)
-    return (code ^ mask).astype(np.uint8)
+    table: NDArray[np.uint8] = (code ^ mask).astype(np.uint8)
+    return table
 
 
-def _build_alaw_encode() -> np.ndarray:
+def _build_alaw_encode() -> NDArray[Any]:
     x = _all_int16_by_uint16_index() >> ALAW_INPUT_SHIFT
     negative = x < 0
     magnitude = np.where(negative, -x - 1, x)  # 0..4095
@@ -349,16 +353,17 @@ def _build_alaw_encode() -> np.ndarray:
     shift = np.where(seg < 2, 1, seg)
     code = (seg << SEG_SHIFT) | ((magnitude >> shift) & QUANT_MASK)
     mask = np.where(negative, ALAW_NEGATIVE_MASK, ALAW_POSITIVE_MASK)
-    return (code ^ mask).astype(np.uint8)
+    table: NDArray[np.uint8] = (code ^ mask).astype(np.uint8)
+    return table
 
 
-def _build_ulaw_decode() -> np.ndarray:
+def _build_ulaw_decode() -> NDArray[Any]:
     u = ~np.arange(256, dtype=np.int32) & 0xFF
     t = (((u & QUANT_MASK) << 3) + ULAW_BIAS) << ((u & 0x70) >> SEG_SHIFT)
     return np.where(u & SIGN_BIT, ULAW_BIAS - t, t - ULAW_BIAS).astype(np.int16)
 
 
-def _build_alaw_decode() -> np.ndarray:
+def _build_alaw_decode() -> NDArray[Any]:
     a = np.arange(256, dtype=np.int32) ^ ALAW_NEGATIVE_MASK
     t = (a & QUANT_MASK) << SEG_SHIFT
     seg = (a & 0x70) >> SEG_SHIFT
@@ -371,7 +376,7 @@ _ALAW_ENCODE = _build_alaw_encode()
 _ULAW_DECODE = _build_ulaw_decode()  # [256] int16
 _ALAW_DECODE = _build_alaw_decode()
 
-_ENCODERS: Mapping[Encoding, Callable[[np.ndarray], bytes]] = {
+_ENCODERS: Mapping[Encoding, Callable[[NDArray[Any]], bytes]] = {
     "pcm_s16le": lambda pcm16: pcm16.astype("<i2", copy=False).tobytes(),
     "mulaw": lambda pcm16: pcm16_to_mulaw(pcm16).tobytes(),
     "alaw": lambda pcm16: pcm16_to_alaw(pcm16).tobytes(),

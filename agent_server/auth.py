@@ -28,9 +28,9 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 from urllib.parse import parse_qsl
 
 import orjson
@@ -61,6 +61,7 @@ PUBLIC_PREFIXES = ("/static/",)
 METRICS_PATHS = frozenset({"/metrics", "/dashboard/stream"})
 HEADER_NAMES = (b"authorization", b"x-api-key", b"xi-api-key")
 QUERY_NAMES = ("token", "access_token", "api_key", "xi_api_key")
+AUTHORIZATION_SCHEMES = ("bearer", "token")  # a bare `Authorization: <key>` is refused (401 invalid_authorization)
 TOKEN_PATH = "/v1/tokens"
 SECONDS_PER_MINUTE = 60.0
 
@@ -142,7 +143,8 @@ class Auth:
                 raise AuthConfigError(f"an API key must be 1-{MAX_KEY_CHARS} characters without spaces")
             self._keys[fingerprint(key)] = key
         if mode == "on" and not self._keys:
-            raise AuthConfigError("auth is on but no API keys are configured (AGENT_SERVER_API_KEYS or --api-keys-file)")
+            raise AuthConfigError("auth is on but no API keys are configured "
+                                  "(AGENT_SERVER_API_KEYS or --api-keys-file)")
         self.mode = mode
         self.enabled = mode == "on" or (mode == "auto" and bool(self._keys))
         self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
@@ -154,7 +156,7 @@ class Auth:
         self._usage: dict[str, KeyUsage] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Auth":
+    def from_settings(cls, settings: Settings) -> Auth:
         keys = list(settings.api_keys)
         keys_file = settings.api_keys_file
         if keys_file is not None:
@@ -207,6 +209,9 @@ class Auth:
         if not self.enabled:
             return None
         credential = find_credential(scope)
+        if credential is None and (_header(scope, b"authorization") or "").strip():
+            raise Denied(401, "invalid_authorization", "the Authorization header needs a scheme: "
+                         "'Bearer <key>' (or Deepgram's 'Token <key>')")
         if credential is None:
             raise Denied(401, "missing_credentials", "an API key or token is required "
                          "(Authorization: Bearer, X-API-Key, or ?token= in the URL)")
@@ -222,7 +227,8 @@ class Auth:
             raise Denied(401, "invalid_credentials", "invalid API key")
         return Principal(key_id)
 
-    def issue_token(self, principal: Principal | None, ttl_s: float | None = None, now_s: float | None = None) -> tuple[str, int]:
+    def issue_token(self, principal: Principal | None, ttl_s: float | None = None,
+                    now_s: float | None = None) -> tuple[str, int]:
         """(token, expires_at unix seconds) standing for the principal's key."""
         ttl_s = self.token_ttl_s if ttl_s is None else min(ttl_s, self.token_ttl_s)
         expires_at = int((time.time() if now_s is None else now_s) + ttl_s)
@@ -303,17 +309,15 @@ def find_credential(scope: Scope) -> str | None:
     authorization = found.get(b"authorization")
     if authorization:
         scheme, _, rest = authorization.partition(" ")
-        if rest and scheme.lower() in ("bearer", "token"):
+        if rest and scheme.lower() in AUTHORIZATION_SCHEMES:
             return rest.strip()
-        if not rest:
-            return authorization
-    for name in HEADER_NAMES[1:]:
-        if found.get(name):
-            return found[name]
+    for header in HEADER_NAMES[1:]:
+        if found.get(header):
+            return found[header]
     query = _query(scope)
-    for name in QUERY_NAMES:
-        if query.get(name):
-            return query[name]
+    for query_name in QUERY_NAMES:
+        if query.get(query_name):
+            return query[query_name]
     return None
 
 
@@ -327,7 +331,7 @@ def _query(scope: Scope) -> Mapping[str, str]:
 def _header(scope: Scope, wanted: bytes) -> str | None:
     for name, value in scope.get("headers") or []:
         if name == wanted:
-            return value.decode("latin-1")
+            return str(value.decode("latin-1"))
     return None
 
 
@@ -400,7 +404,8 @@ async def issue_token(request: Request) -> Response:
         if isinstance(obj, dict) and set(obj) - {"ttl_s"}:
             return _error(400, "bad_request", "the body takes only ttl_s")
         if raw_ttl is not None:
-            if isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float)) or not 1 <= raw_ttl <= auth.token_ttl_s:
+            if (isinstance(raw_ttl, bool) or not isinstance(raw_ttl, (int, float))
+                    or not 1 <= raw_ttl <= auth.token_ttl_s):
                 return _error(400, "bad_request", f"ttl_s must be a number in [1, {auth.token_ttl_s:g}]")
             ttl_s = float(raw_ttl)
     now_s = time.time()

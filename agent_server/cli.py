@@ -1,7 +1,9 @@
 """`agent-server`: parse flags (each with an environment variable), configure logging, run uvicorn.
 
 SIGTERM / Ctrl-C: stop accepting connections, let in-flight speech finish for --shutdown-grace-s, close
-the remaining sessions with 1001, then stop the engine. A second signal skips the wait.
+the remaining sessions with 1001, then stop the engine. A second signal skips the wait. The exit status
+says how it went: 0 when every session ended within the grace period, EXIT_DRAIN_CUT (75) when the grace
+ran out (or a second signal cut it short) and sessions were closed under their speech.
 
 The engine failing (to load, or its thread dying) fails every context with `engine_failed`, closes the
 sessions with 1001, and exits with EXIT_ENGINE_FAILED so that a supervisor restarts the process.
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import structlog
 import uvicorn
@@ -28,8 +32,12 @@ from agent_server.logging import configure_logging
 from agent_server.settings import CPU_WEIGHTS, DTYPES, ENV_VARS, LOG_LEVELS, Settings
 from synth.api import VARIANTS
 
-UVICORN_GRACEFUL_TIMEOUT_S = 5.0  # after our own drain, for whatever uvicorn still waits on
+UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
+EXIT_DRAIN_CUT = 75  # EX_TEMPFAIL: shut down, but the grace period ran out with sessions still speaking
+# uvicorn's WebSocket implementation: wsproto passes the Autobahn core cases (tests/agent_server/
+# test_autobahn.py); "websockets-sansio" answers case 7.1.5 (a close inside a fragmented message) with 1002.
+WS_IMPLEMENTATION = "wsproto"
 ENGINE_FAILED_GRACE_S = 2.0  # after an engine failure: time for the sessions' error messages to go out
 GIL_SWITCH_INTERVAL_S = 0.001
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -86,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--handshake-timeout-s", "handshake_timeout_s",
         "drop a connection that has not sent its request head (or WebSocket handshake) by then (0: never)", type=float)
     add("--auth", "auth", "on, off, or auto (on when API keys are configured)", choices=("auto", "on", "off"))
-    add("--api-keys-file", "api_keys_file", "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
+    add("--api-keys-file", "api_keys_file",
+        "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
     add("--allowed-origins", "allowed_origins", "comma list of browser Origins allowed (empty: any)", type=comma_list)
     add("--token-ttl-s", "token_ttl_s", "the longest life of a POST /v1/tokens token", type=float)
     add("--metrics-auth", "metrics_auth", "require credentials for /metrics and /dashboard/stream too",
@@ -141,20 +150,34 @@ def _convert(name: str, raw: str, annotation: object, parser: argparse.ArgumentP
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn closes WebSockets with 1012 at once on shutdown; we first drain (see Hub.drain)."""
+    """uvicorn closes WebSockets with 1012 at once on shutdown; we first drain (see Hub.drain). And
+    uvicorn re-raises the signal it caught once it has shut down (the process then dies of SIGTERM,
+    status 143, which supervisors read as a failure); we exit with a status of our own instead
+    (`exit_status`)."""
 
     def __init__(self, config: uvicorn.Config, hub: Hub, grace_s: float) -> None:
         super().__init__(config)
         self.hub = hub
         self.grace_s = grace_s
+        self.drained: bool | None = None  # None: no shutdown yet; then whether the drain was complete
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting
             server.close()
         for sock in sockets or []:
             sock.close()
-        await self.hub.drain(self.grace_s, give_up=lambda: self.force_exit)
+        self.drained = await self.hub.drain(self.grace_s, give_up=lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # shut down on purpose: `main` exits with its own status
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.drained is not False else EXIT_DRAIN_CUT
 
 
 def handshake_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol] | None:
@@ -199,9 +222,8 @@ def handshake_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol] | No
         def _head_timed_out(self) -> None:
             self._head_deadline = None
             if not self.transport.is_closing():
-                structlog.get_logger("agent_server.cli").info(
-                    "handshake_timeout", client="%s:%d" % self.client if self.client else "", timeout_s=timeout_s
-                )
+                client = f"{self.client[0]}:{self.client[1]}" if self.client else ""
+                structlog.get_logger("agent_server.cli").info("handshake_timeout", client=client, timeout_s=timeout_s)
                 self.transport.close()
 
     return HandshakeDeadlineProtocol
@@ -220,7 +242,7 @@ def build_server(app: Any, settings: Settings, **config_overrides: Any) -> Grace
         ssl_keyfile=settings.tls_keyfile,
         log_config=None,  # logging.configure_logging owns the handlers
         log_level=settings.log_level,
-        ws="websockets-sansio",
+        ws=WS_IMPLEMENTATION,
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,
@@ -247,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def on_engine_failed(detail: str) -> None:
         failures.append(detail)
-        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail, exit_code=EXIT_ENGINE_FAILED)
+        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail,
+                                                       exit_code=EXIT_ENGINE_FAILED)
         server.grace_s = min(server.grace_s, ENGINE_FAILED_GRACE_S)
         server.should_exit = True
 
@@ -264,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             metrics_thread.join(5)
     if failures:
         sys.exit(EXIT_ENGINE_FAILED)
+    sys.exit(server.exit_status)
 
 
 if __name__ == "__main__":

@@ -3,24 +3,33 @@
 It owns the engine (built and warmed up on a daemon thread so /healthz answers while the model loads),
 the voice store, the observers, the registry of open sessions of every protocol, the ticker (segmenter
 polls and the slow-client watchdog) and the shutdown drain.
+
+Sessions (agent_server/session.py, one per WebSocket or HTTP request of any protocol) come in through
+`await admit(session)` and leave through `remove(session)`; every context's stream comes from
+`await open_stream(...)`. Admission and text charging are awaitable: the per-key limits they consult
+may live in a shared store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import itertools
 import secrets
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from agent_server.auth import AUTH_OFF_WARNING, Auth
+from agent_server.auth import AUTH_OFF_WARNING, Auth, Principal
+from agent_server.errors import UNAVAILABLE, FieldError
 from agent_server.observers import Observers
 from agent_server.settings import Settings
-from agent_server.speech import Emit, SegmenterLike, SpeechStream, StreamDone, StreamEvent, StreamSpec
+from agent_server.speech import Emit, SegmenterLike, SpeechStream, Stream, StreamDone, StreamEvent, StreamSpec
 from agent_server.voices import VoiceError, VoiceStore
 from synth.api import EngineLike
 
@@ -36,6 +45,14 @@ RANDOM_WEIGHTS_WARNING = (
 
 EngineFactory = Callable[[Settings], EngineLike]
 SegmenterFactory = Callable[[], SegmenterLike]
+T = TypeVar("T")
+
+
+async def resolved(value: T | Awaitable[T]) -> T:
+    """`value`, awaited when it is awaitable: Auth's per-key methods may be sync or async."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
 
 
 class ServerStatus(enum.IntEnum):
@@ -46,29 +63,30 @@ class ServerStatus(enum.IntEnum):
     FAILED = 4  # the engine failed to load or its thread died
 
 
-class OpenRefused(Exception):
-    """A stream could not be opened: `busy` (try again later) or a client error naming `field`."""
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a session was not admitted. `unavailable`: the server is not serving (loading, shutting down,
+    failed), as opposed to full (a session limit)."""
 
-    def __init__(self, busy: bool, field: str, message: str, code: str) -> None:
-        super().__init__(message)
-        self.busy = busy
-        self.field = field
-        self.message = message
-        self.code = code
+    reason: str
+    unavailable: bool
 
 
-class Session(Protocol):
-    """What the hub needs from a session of any protocol (see session.Connection)."""
+class SessionHandle(Protocol):
+    """What the hub needs from a session of any protocol (session.Session)."""
 
-    session_id: str
-    protocol_name: str
-
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def protocol_name(self) -> str: ...
+    @property
+    def principal(self) -> Principal | None: ...
+    @property
+    def live_streams(self) -> int: ...
     def tick(self, now_s: float) -> None: ...
     def begin_drain(self) -> None: ...
     def close_now(self, code: int, reason: str) -> None: ...
     def fail_streams(self, detail: str) -> None: ...
-    @property
-    def live_streams(self) -> int: ...
 
 
 class Hub:
@@ -91,12 +109,13 @@ class Hub:
         self.status = ServerStatus.LOADING
         self.detail = "loading the model"
         self.engine: EngineLike | None = None  # set once built (it is ready once status is READY)
-        self.sessions: set[Session] = set()
+        self.sessions: set[SessionHandle] = set()
         self.make_segmenter = segmenter_factory or _default_segmenter_factory()
         self._given_engine = engine
         self._engine_factory = engine_factory
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()  # releases of per-key limits that are async
         self._session_numbers = itertools.count(1)
         self._instance = secrets.token_hex(3)
         self._started_monotonic_s = time.monotonic()
@@ -104,6 +123,10 @@ class Hub:
         # The CLI sets it to shut the server down and exit non-zero, so that a supervisor restarts it
         # (a dead engine cannot be revived in-process); without it the server stays up, not ready.
         self.on_engine_failed: Callable[[str], None] | None = None
+        self._drained_complete = True  # the last drain ended every session within its grace period
+        self._no_sessions = asyncio.Event()  # set while no session is registered
+        self._no_sessions.set()
+        self.engine_settled = asyncio.Event()  # set once the engine is loaded, or failed to load
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -128,11 +151,11 @@ class Hub:
             await asyncio.to_thread(engine.stop)
         log.info("server_stopped")
 
-    async def drain(self, grace_s: float, give_up: Callable[[], bool] = lambda: False) -> None:
+    async def drain(self, grace_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
         """Stop taking work, let in-flight speech finish for up to `grace_s` (or until `give_up()`),
-        then close what is left with 1001."""
+        then close what is left with 1001. True when every session ended within the grace period."""
         if self.status >= ServerStatus.DRAINING and not self.sessions:
-            return
+            return self._drained_complete
         if self.status < ServerStatus.DRAINING:
             self.status = ServerStatus.DRAINING
             self.detail = "shutting down"
@@ -141,55 +164,98 @@ class Hub:
             session.begin_drain()
         deadline_s = time.monotonic() + grace_s
         while self.sessions and time.monotonic() < deadline_s and not give_up():
-            await asyncio.sleep(DRAIN_POLL_S)
+            await self._until_no_sessions(min(DRAIN_POLL_S, deadline_s - time.monotonic()))
+        self._drained_complete = not self.sessions
         if self.sessions:
             log.warning("drain_deadline", sessions=len(self.sessions))
             for session in list(self.sessions):
                 session.close_now(1001, "server shutting down")
-            deadline_s = time.monotonic() + self.settings.close_timeout_s + 1.0
-            while self.sessions and time.monotonic() < deadline_s:
-                await asyncio.sleep(DRAIN_POLL_S)
-        log.info("drain_done", sessions_left=len(self.sessions))
+            await self._until_no_sessions(self.settings.close_timeout_s + 1.0)
+        log.info("drain_done", sessions_left=len(self.sessions), complete=self._drained_complete)
+        return self._drained_complete
+
+    async def _until_no_sessions(self, timeout_s: float) -> None:
+        """Return when the last session is gone, or after `timeout_s`."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._no_sessions.wait()
+        except TimeoutError:
+            pass
 
     # ---- sessions ------------------------------------------------------------------------------
 
     def new_session_id(self) -> str:
         return f"{self._instance}-{next(self._session_numbers)}"
 
-    def admit(self, session: Session) -> str | None:
-        """Register a session, or say why not (then the caller sends busy and closes with 1013)."""
+    async def admit(self, session: SessionHandle) -> Refusal | None:
+        """Register a session, or say why not (the session then answers busy in its protocol's form and
+        closes with 1013, or 429/503 over HTTP). Nothing is registered when it refuses."""
         if self.status != ServerStatus.READY:
-            return {
-                ServerStatus.LOADING: "starting: the model is loading",
-                ServerStatus.DRAINING: "shutting down",
-                ServerStatus.STOPPED: "shutting down",
-                ServerStatus.FAILED: "the engine failed",
-            }[self.status]
+            return Refusal(self._not_serving_reason(), unavailable=True)
         if len(self.sessions) >= self.settings.max_sessions:
-            return f"too many sessions (at most {self.settings.max_sessions})"
-        refusal = self.auth.acquire_session(getattr(session, "principal", None))
+            return Refusal(f"too many sessions (at most {self.settings.max_sessions})", unavailable=False)
+        refusal = await resolved(self.auth.acquire_session(session.principal))
         if refusal is not None:
-            return refusal
+            return Refusal(refusal, unavailable=False)
+        if not self.ready:  # the drain may have begun while the key's limit was read
+            self._release(session.principal)
+            return Refusal(self._not_serving_reason(), unavailable=True)
         self.sessions.add(session)
+        self._no_sessions.clear()
         return None
 
-    def remove(self, session: Session) -> None:
+    def remove(self, session: SessionHandle) -> None:
+        """Unregister a session (at once, whatever the store behind the per-key limits does)."""
         if session in self.sessions:
             self.sessions.discard(session)
-            self.auth.release_session(getattr(session, "principal", None))
+            self._release(session.principal)
+            if not self.sessions:
+                self._no_sessions.set()
 
-    def open_stream(self, key: str, spec: StreamSpec, emit: Emit) -> SpeechStream:
-        """A SpeechStream on the engine (not opened yet: call `.open()`). Its voice is leased until the
-        stream's StreamDone. Any protocol, WebSocket or HTTP, gets its streams here. Raises OpenRefused."""
+    async def charge_text(self, principal: Principal | None, chars: int) -> str | None:
+        """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
+        return await resolved(self.auth.charge_text(principal, chars))
+
+    def _release(self, principal: Principal | None) -> None:
+        release: Callable[[Principal | None], object] = self.auth.release_session  # sync today, async later
+        released = release(principal)
+        if inspect.iscoroutine(released):
+            self.spawn(released, "release_session")
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
+        """Run `coro` in the background, kept referenced until done; a failure is logged."""
+        task = asyncio.get_running_loop().create_task(coro, name=what)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    def _not_serving_reason(self) -> str:
+        return {
+            ServerStatus.LOADING: "starting: the model is loading",
+            ServerStatus.READY: "ready",
+            ServerStatus.DRAINING: "shutting down",
+            ServerStatus.STOPPED: "shutting down",
+            ServerStatus.FAILED: "the engine failed",
+        }[self.status]
+
+    async def open_stream(self, key: str, spec: StreamSpec, emit: Emit) -> Stream:
+        """A stream for one context (not opened yet: call `.open()`); today a SpeechStream on the engine,
+        whose voice is leased until its StreamDone. Every protocol, WebSocket or HTTP, gets its streams
+        here, so this is where the drain is checked and where another source of PCM (a phrase cache)
+        plugs in. Raises FieldError (`busy` when the server is not serving)."""
         engine = self.engine
         if engine is None or not self.ready:
-            raise OpenRefused(True, "", f"the server is not ready: {self.detail}", "not_ready")
+            raise FieldError("", f"the server is not ready: {self._not_serving_reason()}", UNAVAILABLE, busy=True)
         try:
             voice = self.voices.acquire(spec.voice_id)
         except VoiceError as exc:
-            raise OpenRefused(False, "voice", exc.message, exc.code) from None
+            raise FieldError("voice", exc.message, exc.code) from None
 
-        def emit_then_release(stream: SpeechStream, event: StreamEvent) -> None:
+        def emit_then_release(stream: Stream, event: StreamEvent) -> None:
             emit(stream, event)
             if isinstance(event, StreamDone):
                 self.voices.release(voice)
@@ -199,7 +265,8 @@ class Hub:
 
     def post(self, fn: Callable[..., object], *args: object) -> None:
         """Run fn(*args) on the event loop; callable from any thread (the engine's sinks use it)."""
-        assert self._loop is not None, "hub not started"
+        if self._loop is None:
+            raise RuntimeError("the hub is not started")
         self._loop.call_soon_threadsafe(fn, *args)
 
     @property
@@ -259,8 +326,10 @@ class Hub:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
             log.exception("engine_load_failed")
+            self.engine_settled.set()
             self._report_failure()
             return
+        self.engine_settled.set()
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"
@@ -276,7 +345,8 @@ class Hub:
         if self._given_engine is not None:
             engine = self._given_engine
         else:
-            assert self._engine_factory is not None
+            if self._engine_factory is None:
+                raise RuntimeError("no engine and no engine factory")
             log.info("engine_loading", variant=self.settings.variant, weights=self.settings.weights)
             engine = self._engine_factory(self.settings)
         if engine.random_weights:
@@ -322,7 +392,7 @@ class Hub:
                 log.exception("session_fail_failed", session_id=session.session_id)
         self._report_failure()
 
-    def _end_session(self, session: Session) -> None:
+    def _end_session(self, session: SessionHandle) -> None:
         try:
             session.close_now(1011, "internal error")
         except Exception:

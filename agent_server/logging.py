@@ -2,20 +2,78 @@
 
 Our loggers bind `session_id`, `protocol` and `context_id` (session.py); anything bound with
 `structlog.contextvars.bind_contextvars` is merged in as well.
+
+Credentials never reach the log: every line, uvicorn's access and WebSocket lines included, passes
+`redact_credentials`, which blanks the value of every query parameter a credential can travel in (the
+names auth.py reads, however they are percent-encoded) and of `Bearer` / `Token` authorizations.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import time
+from collections.abc import MutableMapping
 from typing import Any
+from urllib.parse import unquote_plus
 
 import orjson
 import structlog
 
+from agent_server.auth import QUERY_NAMES
+
 LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
           "info": logging.INFO, "debug": logging.DEBUG}
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+REDACTED = "[redacted]"
+CREDENTIAL_QUERY_NAMES = frozenset({*QUERY_NAMES, "xi-api-key", "authorization", "key"})
+_QUERY_PAIR = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;\s\"'#]+)=(?P<value>[^&;\s\"'#]*)")
+# the schemes as clients write them (`Authorization: Bearer K`, Deepgram's `Token K`) before a credential
+_AUTH_SCHEME = re.compile(r"\b(?P<scheme>Bearer|bearer|Token|Basic)(?P<gap>\s+)[A-Za-z0-9._~+/=-]{8,}")
+
+
+def redact(text: str) -> str:
+    """`text` with credential values in query strings and Authorization-like phrases blanked."""
+    if "=" in text:
+        text = _QUERY_PAIR.sub(_redact_pair, text)
+    return _AUTH_SCHEME.sub(lambda m: f"{m['scheme']}{m['gap']}{REDACTED}", text)
+
+
+def _redact_pair(match: re.Match[str]) -> str:
+    if unquote_plus(match["name"]).strip().lower() in CREDENTIAL_QUERY_NAMES:
+        return f"{match['lead']}{match['name']}={REDACTED}"
+    return match[0]
+
+
+def redact_credentials(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: `redact` every string value of the line."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[key] = redact(value)
+    return event_dict
+
+
+class RateLimitedLog:
+    """At most one line per `period_s` for an event any client can trigger at will (so a client cannot
+    flood the log); each line says how many were left out since the previous one. Event loop only."""
+
+    def __init__(self, logger: Any, event: str, period_s: float) -> None:
+        self.logger = logger
+        self.event = event
+        self.period_s = period_s
+        self._last_s: float | None = None
+        self._suppressed = 0
+
+    def emit(self, **fields: Any) -> bool:
+        """Log the event now unless one was logged less than `period_s` ago; True when logged."""
+        now_s = time.monotonic()
+        if self._last_s is not None and now_s - self._last_s < self.period_s:
+            self._suppressed += 1
+            return False
+        self.logger.warning(self.event, suppressed=self._suppressed, **fields)
+        self._last_s, self._suppressed = now_s, 0
+        return True
 
 
 def _dumps(obj: Any, **_: Any) -> str:
@@ -41,6 +99,7 @@ def configure_logging(level: str = "info", *, stream: Any = None) -> None:
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
+            redact_credentials,
             structlog.processors.JSONRenderer(serializer=_dumps),
         ],
     )

@@ -26,9 +26,10 @@ import collections
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any
 
 import orjson
 import structlog
@@ -76,7 +77,6 @@ SAMPLE_PERIOD_S = 0.5  # dashboard resolution
 HISTORY_S = 120.0  # dashboard history kept (and sent to a dashboard that connects)
 TTFA_WINDOW_S = 60.0  # sliding window of the dashboard's time-to-first-audio quantiles
 MAX_TTFA_SAMPLES = 20_000  # bound on that window's raw values
-ENGINE_WATCH_POLL_S = 0.05  # (the first session event attaches it too: no step of a session goes unseen)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 NO_CACHE = {"Cache-Control": "no-cache"}
 
@@ -115,7 +115,7 @@ class Metrics:
         self.contexts_finished = counter("tts_contexts_finished", "Contexts ended, by reason", ("protocol", "reason"))
         self.audio_sent = counter("tts_audio_sent_seconds", "Audio sent to clients (counted as contexts end)", proto)
         # ---- per session (observers) ----
-        self.sessions_opened = counter("tts_sessions_opened", "WebSocket sessions admitted", proto)
+        self.sessions_opened = counter("tts_sessions_opened", "Sessions admitted (WebSockets, HTTP requests)", proto)
         self.sessions_closed = counter("tts_sessions_closed", "Sessions closed, by close code", ("protocol", "code"))
         self.busy = counter("tts_busy_rejections", "Refusals of a session or a context", ("protocol", "scope"))
         self.slow_clients = counter("tts_slow_clients_dropped", "Sessions closed: the client stopped reading", proto)
@@ -213,8 +213,8 @@ class Metrics:
     async def run(self) -> None:
         """Background task for the app's lifespan: attach the listener as soon as the engine exists, then
         keep the dashboard's history sampled whether or not a dashboard is open."""
-        while not self.attach_engine() and self.hub.status == ServerStatus.LOADING:
-            await asyncio.sleep(ENGINE_WATCH_POLL_S)
+        await self.hub.engine_settled.wait()
+        self.attach_engine()
         while True:
             self.feed.sample_if_due()
             await asyncio.sleep(self.feed.sample_period_s / 2)
@@ -259,7 +259,7 @@ class _HubCollector(Collector):
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:
         return [
-            GaugeMetricFamily("tts_sessions_active", "WebSocket sessions open", labels=["protocol"]),
+            GaugeMetricFamily("tts_sessions_active", "Sessions open (WebSockets, HTTP requests)", labels=["protocol"]),
             GaugeMetricFamily("tts_contexts_active", "Contexts (turns) open, all sessions"),
             GaugeMetricFamily("tts_engine_slots_in_use", "Segments holding an engine slot"),
             GaugeMetricFamily("tts_engine_max_slots", "Engine slots (the batch size)"),

@@ -6,8 +6,8 @@ dataclasses below. It must be cheap and must not block; an exception in it is lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import structlog
 
@@ -63,7 +63,7 @@ class SlowClientDropped:
     backlog_items: int
 
 
-ObservedEvent = Union[SessionOpened, SessionClosed, BusyRejected, FirstAudio, ContextFinished, SlowClientDropped]
+ObservedEvent = SessionOpened | SessionClosed | BusyRejected | FirstAudio | ContextFinished | SlowClientDropped
 Observer = Callable[[ObservedEvent], None]
 
 

@@ -1,7 +1,8 @@
 """The native WebSocket protocol, version 1 (docs/protocol.md): pure data, no I/O, no awaits.
 
 Client -> server: JSON text messages, one dataclass each (`Open`, `Text`, `Flush`, `End`, `Cancel`).
-`parse(raw)` returns one of them, or a `ProtocolError` naming the offending field; it never raises.
+`parse(raw)` returns one of them, or a `FieldError` naming the offending field; it never raises. Text
+limits are not the parser's: the session core applies one set for every protocol.
 
 Server -> client: JSON text events (`encode(event)`) and binary audio frames
 (`encode_frame(header, payload)`): a 12-byte little-endian header, then the audio bytes.
@@ -10,13 +11,15 @@ Server -> client: JSON text events (`encode(event)`) and binary audio frames
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any
 
 import orjson
 
 from agent_server.audio import OutputFormat
-from synth.api import VARIANTS, SamplingParams
+from agent_server.errors import FieldError
+from synth.api import VARIANTS
 
 PROTOCOL_VERSION = 1
 
@@ -32,8 +35,7 @@ CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX
 
 # version u8 · encoding u8 · segment index u16 (mod 2**16) · stream id u32 · frame seq u32 (per context, from 0)
 FRAME_HEADER = struct.Struct("<BBHII")
-FRAME_HEADER_BYTES = FRAME_HEADER.size
-assert FRAME_HEADER_BYTES == 12
+FRAME_HEADER_BYTES = FRAME_HEADER.size  # 12
 ENCODING_CODES: Mapping[str, int] = {"pcm_s16le": 1, "mulaw": 2, "alaw": 3}
 
 
@@ -83,7 +85,7 @@ class Open:
 @dataclass(frozen=True, slots=True)
 class Text:
     context_id: str
-    text: str
+    text: str | None  # None: the message carries none (the session core answers `empty_message`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,22 +108,7 @@ class KeepAlive:
     """Keeps an idle socket from the inactivity timeout; no context, no answer."""
 
 
-Message = Union[Open, Text, Flush, End, Cancel, KeepAlive]
-
-
-@dataclass(frozen=True, slots=True)
-class ProtocolError:
-    """What was wrong with a client message: `field` is a dotted path ("output_format.sample_rate_hz")."""
-
-    field: str
-    message: str
-    context_id: str | None = None
-    code: str = "bad_request"
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_text_piece_chars: int = 4096
+Message = Open | Text | Flush | End | Cancel | KeepAlive
 
 
 # sampling field name -> accepted Python type (bool is rejected separately: it is an int subclass)
@@ -135,7 +122,6 @@ SAMPLING_FIELDS: Mapping[str, type] = {
     "exaggeration": float,
     "max_new_tokens": int,
 }
-assert set(SAMPLING_FIELDS) <= set(SamplingParams.__dataclass_fields__)
 
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
@@ -150,87 +136,75 @@ MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
 FORMAT_FIELDS = frozenset({"encoding", "sample_rate_hz", "frame_ms"})
 
 
-class _Invalid(Exception):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-
-def parse(raw: str | bytes, limits: Limits = Limits()) -> Message | ProtocolError:
-    """One client message -> a Message, or a ProtocolError naming the field at fault. Never raises."""
+def parse(raw: str | bytes) -> Message | FieldError:
+    """One client message -> a Message, or a FieldError naming the field at fault. Never raises."""
     if isinstance(raw, bytes):
-        return ProtocolError("message", "binary messages are not accepted: send JSON text messages")
+        return FieldError("message", "binary messages are not accepted: send JSON text messages")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return ProtocolError("message", f"malformed JSON: {exc}")
+        return FieldError("message", f"malformed JSON: {exc}")
     if not isinstance(obj, dict):
-        return ProtocolError("message", "a message must be a JSON object")
+        return FieldError("message", "a message must be a JSON object")
     kind = obj.get("type")
     context_id = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
     try:
         if not isinstance(kind, str):
-            raise _Invalid("type", "missing or not a string: one of " + ", ".join(MESSAGE_FIELDS))
+            raise FieldError("type", "missing or not a string: one of " + ", ".join(MESSAGE_FIELDS))
         allowed = MESSAGE_FIELDS.get(kind)
         if allowed is None:
-            raise _Invalid("type", f"unknown message type {kind!r}: one of " + ", ".join(MESSAGE_FIELDS))
+            raise FieldError("type", f"unknown message type {kind!r}: one of " + ", ".join(MESSAGE_FIELDS))
         unknown = sorted(set(obj) - allowed)
         if unknown:
-            raise _Invalid(unknown[0], f"unknown field in a {kind!r} message")
+            raise FieldError(unknown[0], f"unknown field in a {kind!r} message")
         if kind == "keepalive":
             return KeepAlive()
         context_id = _context_id(obj)
         if kind == "open":
-            return _open(obj, context_id, limits)
+            return _open(obj, context_id)
         if kind == "text":
-            return Text(context_id, _text(obj, "text", limits, required=True))
+            return Text(context_id, _optional_text(obj, "text"))
         if kind == "flush":
             return Flush(context_id)
         if kind == "end":
             return End(context_id)
         return Cancel(context_id)
-    except _Invalid as exc:
-        return ProtocolError(exc.field, exc.message, context_id)
+    except FieldError as exc:
+        exc.context_id = context_id
+        return exc
 
 
 def _context_id(obj: Mapping[str, Any]) -> str:
     value = obj.get("context_id")
     if not isinstance(value, str):
-        raise _Invalid("context_id", "missing or not a string")
+        raise FieldError("context_id", "missing or not a string")
     if not (1 <= len(value) <= MAX_CONTEXT_ID_CHARS) or not set(value) <= CONTEXT_ID_CHARS:
-        raise _Invalid("context_id", f"must be 1-{MAX_CONTEXT_ID_CHARS} characters of [A-Za-z0-9_.:-]")
+        raise FieldError("context_id", f"must be 1-{MAX_CONTEXT_ID_CHARS} characters of [A-Za-z0-9_.:-]")
     return value
 
 
-def _text(obj: Mapping[str, Any], name: str, limits: Limits, *, required: bool) -> str:
+def _optional_text(obj: Mapping[str, Any], name: str) -> str | None:
     value = obj.get(name)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str):
-        raise _Invalid(name, "missing or not a string")
-    if len(value) > limits.max_text_piece_chars:
-        raise _Invalid(
-            name, f"too long: {len(value)} characters, at most {limits.max_text_piece_chars} per message"
-        )
+    if value is not None and not isinstance(value, str):
+        raise FieldError(name, "must be a string")
     return value
 
 
-def _open(obj: Mapping[str, Any], context_id: str, limits: Limits) -> Open:
+def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     voice = obj.get("voice", "default")
     if not isinstance(voice, str) or not (1 <= len(voice) <= MAX_VOICE_ID_CHARS):
-        raise _Invalid("voice", f"must be a voice id: a string of 1-{MAX_VOICE_ID_CHARS} characters")
+        raise FieldError("voice", f"must be a voice id: a string of 1-{MAX_VOICE_ID_CHARS} characters")
     model = obj.get("model")
     if model is not None and model not in VARIANTS:
-        raise _Invalid("model", "must be one of " + ", ".join(VARIANTS))
+        raise FieldError("model", "must be one of " + ", ".join(VARIANTS))
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not (0 <= seed < 2**63)):
-        raise _Invalid("seed", "must be an integer in [0, 2**63)")
+        raise FieldError("seed", "must be an integer in [0, 2**63)")
     language = obj.get("language")
     if language is not None and (
         not isinstance(language, str) or not (2 <= len(language) <= 3) or not language.isalpha()
     ):
-        raise _Invalid("language", "must be a 2- or 3-letter language code such as 'fr'")
+        raise FieldError("language", "must be a 2- or 3-letter language code such as 'fr'")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -239,7 +213,7 @@ def _open(obj: Mapping[str, Any], context_id: str, limits: Limits) -> Open:
         sampling=_sampling(obj.get("sampling")),
         seed=seed,
         language=language.lower() if language else None,
-        text=_text(obj, "text", limits, required=False),
+        text=_optional_text(obj, "text") or "",
     )
 
 
@@ -247,25 +221,25 @@ def _output_format(value: object) -> OutputFormat:
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        raise _Invalid("output_format", "must be an object {encoding, sample_rate_hz, frame_ms}")
+        raise FieldError("output_format", "must be an object {encoding, sample_rate_hz, frame_ms}")
     unknown = sorted(set(value) - FORMAT_FIELDS)
     if unknown:
-        raise _Invalid(f"output_format.{unknown[0]}", "unknown field")
+        raise FieldError(f"output_format.{unknown[0]}", "unknown field")
     encoding = value.get("encoding", DEFAULT_ENCODING)
     sample_rate_hz = value.get("sample_rate_hz", DEFAULT_SAMPLE_RATE_HZ)
     frame_ms = value.get("frame_ms", DEFAULT_FRAME_MS)
     if not isinstance(encoding, str):
-        raise _Invalid("output_format.encoding", "must be a string")
+        raise FieldError("output_format.encoding", "must be a string")
     if not _is_int(sample_rate_hz):
-        raise _Invalid("output_format.sample_rate_hz", "must be an integer")
+        raise FieldError("output_format.sample_rate_hz", "must be an integer")
     if not _is_number(frame_ms):
-        raise _Invalid("output_format.frame_ms", "must be a number")
+        raise FieldError("output_format.frame_ms", "must be a number")
     try:
         fmt = OutputFormat.parse(encoding, sample_rate_hz, frame_ms)
     except ValueError as exc:
-        raise _Invalid("output_format." + _field_of(exc, FORMAT_FIELDS, "encoding"), str(exc)) from exc
+        raise FieldError("output_format." + _field_of(exc, FORMAT_FIELDS, "encoding"), str(exc)) from exc
     if fmt.encoding not in ENCODING_CODES:
-        raise _Invalid("output_format.encoding", f"not served over this protocol: {fmt.encoding!r}")
+        raise FieldError("output_format.encoding", f"not served over this protocol: {fmt.encoding!r}")
     return fmt
 
 
@@ -273,16 +247,16 @@ def _sampling(value: object) -> tuple[tuple[str, float | int], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _Invalid("sampling", "must be an object of sampling parameters")
+        raise FieldError("sampling", "must be an object of sampling parameters")
     overrides: list[tuple[str, float | int]] = []
     for name, item in value.items():
         kind = SAMPLING_FIELDS.get(name)
         if kind is None:
-            raise _Invalid(f"sampling.{name}", "unknown sampling parameter: one of " + ", ".join(SAMPLING_FIELDS))
+            raise FieldError(f"sampling.{name}", "unknown sampling parameter: one of " + ", ".join(SAMPLING_FIELDS))
         if kind is int and not _is_int(item):
-            raise _Invalid(f"sampling.{name}", "must be an integer")
+            raise FieldError(f"sampling.{name}", "must be an integer")
         if kind is float and not _is_number(item):
-            raise _Invalid(f"sampling.{name}", "must be a number")
+            raise FieldError(f"sampling.{name}", "must be a number")
         overrides.append((name, float(item) if kind is float else int(item)))
     return tuple(overrides)
 
@@ -299,12 +273,6 @@ def _field_of(exc: ValueError, names: frozenset[str], default: str) -> str:
     """The field a ValueError message names (its first word), else `default`."""
     words = str(exc).replace(":", " ").split()
     return next((w for w in words[:3] if w in names), default)
-
-
-def field_of_sampling_error(exc: ValueError) -> str:
-    """`SamplingParams.validate` messages start with the field name ("temperature must be > 0")."""
-    first = str(exc).split(" ", 1)[0]
-    return f"sampling.{first}" if first in SamplingParams.__dataclass_fields__ else "sampling"
 
 
 # ---- server events ------------------------------------------------------------------------------
@@ -400,12 +368,12 @@ class Error:
     code: str = "bad_request"
 
 
-Event = Union[SessionStarted, ContextStarted, SegmentStarted, SegmentDone, ContextDone, Busy, Error]
+Event = SessionStarted | ContextStarted | SegmentStarted | SegmentDone | ContextDone | Busy | Error
 
 
 def encode(event: Event) -> str:
     return orjson.dumps(event).decode()
 
 
-def error_event(error: ProtocolError) -> Error:
+def error_event(error: FieldError) -> Error:
     return Error(context_id=error.context_id, field=error.field, message=error.message, code=error.code)

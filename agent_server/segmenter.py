@@ -96,8 +96,9 @@ TIMEOUT_SAFE_ENDS = (TERMINALS | CLAUSE_MARKS | CLOSERS) - frozenset("\"'")
 
 # Titles and other abbreviations whose "." never ends a sentence ("Mr. Smith", "Fig. 3").
 TITLE_ABBREVIATIONS = frozenset(
-    "mr mrs ms mx dr prof st sr jr rev hon gen gov sen rep pres col capt cmdr lt sgt maj adm "
-    "mt ft vs fig figs eq approx cf viz dept".split()
+    ["mr", "mrs", "ms", "mx", "dr", "prof", "st", "sr", "jr", "rev", "hon", "gen", "gov", "sen", "rep", "pres",
+     "col", "capt", "cmdr", "lt", "sgt", "maj", "adm", "mt", "ft", "vs", "fig", "figs", "eq", "approx", "cf",
+     "viz", "dept"]
 )
 
 _CJK = "\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f"
@@ -310,11 +311,11 @@ class Segmenter:
             if b > window or b == len(body):
                 return None  # the token may go on, or a cut here would be too long
             c = _ws_end(body, b)
-            strength = _token_end_strength(body, a, b, c, line_start, final)
-            if strength is None:
+            end_strength = _token_end_strength(body, a, b, c, line_start, final)
+            if end_strength is None:
                 return None  # needs text not received yet
             words += _word_count(body[a:b])
-            cut = self._decide(b, strength, words)
+            cut = self._decide(b, end_strength, words)
             if cut is not None:
                 return cut
             line_start = _has_line_break(body[b:c])

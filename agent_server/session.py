@@ -1,36 +1,52 @@
-"""WebSocket sessions: `Connection` (protocol-neutral, one per socket) and `NativeSession` (docs/protocol.md).
+"""The session core: one `Session` per session of any protocol (a WebSocket, or one HTTP request).
 
-A Connection owns the socket and everything that must be the same for every wire protocol:
-- a reader task (socket -> `handle_message`) and a writer task draining one bounded outbox (-> socket);
-- its contexts (`Context`: a `SpeechStream` from `hub.open_stream` and the per-socket stream number);
-- flow control: an outbox that overflows, or a send blocked for `slow_client_stall_s`, drops the client
-  (close 1008, log line `dropped_slow_client`) without touching any other session;
-- cancel: queued output of a cancelled stream is skipped by the writer, so nothing of it follows the ack;
-- shutdown drain (close 1001), busy refusal at admission (close 1013), teardown that cancels the engine work.
+Three layers, one concern each:
+- a transport (agent_server/transport.py): a reader and a writer for one connection, nothing more;
+- a wire protocol (`WireProtocol`: agent_server/native.py, agent_server/compat/*): parses the client's
+  messages and renders events in its own wire form; it never touches the socket;
+- this core, which owns everything that must be the same for every protocol:
+  - admission: `run()` holds a `try/finally` from `hub.admit` to `hub.remove` around everything the
+    protocol does, so no exception in protocol code can leak a session;
+  - contexts: opened only through `open_context` (-> `hub.open_stream`), where the drain, the context
+    limit and busy are checked once for all protocols;
+  - one set of text limits and per-key charging (`push_text`), one count of protocol errors (`reject`);
+  - one bounded outbox and its writer: output of a stream cancelled before it goes out is skipped;
+  - the slow-client watchdog: the client is cut (1008) when it has taken none of the bytes it was given
+    for `slow_client_stall_s`, measured where the bytes leave the machine (transport buffer + kernel
+    send queue), or when the outbox overflows;
+  - the drain (1001 after the last context), busy refusal at admission (1013), teardown;
+  - metrics events (agent_server/observers.py) and structured logs.
 
-A protocol subclass implements three things: `on_open()` (greeting), `handle_message(raw, now_s)` (parse and
-call `open_context` / `ctx.stream.push_text` / `.flush` / `.end` / `.cancel`) and `render(ctx, event)` (turn
-each `speech.StreamEvent` into wire messages with `send_message` / `send_audio`).
+A protocol implements the hooks of `WireProtocol` (`on_open`, `on_message`, `render`, `render_error`,
+`on_refused`, `on_close`, `on_tick`) and calls the core's verbs: `send`, `send_audio`, `open_context`,
+`push_text`, `reject`, `close`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import itertools
-import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import structlog
-from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 
-from agent_server import protocol as wire
-from agent_server.auth import principal_of
-from agent_server.hub import Hub, OpenRefused
+from agent_server.errors import (
+    CONTEXT_TEXT_LIMIT,
+    RATE_LIMITED,
+    TEXT_TOO_LONG,
+    UNAVAILABLE,
+    FieldError,
+    empty_message,
+)
+from agent_server.logging import RateLimitedLog
 from agent_server.observers import (
     BusyRejected,
     ContextFinished,
@@ -39,142 +55,258 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.speech import (
-    AudioOut,
-    DoneReason,
-    SegmentDone,
-    SegmentStarted,
-    SpecError,
-    SpeechStream,
-    StreamDone,
-    StreamEvent,
-    StreamSpec,
-    StreamStarted,
-    StreamStateError,
-    StreamStatus,
-    build_params,
+from agent_server.speech import Stream, StreamDone, StreamEvent, StreamSpec, StreamStateError, StreamStatus
+from agent_server.transport import (
+    Disconnected,
+    HttpTransport,
+    Outbound,
+    Transport,
+    TransportClosed,
+    WebSocketTransport,
+    outbound_bytes,
 )
+
+if TYPE_CHECKING:
+    from agent_server.auth import Principal
+    from agent_server.hub import Hub, Refusal
 
 log = structlog.get_logger("agent_server.session")
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server shutting down
-CLOSE_POLICY = 1008  # slow client, too many protocol errors
+CLOSE_INVALID_PAYLOAD = 1007  # a text frame that is not UTF-8 (the WebSocket layer closes with it)
+CLOSE_POLICY = 1008  # slow client, too many protocol errors, a vendor's fatal error
+CLOSE_TOO_BIG = 1009  # a message over max_message_bytes (the WebSocket layer closes with it)
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013  # busy: max sessions, model loading
-TRANSPORT_ABORT_KEY = "agent_server.transport_abort"
-# Sends that find the socket writable complete without yielding to the loop; after this many in a row
+# Sends that find the transport writable complete without yielding to the loop; after this many in a row
 # the writer lets other tasks run, so one session's burst (a 4 s chunk is 200 frames) cannot hold up
 # another session's first frame.
 WRITER_BURST_ITEMS = 8
+INVALID_UTF8_LOG_PERIOD_S = 10.0  # at most one `invalid_utf8` line per period, with a count of the rest
+CLIENT_CLOSE_REASONS = {CLOSE_INVALID_PAYLOAD: "invalid UTF-8 from the client", CLOSE_TOO_BIG: "message too big"}
+
+_invalid_utf8_log = RateLimitedLog(log, "invalid_utf8", INVALID_UTF8_LOG_PERIOD_S)
+
+S = TypeVar("S")  # a protocol's own per-context state
 
 
-class ConnectionState(enum.IntEnum):
+class SessionState(enum.IntEnum):
     OPEN = 0
     DRAINING = 1  # the server is shutting down: no new contexts; close 1001 after the last one ends
-    CLOSING = 2  # no more output is queued
+    CLOSING = 2  # the close is queued: nothing more is rendered
     CLOSED = 3
 
 
 @dataclass(slots=True, eq=False)
-class Context:
-    """One open context of a connection."""
+class Context(Generic[S]):
+    """One open context of a session: its stream, and the protocol's own state for it."""
 
     context_id: str  # the protocol's name for it
-    number: int  # 1, 2, 3 ... per connection (the native protocol's stream id)
-    stream: SpeechStream = field(init=False)
-    log: Any = None
+    number: int  # 1, 2, 3 ... per session (the native protocol's stream id)
+    state: S
+    log: Any  # structlog logger bound to the context
+    stream: Stream = field(init=False)
+
+
+Payload = Outbound | Callable[[], Outbound] | Awaitable[Outbound]
+
+
+@dataclass(slots=True, eq=False)
+class Outgoing:
+    """One item of the outbox. `data` is sent as is, or rendered when its turn comes (a callable), or
+    awaited then (an off-loop stage such as a compressing encoder: order is kept). None: a marker."""
+
+    ctx: Context[Any] | None  # output of a stream that gets cancelled before this goes out is skipped
+    data: Payload | None
+    audio_ms: float = 0.0  # > 0: an audio frame of ctx holding that much audio
+    on_done: Callable[[], None] | None = None  # once it went out, was skipped, or was dropped at teardown
+
+
+_CLOSE = Outgoing(None, None)  # the writer's sentinel: close the transport and stop
 
 
 @dataclass(slots=True)
-class Outgoing:
-    ctx: Context | None  # output of a stream that gets cancelled before this goes out is skipped
-    data: bytes | str | Callable[[], bytes | str]  # a callable is rendered when it is sent
-    audio: bool = False
+class DrainWatch:
+    """Whether the client keeps taking what it was given. Pure: fed with byte counts and times.
+
+    `wrote(n)` counts bytes handed to the transport; `observe(unsent)` reads what of them has not left
+    the machine yet (transport buffer + kernel send queue, i.e. not acknowledged by the client). The
+    client is stalled from the first observation at which bytes wait for it, and stays stalled until
+    more of them than ever before have drained. Framing bytes the count does not see only make the
+    drained figure lower, never higher, so they cannot pass for progress."""
+
+    written_bytes: int = 0
+    drained_bytes: int = 0  # the most ever seen drained
+    stalled_since_s: float | None = None
+
+    def wrote(self, n_bytes: int) -> None:
+        self.written_bytes += n_bytes
+
+    def observe(self, unsent_bytes: int, now_s: float) -> None:
+        if unsent_bytes <= 0:  # everything left: nothing waits for the client
+            self.drained_bytes = max(self.drained_bytes, self.written_bytes)
+            self.stalled_since_s = None
+            return
+        drained = self.written_bytes - unsent_bytes
+        if drained > self.drained_bytes:
+            self.drained_bytes = drained
+            self.stalled_since_s = now_s
+        elif self.stalled_since_s is None:
+            self.stalled_since_s = now_s
+
+    def stalled_s(self, now_s: float) -> float:
+        return 0.0 if self.stalled_since_s is None else now_s - self.stalled_since_s
 
 
-_CLOSE = Outgoing(None, b"")  # the writer's sentinel: send the close frame and stop
+class WireProtocol(Generic[S]):
+    """A protocol's wire format on the session core: parse what the client sends, render what the
+    session emits. It holds no socket and sends only through `self.session`. Any exception a hook
+    raises closes that session (1011, or an HTTP 500 when no response has started), never the server."""
+
+    name: ClassVar[str]
+
+    def __init__(self, session: Session[S]) -> None:
+        self.session = session
+
+    async def on_open(self) -> None:
+        """Once admitted: check the query, queue the greeting."""
+
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        """One client message (an HTTP request's body is one message)."""
+        raise NotImplementedError
+
+    def render(self, ctx: Context[S], event: StreamEvent) -> None:
+        """One event of a context's stream, in order; StreamDone last (then the context is gone)."""
+        raise NotImplementedError
+
+    def render_error(self, error: FieldError) -> None:
+        """A refused request (`session.reject`) in the protocol's own form; it may also close."""
+        raise NotImplementedError
+
+    def on_refused(self, refusal: Refusal) -> None:
+        """The session was not admitted: queue the refusal (the core then closes with 1013)."""
+
+    def on_close(self, code: int, reason: str) -> None:
+        """The session is about to close: queue any last words (they go out before the close)."""
+
+    def on_tick(self, now_s: float) -> None:
+        """Called every `tick_s` (protocol timers such as an inactivity timeout)."""
 
 
-class Connection:
-    protocol_name: ClassVar[str] = "base"
-
-    def __init__(self, hub: Hub, websocket: WebSocket) -> None:
+class Session(Generic[S]):
+    def __init__(self, hub: Hub, transport: Transport, protocol: type[WireProtocol[S]]) -> None:
         self.hub = hub
         self.settings = hub.settings
-        self.websocket = websocket
-        self.session_id = hub.new_session_id()
-        self.principal = principal_of(websocket.scope)  # the API key it came with (None: auth off)
-        self.state = ConnectionState.OPEN
-        self.contexts: dict[str, Context] = {}
+        self.transport = transport
+        self.protocol_name: str = protocol.name
+        self.session_id: str = hub.new_session_id()
+        self.principal: Principal | None = transport.principal  # the API key it came with (None: auth off)
+        self.state = SessionState.OPEN
+        self.contexts: dict[str, Context[S]] = {}
         self.log = log.bind(session_id=self.session_id, protocol=self.protocol_name)
+        self.close_code = CLOSE_NORMAL
+        self.close_reason = ""
+        self.last_input_s = time.monotonic()  # the last client message
+        self._opening: set[str] = set()  # context ids whose stream is being opened
+        self._finished: list[Callable[[], None]] = []  # bookkeeping of contexts that ended, not yet queued
         self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=self.settings.outbox_max_items)
         self._numbers = itertools.count(1)
+        self._errors = 0
+        self._drain = DrainWatch()
         self._sending_since_s: float | None = None  # set while one send is in progress
-        self._close_code = CLOSE_NORMAL
-        self._close_reason = ""
         self._close_queued = False
         self._close_sent = False
         self._client_gone = False
         self._aborted = False
         self._tasks: list[asyncio.Task[None]] = []
         self._opened_s = time.monotonic()
+        self.wire: WireProtocol[S] = protocol(self)  # last: it may read any of the above
 
-    # ---- to implement per protocol -----------------------------------------------------------------
+    # ---- for protocols ---------------------------------------------------------------------------
 
-    def on_open(self) -> None:
-        """Queue the protocol's greeting, if any."""
+    @property
+    def variant(self) -> str:
+        engine = self.hub.engine
+        return engine.variant if engine is not None else self.settings.variant
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
-        raise NotImplementedError
-
-    def render(self, ctx: Context, event: StreamEvent) -> None:
-        raise NotImplementedError
-
-    def render_refusal(self, reason: str) -> str | None:
-        """The message sent before closing with 1013 when the session is refused."""
-        return None
-
-    # ---- for protocol subclasses -----------------------------------------------------------------
-
-    def send_message(self, data: bytes | str | Callable[[], bytes | str], ctx: Context | None = None) -> None:
+    def send(self, data: Payload, ctx: Context[S] | None = None) -> None:
+        """Queue a message; with `ctx`, it is skipped if that context is cancelled before it goes out."""
         self._put(Outgoing(ctx, data))
 
-    def send_audio(self, ctx: Context, data: bytes | str) -> None:
-        self._put(Outgoing(ctx, data, audio=True))
+    def send_audio(self, ctx: Context[S], data: Payload, audio_ms: float) -> None:
+        """Queue one audio frame of `ctx` (it counts as sent audio once the transport took it)."""
+        self._put(Outgoing(ctx, data, audio_ms=audio_ms))
 
-    def open_context(self, context_id: str, spec: StreamSpec) -> Context:
-        """Open a stream for a new context (it emits StreamStarted). Raises OpenRefused (busy or a field error)."""
-        if self.state != ConnectionState.OPEN:
-            raise OpenRefused(True, "", "the server is shutting down", "shutting_down")
-        if context_id in self.contexts:
-            raise OpenRefused(False, "context_id", f"context {context_id!r} is already open", "context_exists")
-        if len(self.contexts) >= self.settings.max_contexts_per_session:
-            raise OpenRefused(
-                True,
-                "context_id",
-                f"too many open contexts on this socket (at most {self.settings.max_contexts_per_session})",
-                "too_many_contexts",
-            )
-        number = next(self._numbers)
-        ctx = Context(context_id, number, log=self.log.bind(context_id=context_id))
-        ctx.stream = self.hub.open_stream(f"{self.session_id}/{number}", spec, partial(self._on_stream_event, ctx))
+    async def open_context(self, context_id: str, spec: StreamSpec, state: S) -> Context[S] | None:
+        """Open a context (its stream emits StreamStarted at once), or refuse it through `reject`
+        (busy while draining, at the context limit or with the engine full; a bad voice) and return None."""
+        try:
+            self._check_can_open(context_id)
+            self._opening.add(context_id)
+            try:
+                number = next(self._numbers)
+                ctx = Context(context_id, number, state, self.log.bind(context_id=context_id))
+                emit = partial(self._on_stream_event, ctx)
+                ctx.stream = await self.hub.open_stream(f"{self.session_id}/{number}", spec, emit)
+            finally:
+                self._opening.discard(context_id)
+        except FieldError as error:
+            error.context_id = context_id
+            self.reject(error)
+            return None
         self.contexts[context_id] = ctx
         ctx.stream.open()
+        if self.state != SessionState.OPEN:  # drained or closed while the stream was being opened
+            ctx.stream.cancel(StreamStatus.SHUTDOWN, "the server is shutting down")
+            return None
         return ctx
 
-    def charge_text(self, chars: int) -> str | None:
-        """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
-        return self.hub.auth.charge_text(self.principal, chars)
+    async def push_text(self, ctx: Context[S], text: str | None, now_s: float) -> bool:
+        """Text for a context, under the one set of limits every protocol shares: a message without
+        text, a piece over `max_text_piece_chars`, a context over `max_context_text_chars`, or the API
+        key's text budget spent is refused through `reject` (False). An empty piece is accepted and
+        does nothing. Raises StreamStateError when the context no longer takes text."""
+        error = self._text_error(ctx, text)
+        if error is None and text:
+            refusal = await self.hub.charge_text(self.principal, len(text))
+            if refusal is not None:
+                error = FieldError("text", refusal, RATE_LIMITED, context_id=ctx.context_id)
+        if error is not None:
+            self.reject(error)
+            return False
+        if text:
+            ctx.stream.push_text(text, now_s)  # StreamStateError if it ended meanwhile
+        return True
 
-    def request_close(self, code: int, reason: str) -> None:
-        """Close after the output already queued has gone out."""
-        if self._close_queued or self.state >= ConnectionState.CLOSING:
+    def reject(self, error: FieldError) -> None:
+        """A refused request: logged, rendered by the protocol; after `max_protocol_errors` client
+        errors (busy does not count) the session closes with 1008."""
+        ctx = self.contexts.get(error.context_id) if error.context_id else None
+        (ctx.log if ctx is not None else self.log).info(
+            "protocol_error", field=error.field, message=error.message, code=error.code, busy=error.busy
+        )
+        if error.busy:
+            self.hub.observers.emit(BusyRejected(self.protocol_name, "context", error.message))
+        else:
+            self._errors += 1
+        if self.state < SessionState.CLOSING:
+            self.wire.render_error(error)
+        if self._errors >= self.settings.max_protocol_errors:
+            self.close(CLOSE_POLICY, "too many protocol errors")
+
+    def close(self, code: int, reason: str) -> None:
+        """Close after the output already queued (and the protocol's last words, `on_close`) went out."""
+        if self._close_queued or self.state >= SessionState.CLOSING:
             return
-        self._close_code, self._close_reason = code, reason
-        self._close_queued = True
-        self._put(_CLOSE)
-        self.state = ConnectionState.CLOSING
+        self.close_code, self.close_reason = code, reason
+        try:
+            self.wire.on_close(code, reason)
+        except Exception:
+            self.log.exception("protocol_hook_failed", hook="close")
+            self.close_code, self.close_reason = CLOSE_INTERNAL_ERROR, "internal error"
+        self.state = SessionState.CLOSING
+        self._queue_close()
 
     # ---- the hub's handles -----------------------------------------------------------------------
 
@@ -183,78 +315,113 @@ class Connection:
         return len(self.contexts)
 
     def tick(self, now_s: float) -> None:
-        since_s = self._sending_since_s
-        if since_s is not None and now_s - since_s > self.settings.slow_client_stall_s:
-            self._drop_slow_client(f"a send has been blocked for {now_s - since_s:.1f} s")
+        stalled_s = self._stalled_s(now_s)
+        if stalled_s > self.settings.slow_client_stall_s:
+            self._drop_slow_client(f"the client took none of its audio for {stalled_s:.1f} s")
+            return
+        if self.state >= SessionState.CLOSING:
             return
         for ctx in list(self.contexts.values()):
             if ctx.stream.has_unsegmented_text:
                 ctx.stream.poll(now_s)
+        self.wire.on_tick(now_s)
 
     def begin_drain(self) -> None:
-        if self.state == ConnectionState.OPEN:
-            self.state = ConnectionState.DRAINING
-            if not self.contexts:
-                self.request_close(CLOSE_GOING_AWAY, "server shutting down")
+        if self.state == SessionState.OPEN:
+            self.state = SessionState.DRAINING
+            if not self.contexts and not self._opening:
+                self.close(CLOSE_GOING_AWAY, "server shutting down")
 
     def close_now(self, code: int, reason: str) -> None:
         for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(DoneReason.SHUTDOWN, reason)
-        self.request_close(code, reason)
+            ctx.stream.cancel(StreamStatus.SHUTDOWN, reason)
+        self.close(code, reason)
 
     def fail_streams(self, detail: str) -> None:
         for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(DoneReason.FAILED, detail)
+            ctx.stream.cancel(StreamStatus.FAILED, detail)
 
-    # ---- the socket ------------------------------------------------------------------------------
+    # ---- the session's life ----------------------------------------------------------------------
 
-    async def serve(self) -> None:
-        await self.websocket.accept()
-        refusal = self.hub.admit(self)
-        if refusal is not None:
-            await self._refuse(refusal)
-            return
-        self.log.info("session_opened", client=_client_of(self.websocket))
-        self.hub.observers.emit(SessionOpened(self.protocol_name, self.session_id))
-        self.on_open()
-        reader = asyncio.create_task(self._read_loop(), name=f"read-{self.session_id}")
-        writer = asyncio.create_task(self._write_loop(), name=f"write-{self.session_id}")
-        self._tasks = [reader, writer]
+    async def run(self) -> None:
+        """Serve the session to its end. Admission to removal is one try/finally."""
+        admitted = False
         try:
+            await self.transport.accept()
+            refusal = await self.hub.admit(self)
+            admitted = refusal is None
+            if refusal is not None:
+                await self._refuse(refusal)
+                return
+            await self._serve()
+        except TransportClosed:
+            self._client_gone = True
+        except Exception:
+            self.log.exception("session_failed")
+            await self._last_resort_close()
+        finally:
+            if admitted:
+                self.hub.remove(self)
+                self.state = SessionState.CLOSED
+                duration_s = time.monotonic() - self._opened_s
+                self.log.info("session_closed", code=self.close_code, reason=self.close_reason,
+                              duration_s=round(duration_s, 3))
+                self.hub.observers.emit(SessionClosed(self.protocol_name, self.session_id, self.close_code,
+                                                      self.close_reason, duration_s))
+
+    async def _serve(self) -> None:
+        self.log.info("session_opened", client=self.transport.client)
+        self.hub.observers.emit(SessionOpened(self.protocol_name, self.session_id))
+        writer = asyncio.create_task(self._write_loop(), name=f"write-{self.session_id}")
+        self._tasks = [writer]
+        try:
+            try:
+                await self.wire.on_open()
+            except Exception:
+                self._hook_failed("open")
+            if self.state < SessionState.CLOSING:
+                self._tasks.append(asyncio.create_task(self._read_loop(), name=f"read-{self.session_id}"))
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await self._teardown(reader, writer)
+            await self._teardown()
 
-    async def _refuse(self, reason: str) -> None:
-        self.log.info("session_refused", reason=reason)
-        self.hub.observers.emit(BusyRejected(self.protocol_name, "session", reason))
-        message = self.render_refusal(reason)
+    async def _refuse(self, refusal: Refusal) -> None:
+        self.log.info("session_refused", reason=refusal.reason)
+        self.hub.observers.emit(BusyRejected(self.protocol_name, "session", refusal.reason))
         try:
-            if message is not None:
-                await self.websocket.send_text(message)
-            await self.websocket.close(CLOSE_TRY_AGAIN_LATER, reason[:120])
-        except (WebSocketDisconnect, RuntimeError):
-            pass
+            self.wire.on_refused(refusal)
+        except Exception:
+            self.log.exception("protocol_hook_failed", hook="refused")
+        self.close_code, self.close_reason = CLOSE_TRY_AGAIN_LATER, refusal.reason[:120]
+        self.state = SessionState.CLOSING
+        self._queue_close()
+        try:
+            async with asyncio.timeout(self.settings.close_timeout_s + self.settings.slow_client_stall_s):
+                await self._write_loop()
+        except TimeoutError:
+            self.transport.abort()
 
     async def _read_loop(self) -> None:
-        receive = self.websocket.receive
-        while self.state < ConnectionState.CLOSING:
+        receive = self.transport.receive
+        while self.state < SessionState.CLOSING:
             message = await receive()
-            if message["type"] == "websocket.disconnect":
+            if isinstance(message, Disconnected):
                 self._client_gone = True
                 if not self._close_queued:  # (uvicorn also reports our own close this way)
-                    self._close_code = int(message.get("code") or CLOSE_NORMAL)
-                    self._close_reason = "client closed"
+                    self.close_code = message.code
+                    self.close_reason = CLIENT_CLOSE_REASONS.get(message.code, "client closed")
+                if message.code == CLOSE_INVALID_PAYLOAD:
+                    _invalid_utf8_log.emit(session_id=self.session_id, protocol=self.protocol_name)
                 return
-            text = message.get("text")
+            now_s = time.monotonic()
+            self.last_input_s = now_s
             try:
-                self.handle_message(text if text is not None else message.get("bytes") or b"", time.monotonic())
+                await self.wire.on_message(message, now_s)
             except Exception:
-                self.log.exception("message_handling_failed")
-                self.request_close(CLOSE_INTERNAL_ERROR, "internal error")
+                self._hook_failed("message")
 
     async def _write_loop(self) -> None:
-        send = self.websocket.send
+        send = self.transport.send
         get = self._outbox.get
         burst = 0
         try:
@@ -266,403 +433,249 @@ class Connection:
                 item = await get()
                 if item is _CLOSE:
                     self._close_sent = True
-                    await send({"type": "websocket.close", "code": self._close_code, "reason": self._close_reason})
+                    await self.transport.close(self.close_code, self.close_reason)
                     return
-                ctx = item.ctx
-                if ctx is not None and ctx.stream.status == StreamStatus.CANCELLED:
-                    continue  # cancelled: nothing of it goes out any more
-                data = item.data
-                if callable(data):
-                    data = data()
-                self._sending_since_s = time.monotonic()
-                if isinstance(data, bytes):
-                    await send({"type": "websocket.send", "bytes": data})
-                else:
-                    await send({"type": "websocket.send", "text": data})
-                now_s = time.monotonic()
-                self._sending_since_s = None
-                if item.audio:
-                    assert ctx is not None
-                    ctx.stream.on_frame_sent(now_s)
-                    if ctx.stream.frames_sent == 1:
-                        self._on_first_audio(ctx)
-        except (WebSocketDisconnect, OSError):
+                try:
+                    await self._send_item(item, send)
+                finally:
+                    if item.on_done is not None:
+                        item.on_done()
+        except TransportClosed:
             self._client_gone = True
-        except RuntimeError as exc:  # a send after the socket closed (the client's close came first)
-            self._client_gone = True
-            self.log.info("send_after_close", error=str(exc))
 
-    async def _teardown(self, reader: asyncio.Task[None], writer: asyncio.Task[None]) -> None:
-        if self.state < ConnectionState.CLOSING:
-            self.state = ConnectionState.CLOSING
+    async def _send_item(self, item: Outgoing, send: Callable[[Outbound], Awaitable[None]]) -> None:
+        ctx = item.ctx
+        if ctx is not None and ctx.stream.status.output_dropped:
+            return  # cancelled: nothing of it goes out any more
+        payload = item.data
+        if payload is None:
+            return
+        data: Outbound
+        if callable(payload):
+            data = payload()
+        elif inspect.isawaitable(payload):
+            data = await payload
+        else:
+            data = payload
+        self._sending_since_s = time.monotonic()
+        self._drain.wrote(outbound_bytes(data))
+        await send(data)
+        now_s = time.monotonic()
+        self._sending_since_s = None
+        if item.audio_ms > 0.0 and ctx is not None:
+            ctx.stream.on_frame_sent(now_s, item.audio_ms)
+            if ctx.stream.frames_sent == 1:
+                self._on_first_audio(ctx)
+
+    async def _teardown(self) -> None:
+        if self.state < SessionState.CLOSING:
+            self.state = SessionState.CLOSING
         for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(DoneReason.SHUTDOWN, "session closed")
-        reader.cancel()
+            ctx.stream.cancel(StreamStatus.SHUTDOWN, "session closed")
+        writer, *others = self._tasks
+        for task in others:
+            task.cancel()
         if self._close_queued and not self._aborted and not self._client_gone and not writer.done():
             await asyncio.wait([writer], timeout=self.settings.slow_client_stall_s + self.settings.close_timeout_s)
         writer.cancel()
-        for result in await asyncio.gather(reader, writer, return_exceptions=True):
+        for result in await asyncio.gather(*self._tasks, return_exceptions=True):
             if isinstance(result, Exception):
                 self.log.error("session_task_failed", error=repr(result))
         if not self._close_sent and not self._client_gone:
             await self._close_or_abort()
-        self.hub.remove(self)
-        self.state = ConnectionState.CLOSED
-        duration_s = time.monotonic() - self._opened_s
-        self.log.info("session_closed", code=self._close_code, reason=self._close_reason, duration_s=round(duration_s, 3))
-        self.hub.observers.emit(
-            SessionClosed(self.protocol_name, self.session_id, self._close_code, self._close_reason, duration_s)
-        )
+        while not self._outbox.empty():  # markers still queued: their bookkeeping runs now
+            item = self._outbox.get_nowait()
+            if item.on_done is not None:
+                item.on_done()
 
     async def _close_or_abort(self) -> None:
-        """Send the close frame; a client that does not read cannot take it, so then drop the TCP connection."""
+        """Close; a client that does not read cannot take a close frame, so then drop the connection."""
         self._close_sent = True
         try:
             async with asyncio.timeout(self.settings.close_timeout_s):
-                await self.websocket.close(self._close_code, self._close_reason)
+                await self.transport.close(self.close_code, self.close_reason)
             return
         except TimeoutError:
             pass
-        except (WebSocketDisconnect, OSError, RuntimeError):
+        except TransportClosed:
             return
-        abort = self.websocket.scope.get(TRANSPORT_ABORT_KEY)
-        if abort is not None:
-            abort()
-            self.log.info("transport_aborted", code=self._close_code)
+        self.transport.abort()
+        self.log.info("transport_aborted", code=self.close_code)
+
+    async def _last_resort_close(self) -> None:
+        """After a failure outside every hook (a bug in the core or the transport)."""
+        if self._close_sent or self._client_gone:
+            return
+        self._close_sent = True
+        self.close_code, self.close_reason = CLOSE_INTERNAL_ERROR, "internal error"
+        try:
+            async with asyncio.timeout(self.settings.close_timeout_s):
+                await self.transport.close(CLOSE_INTERNAL_ERROR, "internal error")
+        except (TimeoutError, TransportClosed):
+            self.transport.abort()
+        except Exception:
+            self.log.exception("transport_close_failed")
+            self.transport.abort()
 
     # ---- internals -------------------------------------------------------------------------------
 
+    def _check_can_open(self, context_id: str) -> None:
+        if self.state != SessionState.OPEN or not self.hub.ready:
+            why = ("the server is shutting down" if self.state == SessionState.DRAINING
+                   else "the session is closing" if self.state > SessionState.DRAINING
+                   else f"the server is not ready: {self.hub.detail}")
+            raise FieldError("", why, UNAVAILABLE, busy=True)
+        if context_id in self.contexts or context_id in self._opening:
+            raise FieldError("context_id", f"context {context_id!r} is already open", "context_exists")
+        limit = self.settings.max_contexts_per_session
+        if len(self.contexts) + len(self._opening) >= limit:
+            raise FieldError("context_id", f"too many open contexts on this session (at most {limit})",
+                             "too_many_contexts", busy=True)
+
+    def _text_error(self, ctx: Context[S], text: str | None) -> FieldError | None:
+        cid = ctx.context_id
+        if text is None:
+            return empty_message(cid)
+        piece_limit = self.settings.max_text_piece_chars
+        if len(text) > piece_limit:
+            return FieldError("text", f"too long: {len(text)} characters, at most {piece_limit} per message",
+                              TEXT_TOO_LONG, context_id=cid)
+        context_limit = self.settings.max_context_text_chars
+        if ctx.stream.text_chars + len(text) > context_limit:
+            return FieldError("text", f"the context would exceed {context_limit} characters of text",
+                              CONTEXT_TEXT_LIMIT, context_id=cid)
+        if ctx.stream.status != StreamStatus.OPEN:
+            raise StreamStateError(f"'text' on a context that is {ctx.stream.status.name.lower()}")
+        return None
+
+    def _stalled_s(self, now_s: float) -> float:
+        unsent = self.transport.unsent_bytes()
+        stalled_s = 0.0
+        if unsent is not None:
+            self._drain.observe(unsent, now_s)
+            stalled_s = self._drain.stalled_s(now_s)
+        if self._sending_since_s is not None:  # a transport that cannot report its queue: a blocked send
+            stalled_s = max(stalled_s, now_s - self._sending_since_s)
+        return stalled_s
+
+    def _queue_close(self) -> None:
+        """The close goes after what is queued, the bookkeeping of contexts that just ended included."""
+        finished, self._finished = self._finished, []
+        for fn in finished:
+            self._put(Outgoing(None, None, on_done=fn))
+        self._put(_CLOSE)
+        self._close_queued = True
+
     def _put(self, item: Outgoing) -> None:
+        if self._close_queued:
+            if item.on_done is not None:
+                item.on_done()
+            return
         try:
             self._outbox.put_nowait(item)
         except asyncio.QueueFull:
             self._drop_slow_client(f"outbox full ({self._outbox.maxsize} items)")
+            if item.on_done is not None:
+                item.on_done()
+
+    def _hook_failed(self, hook: str) -> None:
+        self.log.exception("protocol_hook_failed", hook=hook)
+        self.close(CLOSE_INTERNAL_ERROR, "internal error")
 
     def _drop_slow_client(self, why: str) -> None:
-        if self._aborted or self.state >= ConnectionState.CLOSED:
+        if self._aborted or self.state >= SessionState.CLOSED:
             return
         backlog = self._outbox.qsize()
         self.log.warning("dropped_slow_client", why=why, backlog_items=backlog, code=CLOSE_POLICY)
         self.hub.observers.emit(SlowClientDropped(self.protocol_name, self.session_id, backlog))
         self._aborted = True
-        self.state = ConnectionState.CLOSING
-        self._close_code, self._close_reason = CLOSE_POLICY, "slow client: audio not read"
+        self.state = SessionState.CLOSING
+        self.close_code, self.close_reason = CLOSE_POLICY, "slow client: audio not read"
         for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(DoneReason.SHUTDOWN, "slow client")
+            ctx.stream.cancel(StreamStatus.SHUTDOWN, "slow client")
         for task in self._tasks:
             task.cancel()
 
-    def _on_stream_event(self, ctx: Context, stream: SpeechStream, event: StreamEvent) -> None:
-        if self.state < ConnectionState.CLOSING:  # once closing, nothing more is queued
-            self.render(ctx, event)
-        if isinstance(event, StreamDone):
-            self._finish_context(ctx, event)
-
-    def _finish_context(self, ctx: Context, done: StreamDone) -> None:
+    def _on_stream_event(self, ctx: Context[S], stream: Stream, event: StreamEvent) -> None:
+        done = isinstance(event, StreamDone)
+        if isinstance(event, StreamDone):  # its bookkeeping runs once what was queued for it went out
+            self._finished.append(partial(self._context_finished, ctx, event))
+        if self.state < SessionState.CLOSING:  # once closing, nothing more is rendered
+            try:
+                self.wire.render(ctx, event)
+            except Exception:
+                self._hook_failed("render")
+        if not done:
+            return
         if self.contexts.get(ctx.context_id) is ctx:
             del self.contexts[ctx.context_id]
-        stream = ctx.stream
-        ctx.log.info(
-            "context_done",
-            reason=done.reason.value,
-            detail=done.detail,
-            segments=stream.segment_count,
-            audio_ms=round(stream.output_ms, 1),
-            frames=stream.frames_out,
-        )
-        self.hub.observers.emit(
-            ContextFinished(
-                self.protocol_name,
-                self.session_id,
-                ctx.context_id,
-                done.reason.value,
-                stream.output_ms / 1000.0,
-                stream.segment_count,
-            )
-        )
-        if done.reason == DoneReason.BUSY:
-            self.hub.observers.emit(BusyRejected(self.protocol_name, "context", done.detail))
-        if self.state == ConnectionState.DRAINING and not self.contexts:
-            self.request_close(CLOSE_GOING_AWAY, "server shutting down")
+        finished, self._finished = self._finished, []
+        for fn in finished:
+            if self._close_queued or self.state >= SessionState.CLOSED:
+                fn()
+            else:
+                self._put(Outgoing(None, None, on_done=fn))
+        if self.state == SessionState.DRAINING and not self.contexts and not self._opening:
+            self.close(CLOSE_GOING_AWAY, "server shutting down")
 
-    def _on_first_audio(self, ctx: Context) -> None:
+    def _context_finished(self, ctx: Context[S], done: StreamDone) -> None:
+        stream = ctx.stream
+        ctx.log.info("context_done", reason=done.reason, detail=done.detail, segments=stream.segment_count,
+                     audio_ms=round(stream.sent_ms, 1), frames=stream.frames_sent)
+        self.hub.observers.emit(ContextFinished(self.protocol_name, self.session_id, ctx.context_id, done.reason,
+                                                stream.sent_ms / 1000.0, stream.segment_count))
+        if done.status == StreamStatus.BUSY:
+            self.hub.observers.emit(BusyRejected(self.protocol_name, "context", done.detail))
+
+    def _on_first_audio(self, ctx: Context[S]) -> None:
         times = ctx.stream.times
         engine_ttfb_s = None
         if times.first_chunk_ready_s is not None and times.first_submit_s is not None:
             engine_ttfb_s = times.first_chunk_ready_s - times.first_submit_s
-        self.hub.observers.emit(
-            FirstAudio(
-                self.protocol_name,
-                self.session_id,
-                ctx.context_id,
-                times.ttfa_s,
-                times.server_overhead_s,
-                engine_ttfb_s,
-            )
-        )
+        self.hub.observers.emit(FirstAudio(self.protocol_name, self.session_id, ctx.context_id, times.ttfa_s,
+                                           times.server_overhead_s, engine_ttfb_s))
 
 
-class NativeSession(Connection):
-    """The native protocol (docs/protocol.md): JSON control messages in, binary audio frames out."""
-
-    protocol_name: ClassVar[str] = "native"
-
-    def __init__(self, hub: Hub, websocket: WebSocket) -> None:
-        super().__init__(hub, websocket)
-        self._limits = wire.Limits(max_text_piece_chars=self.settings.max_text_piece_chars)
-        self._errors = 0
-        self._last_active_s = time.monotonic()  # the last client message, or the last open context
-
-    def on_open(self) -> None:
-        engine = self.hub.engine
-        assert engine is not None
-        self.send_message(
-            wire.encode(
-                wire.SessionStarted(
-                    session_id=self.session_id,
-                    protocol_version=wire.PROTOCOL_VERSION,
-                    variant=engine.variant,
-                    random_weights=engine.random_weights,
-                    max_contexts=self.settings.max_contexts_per_session,
-                )
-            )
-        )
-
-    def render_refusal(self, reason: str) -> str:
-        return wire.encode(wire.Busy(context_id=None, reason=reason))
-
-    # ---- client messages -------------------------------------------------------------------------
-
-    def tick(self, now_s: float) -> None:
-        super().tick(now_s)
-        if self.contexts:
-            self._last_active_s = now_s
-        elif self.state == ConnectionState.OPEN and now_s - self._last_active_s > self.settings.inactivity_timeout_s:
-            self.log.info("inactivity_timeout", idle_s=round(now_s - self._last_active_s, 1))
-            self.request_close(CLOSE_NORMAL, "inactivity timeout")
-
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
-        self._last_active_s = now_s  # any message is a keep-alive
-        message = wire.parse(raw, self._limits)
-        if isinstance(message, wire.ProtocolError):
-            self._reject(message)
-            return
-        if isinstance(message, wire.KeepAlive):
-            return
-        if isinstance(message, wire.Open):
-            self._open(message, now_s)
-            return
-        ctx = self.contexts.get(message.context_id)
-        if ctx is None:
-            if not isinstance(message, wire.Cancel):  # cancel is idempotent: the context may just have ended
-                self._reject(
-                    wire.ProtocolError(
-                        "context_id", f"no open context {message.context_id!r}", message.context_id, "unknown_context"
-                    )
-                )
-            return
+async def serve(hub: Hub, transport: Transport, protocol: type[WireProtocol[Any]]) -> None:
+    """What every endpoint runs: one session of `protocol` over `transport`, to its end."""
+    try:
+        session: Session[Any] = Session(hub, transport, protocol)
+    except Exception:  # a protocol whose constructor fails: nothing was admitted
+        log.exception("session_setup_failed", protocol=protocol.name)
         try:
-            if isinstance(message, wire.Text):
-                if not self._text_fits(ctx, message.text):
-                    return
-                ctx.stream.push_text(message.text, now_s)
-            elif isinstance(message, wire.Flush):
-                ctx.stream.flush(now_s)
-            elif isinstance(message, wire.End):
-                ctx.stream.end(now_s)
-            else:
-                ctx.stream.cancel()
-        except StreamStateError as exc:
-            self._reject(wire.ProtocolError("type", str(exc), ctx.context_id, "bad_state"))
-
-    def _open(self, message: wire.Open, now_s: float) -> None:
-        engine = self.hub.engine
-        cid = message.context_id
-        if engine is None or not self.hub.ready:
-            self._busy(cid, f"the server is not ready: {self.hub.detail}")
-            return
-        if message.model is not None and message.model != engine.variant:
-            self._reject(
-                wire.ProtocolError("model", f"this server runs {engine.variant!r} (one variant per server)", cid)
-            )
-            return
-        if message.language not in (None, "en") and engine.variant != "multilingual":
-            self._reject(wire.ProtocolError("language", f"the {engine.variant!r} variant speaks English only", cid))
-            return
-        try:
-            params = build_params(engine.variant, message.sampling, message.seed)
-        except SpecError as exc:
-            self._reject(wire.ProtocolError(exc.field, exc.message, cid))
-            return
-        spec = StreamSpec(
-            voice_id=message.voice,
-            params=params,
-            output_format=message.output_format,
-            language=message.language,
-            may_wait=self.settings.queue_when_full,
-            max_audio_ahead_s=self.settings.max_audio_ahead_s,
-        )
-        try:
-            ctx = self.open_context(cid, spec)
-        except OpenRefused as refused:
-            if refused.busy:
-                self._busy(cid, refused.message)
-            else:
-                self._reject(wire.ProtocolError(refused.field, refused.message, cid, refused.code))
-            return
-        if message.text and self._text_fits(ctx, message.text):
-            ctx.stream.push_text(message.text, now_s)
-
-    def _text_fits(self, ctx: Context, text: str) -> bool:
-        limit = self.settings.max_context_text_chars
-        if ctx.stream.text_chars + len(text) > limit:
-            self._reject(
-                wire.ProtocolError("text", f"the context would exceed {limit} characters of text", ctx.context_id)
-            )
-            return False
-        refusal = self.charge_text(len(text))
-        if refusal is not None:
-            self._reject(wire.ProtocolError("text", refusal, ctx.context_id, "rate_limited"))
-            return False
-        return True
-
-    def _reject(self, error: wire.ProtocolError) -> None:
-        self._errors += 1
-        ctx = self.contexts.get(error.context_id) if error.context_id else None
-        ctx_log = ctx.log if ctx is not None else self.log
-        ctx_log.info("protocol_error", field=error.field, message=error.message, code=error.code)
-        self.send_message(wire.encode(wire.error_event(error)))
-        if self._errors >= self.settings.max_protocol_errors:
-            self.request_close(CLOSE_POLICY, "too many protocol errors")
-
-    def _busy(self, context_id: str | None, reason: str) -> None:
-        self.hub.observers.emit(BusyRejected(self.protocol_name, "context", reason))
-        self.send_message(wire.encode(wire.Busy(context_id=context_id, reason=reason)))
-
-    # ---- stream events -> wire -------------------------------------------------------------------
-
-    def render(self, ctx: Context, event: StreamEvent) -> None:
-        cid = ctx.context_id
-        stream = ctx.stream
-        if isinstance(event, AudioOut):
-            header = wire.FrameHeader(ctx.number, event.seq, event.segment_index, self._encoding_code(stream))
-            self.send_audio(ctx, wire.encode_frame(header, event.payload))
-        elif isinstance(event, SegmentStarted):
-            self.send_message(
-                wire.encode(
-                    wire.SegmentStarted(
-                        context_id=cid,
-                        segment_index=event.index,
-                        text=event.text,
-                        start_char=event.start_char,
-                        end_char=event.end_char,
-                        audio_offset_ms=round(event.audio_offset_ms, 2),
-                    )
-                ),
-                ctx,
-            )
-        elif isinstance(event, SegmentDone):
-            self.send_message(
-                wire.encode(
-                    wire.SegmentDone(
-                        context_id=cid,
-                        segment_index=event.index,
-                        audio_offset_ms=round(event.audio_offset_ms, 2),
-                        audio_ms=round(event.audio_ms, 2),
-                        speech_tokens=event.speech_tokens,
-                        alignment=wire.Alignment(list(event.text), event.char_start_ms, event.char_duration_ms),
-                    )
-                ),
-                ctx,
-            )
-        elif isinstance(event, StreamStarted):
-            fmt = stream.spec.output_format
-            self.send_message(
-                wire.encode(
-                    wire.ContextStarted(
-                        context_id=cid,
-                        stream_id=ctx.number,
-                        voice=stream.spec.voice_id,
-                        variant=self.hub.engine.variant if self.hub.engine else "",
-                        output_format={
-                            "encoding": fmt.encoding,
-                            "sample_rate_hz": fmt.sample_rate_hz,
-                            "frame_ms": fmt.frame_ms,
-                        },
-                        seed=stream.spec.params.seed,
-                    )
-                )
-            )
-        elif isinstance(event, StreamDone):
-            if event.reason == DoneReason.BUSY:
-                self.send_message(wire.encode(wire.Busy(context_id=cid, reason=event.detail)))
-            elif event.reason == DoneReason.FAILED:
-                self.send_message(
-                    wire.encode(wire.Error(context_id=cid, field="", message=event.detail, code="engine_failed"))
-                )
-            self.send_message(partial(self._context_done, ctx, event))
-
-    def _context_done(self, ctx: Context, event: StreamDone) -> str:
-        """Rendered when it goes out, after every frame before it: the first-frame time is known then."""
-        stream = ctx.stream
-        times = stream.times
-        return wire.encode(
-            wire.ContextDone(
-                context_id=ctx.context_id,
-                reason=event.reason.value,
-                detail=event.detail,
-                segments=stream.segment_count,
-                frames=stream.frames_sent,
-                audio_ms=round(stream.output_ms, 2),
-                timing=wire.Timing(
-                    first_text_monotonic_s=times.first_text_s,
-                    first_submit_monotonic_s=times.first_submit_s,
-                    first_chunk_ready_monotonic_s=times.first_chunk_ready_s,
-                    first_frame_sent_monotonic_s=times.first_frame_sent_s,
-                    ttfa_ms=_ms(times.ttfa_s),
-                    server_overhead_ms=_ms(times.server_overhead_s),
-                ),
-            )
-        )
-
-    @staticmethod
-    def _encoding_code(stream: SpeechStream) -> int:
-        return wire.ENCODING_CODES[stream.spec.output_format.encoding]
+            await transport.close(CLOSE_INTERNAL_ERROR, "internal error")
+        except Exception:
+            transport.abort()
+        return
+    await session.run()
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000.0, 3)
+class WebSocketEndpoint:
+    """ASGI app of a WebSocket route: one session of `protocol` per connection."""
 
-
-def _client_of(websocket: WebSocket) -> str:
-    client = websocket.client
-    return f"{client.host}:{client.port}" if client else ""
-
-
-class SocketControlMiddleware:
-    """Bounds each WebSocket's kernel send buffer and exposes `transport.abort` (under TRANSPORT_ABORT_KEY).
-
-    Both serve flow control. Linux lets a socket's send buffer grow to megabytes (tcp_wmem), which hides
-    a client that stopped reading for a minute of audio; a fixed SO_SNDBUF keeps the backlog in our
-    bounded outbox, where it is seen within seconds. And a client that does not read can never take a
-    close frame: ASGI has no way to drop a connection, so this reaches the server's transport through the
-    raw `send` (uvicorn's is a bound method of its protocol object). Best effort: under another server
-    both are skipped. Must sit outside Starlette's exception middleware, which wraps `send`.
-    """
-
-    def __init__(self, app: ASGIApp, send_buffer_bytes: int = 0) -> None:
-        self.app = app
-        self.send_buffer_bytes = send_buffer_bytes
+    def __init__(self, protocol: type[WireProtocol[Any]]) -> None:
+        self.protocol = protocol
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":
-            transport = getattr(getattr(send, "__self__", None), "transport", None)
-            if transport is not None and hasattr(transport, "abort"):
-                scope[TRANSPORT_ABORT_KEY] = transport.abort
-                sock = transport.get_extra_info("socket")
-                if sock is not None and self.send_buffer_bytes > 0:
-                    try:
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
-                    except OSError:
-                        pass
-        await self.app(scope, receive, send)
+        hub: Hub = scope["app"].state.hub
+        await serve(hub, WebSocketTransport(scope, receive, send), self.protocol)
+
+
+class HttpEndpoint:
+    """ASGI app of an HTTP route: one session of `protocol` per request (its body is the one message)."""
+
+    def __init__(self, protocol: type[WireProtocol[Any]]) -> None:
+        self.protocol = protocol
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hub: Hub = scope["app"].state.hub
+        transport = HttpTransport(scope, receive, send, max_body_bytes=hub.settings.max_message_bytes)
+        await serve(hub, transport, self.protocol)
+
+
+def websocket_route(path: str, protocol: type[WireProtocol[Any]]) -> WebSocketRoute:
+    return WebSocketRoute(path, WebSocketEndpoint(protocol))
+
+
+def http_route(path: str, protocol: type[WireProtocol[Any]], methods: tuple[str, ...] = ("POST",)) -> Route:
+    return Route(path, HttpEndpoint(protocol), methods=list(methods))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from synth.api import VARIANTS, EngineConfig, ThreadBudget, Variant
 
@@ -131,7 +131,7 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
-    def replace(self, **changes: object) -> "Settings":
+    def replace(self, **changes: object) -> Settings:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def engine_config(self) -> EngineConfig:

@@ -6,8 +6,8 @@ session.py, and vendor-compatible ones) drives the same five verbs and renders t
     stream = SpeechStream(key, spec, engine=..., segmenter=..., post=..., emit=...)
     stream.open()
     stream.push_text("Hel", now_s) ; stream.flush(now_s) ; stream.end(now_s) ; stream.cancel()
-    stream.poll(now_s)           # let the segmenter release text on its own clock
-    stream.on_frame_sent(now_s)  # the socket writer reports each audio frame it got out
+    stream.poll(now_s)                     # let the segmenter release text on its own clock
+    stream.on_frame_sent(now_s, audio_ms)  # the session's writer reports each audio frame it got out
 
 and `emit(stream, event)` receives, in order: `StreamStarted`, then per segment `SegmentStarted`,
 its `AudioOut` frames and `SegmentDone`, then exactly one `StreamDone`.
@@ -19,6 +19,10 @@ Ordering: segment N+1 is submitted when segment N has finished generating (GENER
 segment overlaps the vocoder tail of the current one; audio that arrives for a segment whose turn has not
 come is held until every earlier segment has played. One encoder per context keeps the output stream
 continuous across segments (a frame may straddle two segments).
+
+`Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one, so
+a stream whose PCM comes from somewhere else than the engine (a phrase cache) can stand in for a
+SpeechStream.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, Union
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
+from numpy.typing import NDArray
 
 from agent_server.audio import AudioEncoder, OutputFormat
+from agent_server.errors import FieldError
 from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
     AudioChunk,
@@ -70,39 +77,51 @@ class StreamSpec:
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
 
 
-class SpecError(ValueError):
-    """An open request the server cannot honour; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-
 def build_params(
     variant: str, overrides: Sequence[tuple[str, float | int]], seed: int | None
 ) -> SamplingParams:
-    """The variant's defaults with the client's overrides and seed. Raises SpecError("sampling.x", ...)."""
+    """The variant's defaults with the client's overrides and seed. Raises FieldError("sampling.x", ...)."""
     base = SamplingParams.defaults(variant)  # type: ignore[arg-type]
-    params = dataclasses.replace(base, **dict(overrides), seed=seed)
+    changes: dict[str, Any] = {**dict(overrides), "seed": seed}
+    params = dataclasses.replace(base, **changes)
     try:
         params.validate()
     except ValueError as exc:
         first = str(exc).split(" ", 1)[0]
         name = "seed" if first == "seed" else f"sampling.{first}"
-        raise SpecError(name, str(exc)) from exc
+        raise FieldError(name, str(exc)) from exc
     return params
 
 
 # ---- what a stream emits ------------------------------------------------------------------------
 
 
-class DoneReason(enum.StrEnum):
-    COMPLETED = "completed"
-    CANCELLED = "cancelled"  # by the client
-    BUSY = "busy"  # the engine refused a segment
-    FAILED = "failed"  # the engine failed a segment or refused a submit
-    SHUTDOWN = "shutdown"  # the server or the session closed under it
+class StreamStatus(enum.IntEnum):
+    """Where a stream is. Order matters: everything >= COMPLETED is terminal, and the terminal status is
+    the outcome `StreamDone` reports (its `reason` is the lower-case name)."""
+
+    OPEN = 0  # taking text
+    ENDED = 1  # input ended; audio still coming
+    COMPLETED = 10
+    CANCELLED = 11  # by the client
+    BUSY = 12  # the engine refused a segment
+    FAILED = 13  # the engine failed a segment or refused a submit
+    SHUTDOWN = 14  # the server or the session closed under it
+
+    @property
+    def done(self) -> bool:
+        return self >= StreamStatus.COMPLETED
+
+    @property
+    def reason(self) -> str:
+        """The wire name of a terminal status: completed | cancelled | busy | failed | shutdown."""
+        return self.name.lower()
+
+    @property
+    def output_dropped(self) -> bool:
+        """Stopped from outside: output of it still queued for the client is not sent any more."""
+        return self in (StreamStatus.CANCELLED, StreamStatus.SHUTDOWN)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +143,7 @@ class AudioOut:
     segment_index: int
     seq: int  # 0, 1, 2 ... per stream
     payload: bytes  # one encoded frame of `output_format`
+    duration_ms: float  # the audio the frame holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,20 +160,28 @@ class SegmentDone:
 
 @dataclass(frozen=True, slots=True)
 class StreamDone:
-    reason: DoneReason
+    status: StreamStatus  # terminal
     detail: str = ""
 
+    @property
+    def reason(self) -> str:
+        return self.status.reason
 
-StreamEvent = Union[StreamStarted, SegmentStarted, AudioOut, SegmentDone, StreamDone]
-Emit = Callable[["SpeechStream", StreamEvent], None]
+
+StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone
+Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
 
 class SegmentLike(Protocol):
-    index: int
-    text: str
-    start_char: int
-    end_char: int
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def start_char(self) -> int: ...
+    @property
+    def end_char(self) -> int: ...
 
 
 class SegmenterLike(Protocol):
@@ -166,17 +194,6 @@ class SegmenterLike(Protocol):
 
 
 # ---- state --------------------------------------------------------------------------------------
-
-
-class StreamStatus(enum.IntEnum):
-    """Order matters: everything >= DONE is terminal."""
-
-    OPEN = 0  # taking text
-    ENDED = 1  # input ended; audio still coming
-    DONE = 10
-    CANCELLED = 11
-    BUSY = 12
-    FAILED = 13
 
 
 class SegmentStatus(enum.IntEnum):
@@ -196,7 +213,7 @@ class SegmentState:
     end_char: int
     request_id: str = ""
     status: SegmentStatus = SegmentStatus.PENDING
-    held: list[np.ndarray] = field(default_factory=list)  # chunks that came before their turn to play
+    held: list[NDArray[Any]] = field(default_factory=list)  # chunks that came before their turn to play
     speech_tokens: int = 0
     samples_24k: int = 0  # audio received so far
     audio_offset_ms: float = 0.0
@@ -230,7 +247,33 @@ class StreamTimes:
         return self.first_frame_sent_s - self.first_chunk_ready_s
 
 
+class Stream(Protocol):
+    """What the session core and the protocols use of a context's stream (SpeechStream is one)."""
+
+    key: str
+    spec: StreamSpec
+    status: StreamStatus
+    times: StreamTimes
+    text_chars: int  # text pushed so far
+    frames_sent: int  # frames the writer reported sent (`on_frame_sent`)
+    sent_ms: float  # audio in those frames
+
+    @property
+    def segment_count(self) -> int: ...
+    @property
+    def has_unsegmented_text(self) -> bool: ...
+    def open(self) -> None: ...
+    def push_text(self, text: str, now_s: float) -> None: ...
+    def flush(self, now_s: float) -> None: ...
+    def end(self, now_s: float) -> None: ...
+    def poll(self, now_s: float) -> None: ...
+    def cancel(self, status: StreamStatus = StreamStatus.CANCELLED, detail: str = "") -> bool: ...
+    def on_frame_sent(self, now_s: float, audio_ms: float) -> None: ...
+
+
 class SpeechStream:
+    """A Stream on the engine."""
+
     def __init__(
         self,
         key: str,
@@ -248,6 +291,7 @@ class SpeechStream:
         self.text_chars = 0
         self.frames_out = 0  # frames emitted (seq of the next frame)
         self.frames_sent = 0  # frames the writer reported sent
+        self.sent_ms = 0.0  # audio in those frames
         self._engine = engine
         self._segmenter = segmenter
         self._post = post
@@ -288,17 +332,19 @@ class SpeechStream:
         if self.status == StreamStatus.OPEN:
             self._add_segments(self._segmenter.poll(now_s))
 
-    def cancel(self, reason: DoneReason = DoneReason.CANCELLED, detail: str = "") -> bool:
-        """Stop at once: no audio of this stream is emitted afterwards. False if it had already ended."""
-        if self.status >= StreamStatus.DONE:
+    def cancel(self, status: StreamStatus = StreamStatus.CANCELLED, detail: str = "") -> bool:
+        """Stop at once (CANCELLED by the client, SHUTDOWN or FAILED from the server): no audio of this
+        stream is emitted afterwards. False if it had already ended."""
+        if self.status.done:
             return False
-        self._terminate(StreamStatus.CANCELLED, reason, detail)
+        self._terminate(status, detail)
         return True
 
     # ---- writer feedback -----------------------------------------------------------------------
 
-    def on_frame_sent(self, now_s: float) -> None:
+    def on_frame_sent(self, now_s: float, audio_ms: float) -> None:
         self.frames_sent += 1
+        self.sent_ms += audio_ms
         if self.times.first_frame_sent_s is None:
             self.times.first_frame_sent_s = now_s
         sent_s = self.output_ms / 1000.0 * self.frames_sent / max(1, self.frames_out)  # frames are of equal length
@@ -338,7 +384,7 @@ class SpeechStream:
 
     def _submit_ready(self) -> None:
         self._waiting_for_backlog = False
-        while self._next_submit < len(self._segments) and self.status < StreamStatus.DONE:
+        while self._next_submit < len(self._segments) and not self.status.done:
             if self._next_submit > 0 and self._segments[self._next_submit - 1].status < SegmentStatus.GENERATED:
                 return
             if self._next_submit > 0 and self._backlog_s() > self.spec.max_audio_ahead_s:
@@ -376,7 +422,7 @@ class SpeechStream:
             seg.status = SegmentStatus.DROPPED
             if not isinstance(exc, EngineError):
                 log.exception("submit_failed", request_id=seg.request_id)
-            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, str(exc) or type(exc).__name__)
+            self._terminate(StreamStatus.FAILED, str(exc) or type(exc).__name__)
 
     def _sink_for(self, seg: SegmentState) -> Callable[[EngineOutput], None]:
         post = self._post
@@ -393,7 +439,7 @@ class SpeechStream:
     # ---- engine output (loop thread) -------------------------------------------------------------
 
     def _on_output(self, seg: SegmentState, out: EngineOutput) -> None:
-        if self.status >= StreamStatus.DONE or seg.status >= SegmentStatus.DONE:
+        if self.status.done or seg.status >= SegmentStatus.DONE:
             return  # late output of a cancelled or failed stream
         try:
             if isinstance(out, AudioChunk):
@@ -402,7 +448,7 @@ class SpeechStream:
                 self._on_event(seg, out)
         except Exception as exc:  # a loop callback: an escaping error would leave the stream hanging
             log.exception("engine_output_failed", request_id=seg.request_id)
-            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, f"server error: {type(exc).__name__}")
+            self._terminate(StreamStatus.FAILED, f"server error: {type(exc).__name__}")
 
     def _on_chunk(self, seg: SegmentState, chunk: AudioChunk) -> None:
         seg.speech_tokens += chunk.speech_tokens
@@ -426,11 +472,11 @@ class SpeechStream:
             self._submit_ready()
             self._advance()
         elif kind == EventKind.BUSY:
-            self._terminate(StreamStatus.BUSY, DoneReason.BUSY, event.reason or "no free slot")
+            self._terminate(StreamStatus.BUSY, event.reason or "no free slot")
         elif kind == EventKind.CANCELLED:
-            self._terminate(StreamStatus.CANCELLED, DoneReason.SHUTDOWN, event.reason or "cancelled by the engine")
+            self._terminate(StreamStatus.SHUTDOWN, event.reason or "cancelled by the engine")
         else:
-            self._terminate(StreamStatus.FAILED, DoneReason.FAILED, event.reason or "engine failure")
+            self._terminate(StreamStatus.FAILED, event.reason or "engine failure")
 
     # ---- audio out -----------------------------------------------------------------------------
 
@@ -439,19 +485,19 @@ class SpeechStream:
         seg.audio_offset_ms = self._timeline_ms()
         self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms))
 
-    def _play(self, seg: SegmentState, pcm: np.ndarray) -> None:
+    def _play(self, seg: SegmentState, pcm: NDArray[Any]) -> None:
         if not seg.announced:
             self._announce(seg)
         self._send_frames(seg.index, self._encoder.push(pcm))
 
     def _send_frames(self, segment_index: int, frames: list[bytes]) -> None:
         for payload in frames:
-            self._emit(self, AudioOut(segment_index, self.frames_out, payload))
+            self._emit(self, AudioOut(segment_index, self.frames_out, payload, self._frame_ms(payload)))
             self.frames_out += 1
 
     def _advance(self) -> None:
         """Play on: finish every leading DONE segment and start the next one's held audio."""
-        while self._playing < len(self._segments) and self.status < StreamStatus.DONE:
+        while self._playing < len(self._segments) and not self.status.done:
             seg = self._segments[self._playing]
             if seg.held and self.times.first_chunk_ready_s is None:
                 self.times.first_chunk_ready_s = time.monotonic()  # held audio becomes playable now
@@ -498,8 +544,11 @@ class SpeechStream:
             return
         if not self._encoder.finished:
             self._send_frames(max(0, len(self._segments) - 1), self._encoder.finish())
-        self.status = StreamStatus.DONE
-        self._emit(self, StreamDone(DoneReason.COMPLETED))
+        self.status = StreamStatus.COMPLETED
+        self._emit(self, StreamDone(StreamStatus.COMPLETED))
+
+    def _frame_ms(self, payload: bytes) -> float:
+        return self.spec.output_format.samples_to_ms(len(payload) // self.spec.output_format.bytes_per_sample)
 
     def _backlog_s(self) -> float:
         """Audio emitted but not yet taken by the socket (frames are of equal length but the last)."""
@@ -509,8 +558,8 @@ class SpeechStream:
 
     # ---- the end -------------------------------------------------------------------------------
 
-    def _terminate(self, status: StreamStatus, reason: DoneReason, detail: str) -> None:
-        if self.status >= StreamStatus.DONE:
+    def _terminate(self, status: StreamStatus, detail: str) -> None:
+        if self.status.done:
             return
         self.status = status
         for seg in self._segments:
@@ -519,7 +568,7 @@ class SpeechStream:
             if seg.status < SegmentStatus.DONE:
                 seg.status = SegmentStatus.DROPPED
             seg.held.clear()
-        self._emit(self, StreamDone(reason, detail))
+        self._emit(self, StreamDone(status, detail))
 
 
 def char_alignment(text: str, offset_ms: float, duration_ms: float) -> tuple[list[int], list[int]]:

@@ -16,13 +16,14 @@ import io
 import secrets
 import wave
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 import structlog
+from numpy.typing import NDArray
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -167,7 +168,7 @@ class VoiceStore:
             )
         if duration_s > self.max_clip_s:
             raise VoiceError(422, "file", f"reference clip too long: {duration_s:.1f} s, at most {self.max_clip_s:g} s")
-        created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        created_at = datetime.now(UTC).isoformat(timespec="seconds")
         voice = Voice(voice_id, False, VoiceStatus.LOADING, name, duration_s, sample_rate_hz, created_at)
         self._voices[voice_id] = voice
         try:
@@ -216,7 +217,7 @@ class VoiceStore:
     def _wav_path(self, voice_id: str) -> Path:
         return self.voices_dir / f"{voice_id}.wav"
 
-    def _write(self, voice: Voice, wav: np.ndarray) -> None:
+    def _write(self, voice: Voice, wav: NDArray[Any]) -> None:
         self.voices_dir.mkdir(parents=True, exist_ok=True)
         wav_tmp = self.voices_dir / f".{voice.voice_id}.wav.tmp"
         wav_tmp.write_bytes(encode_wav_pcm16(wav, voice.sample_rate_hz))
@@ -231,7 +232,7 @@ class VoiceStore:
         self._wav_path(voice_id).unlink(missing_ok=True)
 
 
-def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
+def decode_wav(data: bytes) -> tuple[NDArray[Any], int]:
     """WAV bytes -> (mono float32 in [-1, 1], sample rate). PCM 8/16/24/32-bit via the stdlib; float and
     other formats through soundfile when it is installed. Raises ValueError with a readable message."""
     try:
@@ -259,7 +260,7 @@ def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
     return mono, sample_rate_hz
 
 
-def _decode_with_soundfile(data: bytes, first_error: Exception) -> tuple[np.ndarray, int]:
+def _decode_with_soundfile(data: bytes, first_error: Exception) -> tuple[NDArray[Any], int]:
     try:
         import soundfile  # optional
     except ImportError:
@@ -271,7 +272,7 @@ def _decode_with_soundfile(data: bytes, first_error: Exception) -> tuple[np.ndar
     return samples.mean(axis=1, dtype=np.float32), int(sample_rate_hz)
 
 
-def encode_wav_pcm16(wav: np.ndarray, sample_rate_hz: int) -> bytes:
+def encode_wav_pcm16(wav: NDArray[Any], sample_rate_hz: int) -> bytes:
     pcm = (np.clip(wav, -1.0, 1.0) * PCM16_FULL_SCALE).astype("<i2")
     out = io.BytesIO()
     with wave.open(out, "wb") as writer:

@@ -1,6 +1,6 @@
 """Fuzz every protocol's client-message parser: each input either parses or yields that protocol's own
-error (a `ProtocolError` value, a `CompatError`, or the JSON error its endpoint answers for a body that
-is not JSON); anything else raised is a bug and stops the run.
+error (a `FieldError`, returned by the native parser and raised by the others, or the JSON error its
+endpoint answers for a body that is not JSON); anything else raised is a bug and stops the run.
 
     # atheris (libFuzzer), with the JSON dictionary; bounded by -runs / -max_total_time
     python scripts/fuzz_protocols.py -dict=scripts/fuzz_json.dict -runs=2000000 -max_total_time=300
@@ -33,10 +33,9 @@ except ImportError:
 
 from agent_server import protocol as wire  # noqa: E402
 from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech  # noqa: E402
-from agent_server.compat.common import CompatError  # noqa: E402
+from agent_server.errors import FieldError  # noqa: E402
 
 VARIANTS = ("english", "turbo", "multilingual")
-NATIVE_LIMITS = wire.Limits(max_text_piece_chars=4096)
 PARSED, ERROR = "parsed", "error"
 
 
@@ -49,12 +48,12 @@ def _query(data: bytes) -> dict[str, str]:
 
 
 def native(data: bytes, variant: str) -> str:
-    result = wire.parse(_text(data) if data[:1] != b"\x00" else data[1:], NATIVE_LIMITS)  # text, or binary
-    if isinstance(result, wire.ProtocolError):
+    result = wire.parse(_text(data) if data[:1] != b"\x00" else data[1:])  # text, or binary
+    if isinstance(result, FieldError):
         assert isinstance(result.field, str) and isinstance(result.message, str)
         wire.encode(wire.error_event(result))  # the error event must encode too
         return ERROR
-    assert isinstance(result, (wire.Open, wire.Text, wire.Flush, wire.End, wire.Cancel)), result
+    assert isinstance(result, (wire.Open, wire.Text, wire.Flush, wire.End, wire.Cancel, wire.KeepAlive)), result
     return PARSED
 
 
@@ -109,7 +108,7 @@ def check(target: str, data: bytes, variant: str = "english") -> str:
     """PARSED or ERROR; raises on anything else (a bug)."""
     try:
         return TARGETS[target](data, variant)
-    except CompatError as exc:
+    except FieldError as exc:
         assert isinstance(exc.field, str) and isinstance(exc.message, str)
         return ERROR
 

@@ -1,21 +1,23 @@
 """Drop-in endpoints for the clients voice agents already use (ElevenLabs, Cartesia, Deepgram, OpenAI).
 
-Each module translates its vendor's messages onto `agent_server.speech.SpeechStream`, the same internal
-API the native protocol drives; `docs/compatibility.md` lists every field and the base-URL settings.
+Each module is its vendor's wire format only: a `WireProtocol` on the session core
+(agent_server/session.py), which every protocol shares with the native one; `docs/compatibility.md`
+lists every field and the base-URL settings.
 """
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.routing import BaseRoute
 
 from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech
+from agent_server.session import http_route, websocket_route
 
 
 def routes() -> list[BaseRoute]:
     return [
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input),
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_input),
-        WebSocketRoute("/tts/websocket", cartesia.tts_websocket),
-        WebSocketRoute("/v1/speak", deepgram.speak),
-        Route("/v1/audio/speech", openai_speech.speech, methods=["POST"]),
+        websocket_route("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.ElevenLabsProtocol),
+        websocket_route("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.MultiStreamProtocol),
+        websocket_route("/tts/websocket", cartesia.CartesiaProtocol),
+        websocket_route("/v1/speak", deepgram.DeepgramProtocol),
+        http_route("/v1/audio/speech", openai_speech.OpenAISpeechProtocol),
     ]

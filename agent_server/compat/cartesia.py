@@ -1,4 +1,4 @@
-"""Cartesia `/tts/websocket`, translated onto `SpeechStream`.
+"""Cartesia `/tts/websocket`: the wire format, on the session core.
 
 - in: generation requests {"context_id", "model_id", "transcript", "voice": {"mode": "id", "id"} | {"id"} | "id",
   "output_format": {"container": "raw", "encoding", "sample_rate"}, "continue", "flush", "add_timestamps",
@@ -8,44 +8,40 @@
 - out: {"type": "chunk", "data": base64, ...}, {"type": "timestamps", "word_timestamps": {"words", "start",
   "end"}} (seconds from the context's start), {"type": "flush_done", "flush_id"}, {"type": "done"},
   {"type": "error", "title", "message", "status_code", "done": true}.
-- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by auth.AuthMiddleware when auth is on.
+- a request without `transcript` (and without `flush` or `cancel`) is refused: "the message carries no text".
+- auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by
+  auth.AuthMiddleware when auth is on.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import orjson
-from starlette.websockets import WebSocket
 
 from agent_server.audio import OutputFormat
 from agent_server.compat.common import (
-    CompatError,
-    load_object,
     b64,
     check_model,
+    load_object,
     make_spec,
     parse_seed,
     resolve_language,
     resolve_voice,
     segment_words,
 )
-from agent_server.hub import Hub
-from agent_server.session import Connection, Context, OpenRefused
-from agent_server.speech import (
-    AudioOut,
-    DoneReason,
-    SegmentDone,
-    StreamDone,
-    StreamEvent,
-    StreamStateError,
-    StreamStatus,
-)
+from agent_server.errors import RATE_LIMITED, FieldError, empty_message
+from agent_server.hub import Refusal
+from agent_server.session import Context, WireProtocol
+from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 
-ENCODINGS: Mapping[str, str] = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+ENCODINGS: Mapping[str, str] = {
+    "pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"
+}
 PCM16_SCALE = 32768.0
 STATUS_PARTIAL = 206
 STATUS_OK = 200
@@ -82,7 +78,7 @@ REQUEST_FIELDS = frozenset(
 @dataclass(frozen=True, slots=True)
 class Request:
     context_id: str
-    transcript: str = ""
+    transcript: str | None = None  # None: absent
     continue_: bool = False
     flush: bool = False
     cancel: bool = False
@@ -99,15 +95,15 @@ def parse_request(raw: str | bytes) -> Request:
     obj = load_object(raw, REQUEST_FIELDS)
     cid = obj.get("context_id")
     if not isinstance(cid, str) or not 0 < len(cid) <= MAX_CONTEXT_ID_CHARS:
-        raise CompatError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
+        raise FieldError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
     if obj.get("cancel") is True:
         return Request(cid, cancel=True)
-    transcript = obj.get("transcript", "")
-    if not isinstance(transcript, str):
-        raise CompatError("transcript", "transcript must be a string")
+    transcript = obj.get("transcript")
+    if transcript is not None and not isinstance(transcript, str):
+        raise FieldError("transcript", "transcript must be a string")
     for name in ("continue", "flush", "add_timestamps"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
-            raise CompatError(name, f"{name} must be a boolean")
+            raise FieldError(name, f"{name} must be a boolean")
     encoding, rate = _output_format(obj.get("output_format"))
     return Request(
         context_id=cid,
@@ -129,26 +125,26 @@ def _voice_id(voice: object) -> str | None:
         return voice
     if isinstance(voice, dict) and isinstance(voice.get("id"), str):
         return str(voice["id"])
-    raise CompatError("voice", 'voice must be {"mode": "id", "id": "..."} or a voice id')
+    raise FieldError("voice", 'voice must be {"mode": "id", "id": "..."} or a voice id')
 
 
 def _output_format(value: object) -> tuple[str, int]:
     if value is None:
         return "pcm_s16le", 24_000
     if not isinstance(value, dict):
-        raise CompatError("output_format", "output_format must be an object")
+        raise FieldError("output_format", "output_format must be an object")
     if value.get("container", "raw") != "raw":
-        raise CompatError("output_format.container", f"container {value.get('container')!r} is not served; use raw")
+        raise FieldError("output_format.container", f"container {value.get('container')!r} is not served; use raw")
     encoding = value.get("encoding", "pcm_s16le")
     if not isinstance(encoding, str) or encoding not in ENCODINGS:  # a list or object is not hashable
-        raise CompatError("output_format.encoding", f"encoding {encoding!r} is not served ({', '.join(ENCODINGS)})")
+        raise FieldError("output_format.encoding", f"encoding {encoding!r} is not served ({', '.join(ENCODINGS)})")
     rate = value.get("sample_rate", 24_000)
     if not isinstance(rate, int) or isinstance(rate, bool):
-        raise CompatError("output_format.sample_rate", "sample_rate must be an integer")
+        raise FieldError("output_format.sample_rate", "sample_rate must be an integer")
     try:
         OutputFormat(ENCODINGS[encoding], rate)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise CompatError("output_format.sample_rate", str(exc)) from None
+        raise FieldError("output_format.sample_rate", str(exc)) from None
     return encoding, rate
 
 
@@ -175,107 +171,104 @@ def error_event(message: str, context_id: str | None, status_code: int = 400, ti
     return orjson.dumps(body).decode()
 
 
-# ---- the session -----------------------------------------------------------------------------------
+# ---- the protocol --------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class ContextState:
+    """What Cartesia keeps per context, on the session's Context."""
+
     request: Request  # the opening request: its format, timestamps flag, ...
     flush_id: int = 0  # flushes so far
     pending_flushes: deque[tuple[int, int]] = field(default_factory=deque)  # (flush_id, last segment index)
     segments_done: int = 0
 
 
-class CartesiaSession(Connection):
-    protocol_name: ClassVar[str] = "cartesia"
+CartesiaContext = Context[ContextState]
+ALL_SEGMENTS = 1 << 62
 
-    def __init__(self, hub: Hub, websocket: WebSocket) -> None:
-        super().__init__(hub, websocket)
-        self._states: dict[str, ContextState] = {}
 
-    def render_refusal(self, reason: str) -> str:
-        return error_event(reason, None, 429, "Busy")
+class CartesiaProtocol(WireProtocol[ContextState]):
+    name: ClassVar[str] = "cartesia"
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    def on_refused(self, refusal: Refusal) -> None:
+        self.session.send(error_event(refusal.reason, None, 429, "Busy"))
+
+    def render_error(self, error: FieldError) -> None:
+        if error.busy:
+            self.session.send(error_event(error.message, error.context_id, 429, "Busy"))
+        elif error.code == RATE_LIMITED:
+            self.session.send(error_event(error.message, error.context_id, 429, "Rate limited"))
+        else:
+            self.session.send(error_event(error.message, error.context_id))
+
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        session = self.session
         try:
-            request = parse_request(raw)
-        except CompatError as exc:
-            self.send_message(error_event(exc.message, _context_id_of(raw)))
+            request = parse_request(message)
+        except FieldError as error:
+            error.context_id = _context_id_of(message)
+            session.reject(error)
             return
         cid = request.context_id
-        ctx = self.contexts.get(cid)
+        ctx = session.contexts.get(cid)
         if request.cancel:
             if ctx is not None:
                 ctx.stream.cancel()
             return
+        if request.transcript is None and not request.flush:
+            session.reject(empty_message(cid))
+            return
         try:
             if ctx is None:
-                ctx = self._open(request)
+                ctx = await self._open(request)
                 if ctx is None:
                     return
-            self._apply(ctx, self._states[cid], request, now_s)
-        except CompatError as exc:
-            if exc.code == "rate_limited":
-                self.send_message(error_event(exc.message, cid, 429, "Rate limited"))
-            else:
-                self.send_message(error_event(exc.message, cid))
+            await self._apply(ctx, request, now_s)
+        except FieldError as error:
+            error.context_id = cid
+            session.reject(error)
         except StreamStateError:
-            self.send_message(error_event(f"context {cid!r} has already ended (continue: false)", cid))
+            session.reject(FieldError("context_id", f"context {cid!r} has already ended (continue: false)",
+                                      "bad_state", context_id=cid))
 
-    def _open(self, request: Request) -> Context | None:
-        engine = self.hub.engine
-        assert engine is not None
-        cid = request.context_id
-        check_model("model_id", request.model_id, engine.variant)
+    async def _open(self, request: Request) -> CartesiaContext | None:
+        session = self.session
+        variant = session.variant
+        check_model("model_id", request.model_id, variant)
         fmt = OutputFormat(ENCODINGS[request.encoding], request.sample_rate_hz)  # type: ignore[arg-type]
-        spec = make_spec(
-            self.hub,
-            voice_id=resolve_voice(self.hub, request.voice_id),
-            output_format=fmt,
-            seed=request.seed,
-            language=resolve_language("language", request.language, engine.variant),
-        )
-        try:
-            ctx = self.open_context(cid, spec)
-        except OpenRefused as refused:
-            status = 429 if refused.busy else 400
-            self.send_message(error_event(refused.message, cid, status, "Busy" if refused.busy else "Invalid request"))
-            return None
-        self._states[cid] = ContextState(request)
-        return ctx
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id), output_format=fmt,
+                         seed=request.seed, language=resolve_language("language", request.language, variant))
+        return await session.open_context(request.context_id, spec, ContextState(request))
 
-    def _apply(self, ctx: Context, state: ContextState, request: Request, now_s: float) -> None:
+    async def _apply(self, ctx: CartesiaContext, request: Request, now_s: float) -> None:
         stream = ctx.stream
+        state = ctx.state
         if stream.status != StreamStatus.OPEN:
             raise StreamStateError("ended")
-        if request.transcript:
-            if stream.text_chars + len(request.transcript) > self.settings.max_context_text_chars:
-                raise CompatError("transcript", "the context has too much text")
-            refusal = self.charge_text(len(request.transcript))
-            if refusal is not None:
-                raise CompatError("transcript", refusal, "rate_limited")
-            stream.push_text(request.transcript, now_s)
+        if request.transcript and not await self.session.push_text(ctx, request.transcript, now_s):
+            return
         if request.flush:
             stream.flush(now_s)
             state.flush_id += 1
             state.pending_flushes.append((state.flush_id, stream.segment_count - 1))
-            self._flushes_done(ctx, state)
+            self._flushes_done(ctx)
         if not request.continue_:
             stream.end(now_s)
 
-    def _flushes_done(self, ctx: Context, state: ContextState) -> None:
+    def _flushes_done(self, ctx: CartesiaContext) -> None:
+        state = ctx.state
         while state.pending_flushes and state.pending_flushes[0][1] < state.segments_done:
             flush_id, _ = state.pending_flushes.popleft()
             body = {"type": "flush_done", "context_id": ctx.context_id, "flush_id": flush_id, "flush_done": True,
                     "done": False, "status_code": STATUS_OK}
-            self.send_message(orjson.dumps(body).decode(), ctx)
+            self.session.send(orjson.dumps(body).decode(), ctx)
 
     # ---- stream events -> wire -------------------------------------------------------------------
 
-    def render(self, ctx: Context, event: StreamEvent) -> None:
-        state = self._states.get(ctx.context_id)
-        if state is None:
-            return
+    def render(self, ctx: CartesiaContext, event: StreamEvent) -> None:
+        session = self.session
+        state = ctx.state
         cid = ctx.context_id
         if isinstance(event, AudioOut):
             payload = event.payload
@@ -285,30 +278,23 @@ class CartesiaSession(Connection):
                                     "status_code": STATUS_PARTIAL, "step_time": 0.0}
             if state.flush_id:
                 body["flush_id"] = state.flush_id
-            self.send_audio(ctx, orjson.dumps(body).decode())
+            session.send_audio(ctx, orjson.dumps(body).decode(), event.duration_ms)
         elif isinstance(event, SegmentDone):
             state.segments_done = event.index + 1
             if state.request.add_timestamps:
                 words, starts, ends = segment_words(event)
                 body = {"type": "timestamps", "context_id": cid, "done": False, "status_code": STATUS_PARTIAL,
                         "word_timestamps": {"words": words, "start": starts, "end": ends}}
-                self.send_message(orjson.dumps(body).decode(), ctx)
-            self._flushes_done(ctx, state)
+                session.send(orjson.dumps(body).decode(), ctx)
+            self._flushes_done(ctx)
         elif isinstance(event, StreamDone):
-            self._states.pop(cid, None)
-            if event.reason == DoneReason.COMPLETED:
-                state.segments_done = 1 << 62
-                self._flushes_done(ctx, state)
+            if event.status == StreamStatus.COMPLETED:
+                state.segments_done = ALL_SEGMENTS
+                self._flushes_done(ctx)
                 done = {"type": "done", "context_id": cid, "done": True, "status_code": STATUS_OK}
-                self.send_message(orjson.dumps(done).decode())
-            elif event.reason == DoneReason.BUSY:
-                self.send_message(error_event(event.detail or "busy", cid, 429, "Busy"))
-            elif event.reason in (DoneReason.FAILED, DoneReason.SHUTDOWN):
-                self.send_message(error_event(event.detail or "generation failed", cid, 500, "Generation failed"))
+                session.send(orjson.dumps(done).decode())
+            elif event.status == StreamStatus.BUSY:
+                session.send(error_event(event.detail or "busy", cid, 429, "Busy"))
+            elif event.status in (StreamStatus.FAILED, StreamStatus.SHUTDOWN):
+                session.send(error_event(event.detail or "generation failed", cid, 500, "Generation failed"))
             # CANCELLED: the client asked; nothing more is sent for the context
-
-
-async def tts_websocket(websocket: WebSocket) -> None:
-    await CartesiaSession(websocket.app.state.hub, websocket).serve()
-
-

@@ -1,18 +1,21 @@
 """What every vendor-compatible endpoint shares: model, voice, language and seed mapping onto this
-server, stream specs, alignment in vendor units. Pure: no sockets, no awaits."""
+server, stream specs, alignment in vendor units. Pure: no sockets, no awaits. Every refusal is a
+`FieldError` (agent_server/errors.py), rendered by each vendor module in its own shape."""
 
 from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 
 from agent_server.audio import OutputFormat
+from agent_server.errors import FieldError
 from agent_server.hub import Hub
-from agent_server.speech import SegmentDone, SpecError, StreamSpec, build_params
+from agent_server.speech import SegmentDone, StreamSpec, build_params
 
 SEED_LIMIT = 2**63
 DEFAULT_VOICE = "default"
@@ -31,30 +34,20 @@ _LANGUAGE = re.compile(r"^([A-Za-z]{2,3})(?:[-_][A-Za-z0-9]+)*$")
 _WORD = re.compile(r"\S+")
 
 
-class CompatError(ValueError):
-    """A request a vendor endpoint refuses; rendered in that vendor's error shape."""
-
-    def __init__(self, field: str, message: str, code: str = "bad_request") -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-        self.code = code
-
-
 def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *, what: str = "message",
                 unknown_message: str = "unknown field {name!r}") -> dict[str, Any]:
-    """A client's JSON object with only `allowed` keys, else CompatError naming the field at fault.
+    """A client's JSON object with only `allowed` keys, else FieldError naming the field at fault.
     `raw` may be already-decoded JSON (an HTTP body)."""
     if isinstance(raw, (str, bytes)):
         try:
             raw = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise CompatError(what, f"{what}s must be JSON objects") from None
+            raise FieldError(what, f"{what}s must be JSON objects") from None
     if not isinstance(raw, dict):
-        raise CompatError(what, f"{what}s must be JSON objects")
+        raise FieldError(what, f"{what}s must be JSON objects")
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise CompatError(unknown[0], unknown_message.format(name=unknown[0]))
+        raise FieldError(unknown[0], unknown_message.format(name=unknown[0]))
     return raw
 
 
@@ -63,7 +56,7 @@ def check_model(field: str, requested: str | None, variant: str) -> None:
         return
     ours = OUR_MODELS.get(requested.lower())
     if ours is not None and ours != variant:
-        raise CompatError(field, f"this server runs the {variant!r} variant (one variant per server), not {requested!r}")
+        raise FieldError(field, f"this server runs the {variant!r} variant (one variant per server), not {requested!r}")
 
 
 def resolve_voice(hub: Hub, requested: str | None) -> str:
@@ -79,11 +72,11 @@ def resolve_language(field: str, requested: str | None, variant: str) -> str | N
         return None
     match = _LANGUAGE.match(requested)
     if match is None:
-        raise CompatError(field, f"not a language code: {requested!r}")
+        raise FieldError(field, f"not a language code: {requested!r}")
     code = match.group(1).lower()
     if variant != "multilingual":
         if code != "en":
-            raise CompatError(field, f"the {variant!r} variant speaks English only (got {requested!r})")
+            raise FieldError(field, f"the {variant!r} variant speaks English only (got {requested!r})")
         return None
     return code
 
@@ -92,28 +85,36 @@ def parse_seed(field: str, value: object) -> int | None:
     if value is None or value == "":
         return None
     if isinstance(value, bool):
-        raise CompatError(field, "seed must be an integer")
+        raise FieldError(field, "seed must be an integer")
     if isinstance(value, str):
         try:
             value = int(value)
         except ValueError:
-            raise CompatError(field, f"seed must be an integer (got {value!r})") from None
+            raise FieldError(field, f"seed must be an integer (got {value!r})") from None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
-        raise CompatError(field, f"seed must be an integer in [0, 2**63) (got {value!r})")
+        raise FieldError(field, f"seed must be an integer in [0, 2**63) (got {value!r})")
     return value
+
+
+def is_decimal(raw: str) -> bool:
+    """ASCII digits only (`str.isdigit` also takes "¹" and "٣", which `int` then refuses or reads)."""
+    return raw.isascii() and raw.isdigit()
+
+
+def parse_decimal(raw: str | None) -> int | None:
+    """A query parameter's non-negative integer; None when absent or empty; -1 when not a number
+    (callers range-check it, so -1 is refused with their own message)."""
+    if raw is None or raw == "":
+        return None
+    return int(raw) if is_decimal(raw) else -1
 
 
 def make_spec(
     hub: Hub, *, voice_id: str, output_format: OutputFormat, seed: int | None, language: str | None
 ) -> StreamSpec:
-    engine = hub.engine
-    assert engine is not None
-    try:
-        params = build_params(engine.variant, (), seed)
-    except SpecError as exc:
-        raise CompatError(exc.field, exc.message) from None
+    params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
     settings = hub.settings
     return StreamSpec(
         voice_id=voice_id,
@@ -138,7 +139,7 @@ def query_flag(params: Mapping[str, str], name: str, default: bool = False) -> b
         return True
     if value in ("false", "0", "no"):
         return False
-    raise CompatError(name, f"{name} must be true or false (got {raw!r})")
+    raise FieldError(name, f"{name} must be true or false (got {raw!r})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """ElevenLabs text-to-speech WebSockets: `stream-input` (one context per socket) and
-`multi-stream-input` (many contexts per socket), translated onto `SpeechStream`.
+`multi-stream-input` (many contexts per socket): the wire format, on the session core.
 
 Wire (what the SDKs, Pipecat and LiveKit send and expect):
 - query: model_id, output_format (pcm_8000..pcm_48000, ulaw_8000, alaw_8000), language_code,
@@ -10,7 +10,8 @@ Wire (what the SDKs, Pipecat and LiveKit send and expect):
   multi-stream-input adds "context_id", {"context_id", "close_context": true}, {"close_socket": true}
   and keep-alives {"text": "", "context_id"};
 - out: {"audio": base64, "isFinal": null, "alignment", "normalizedAlignment"} (multi: "contextId"),
-  then {"isFinal": true}; errors {"message", "error", "code"}; stream-input closes with 1000.
+  then {"isFinal": true}; errors {"message", "error", "code"}; stream-input closes with 1000;
+- a message with neither text nor an action (`{}`, `{"text": null}`) is an `invalid_message` error.
 
 Alignment: after each segment's audio comes an audio-less message whose alignment covers that segment,
 its times relative to the segment's start (ElevenLabs: relative to the chunk), ending with a space.
@@ -18,46 +19,47 @@ its times relative to the segment's start (ElevenLabs: relative to the chunk), e
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import orjson
-from starlette.websockets import WebSocket
 
 from agent_server.audio import PCM_SAMPLE_RATES_HZ, OutputFormat
 from agent_server.compat.common import (
-    CompatError,
-    load_object,
     b64,
     check_model,
+    is_decimal,
+    load_object,
     make_spec,
+    parse_decimal,
     parse_seed,
     query_flag,
     resolve_language,
     resolve_voice,
     segment_char_times,
 )
-from agent_server.hub import Hub
+from agent_server.errors import (
+    BUSY,
+    CONTEXT_TEXT_LIMIT,
+    EMPTY_MESSAGE,
+    RATE_LIMITED,
+    TEXT_TOO_LONG,
+    FieldError,
+    empty_message,
+)
+from agent_server.hub import Refusal
 from agent_server.session import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_POLICY,
     CLOSE_TRY_AGAIN_LATER,
-    Connection,
-    ConnectionState,
     Context,
-    OpenRefused,
+    Session,
+    SessionState,
+    WireProtocol,
 )
-from agent_server.speech import (
-    AudioOut,
-    DoneReason,
-    SegmentDone,
-    StreamDone,
-    StreamEvent,
-    StreamStateError,
-    StreamStatus,
-)
+from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 
 DEFAULT_INACTIVITY_TIMEOUT_S = 20
 MAX_INACTIVITY_TIMEOUT_S = 180
@@ -114,32 +116,36 @@ class Query:
 def parse_output_format(value: str | None) -> OutputFormat:
     """pcm_<rate> (PCM16), ulaw_8000, alaw_8000. mp3/opus need an encoder this server does not carry."""
     if not value:
-        raise CompatError(
-            "output_format", "output_format is required here: pcm_8000..pcm_48000, ulaw_8000 or alaw_8000 (mp3 is not served)"
+        raise FieldError(
+            "output_format",
+            "output_format is required here: pcm_8000..pcm_48000, ulaw_8000 or alaw_8000 (mp3 is not served)",
         )
     kind, _, rate = value.partition("_")
     encodings = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw"}
-    if kind not in encodings or not rate.isdigit():
-        raise CompatError(
+    if kind not in encodings or not is_decimal(rate):
+        raise FieldError(
             "output_format", f"unsupported output_format {value!r}: use pcm_8000..pcm_48000, ulaw_8000 or alaw_8000"
         )
     try:
         return OutputFormat(encodings[kind], int(rate))  # type: ignore[arg-type]
     except ValueError as exc:
         allowed = ", ".join(f"pcm_{r}" for r in PCM_SAMPLE_RATES_HZ)
-        raise CompatError("output_format", f"unsupported output_format {value!r} ({allowed}, ulaw_8000, alaw_8000)") from exc
+        raise FieldError("output_format",
+                         f"unsupported output_format {value!r} ({allowed}, ulaw_8000, alaw_8000)") from exc
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
     check_model("model_id", params.get("model_id"), variant)
-    timeout_raw = params.get("inactivity_timeout") or str(DEFAULT_INACTIVITY_TIMEOUT_S)
-    if not timeout_raw.isdigit() or not 1 <= int(timeout_raw) <= MAX_INACTIVITY_TIMEOUT_S:
-        raise CompatError("inactivity_timeout", f"inactivity_timeout must be 1..{MAX_INACTIVITY_TIMEOUT_S} seconds")
+    timeout_s = parse_decimal(params.get("inactivity_timeout"))
+    if timeout_s is None:
+        timeout_s = DEFAULT_INACTIVITY_TIMEOUT_S
+    if not 1 <= timeout_s <= MAX_INACTIVITY_TIMEOUT_S:
+        raise FieldError("inactivity_timeout", f"inactivity_timeout must be 1..{MAX_INACTIVITY_TIMEOUT_S} seconds")
     return Query(
         model_id=params.get("model_id"),
         output_format=parse_output_format(params.get("output_format")),
         language_code=resolve_language("language_code", params.get("language_code"), variant),
-        inactivity_timeout_s=float(timeout_raw),
+        inactivity_timeout_s=float(timeout_s),
         seed=parse_seed("seed", params.get("seed")),
         sync_alignment=query_flag(params, "sync_alignment"),
         auto_mode=query_flag(params, "auto_mode"),
@@ -158,21 +164,19 @@ class Message:
 
 
 def parse_message(raw: str | bytes) -> Message:
-    if isinstance(raw, bytes) and not raw:
-        raise CompatError("message", "empty message")
     obj = load_object(raw, MESSAGE_FIELDS)
     text = obj.get("text")
     if text is not None and not isinstance(text, str):
-        raise CompatError("text", "text must be a string")
+        raise FieldError("text", "text must be a string")
     context_id = obj.get("context_id")
     if context_id is not None and (not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS):
-        raise CompatError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
+        raise FieldError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
     for name in ("flush", "try_trigger_generation", "close_context", "close_socket"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
-            raise CompatError(name, f"{name} must be true or false")
+            raise FieldError(name, f"{name} must be true or false")
     voice_settings = obj.get("voice_settings")
     if voice_settings is not None and not isinstance(voice_settings, dict):
-        raise CompatError("voice_settings", "voice_settings must be an object")
+        raise FieldError("voice_settings", "voice_settings must be an object")
     return Message(
         text=text,
         flush=bool(obj.get("flush")),
@@ -191,221 +195,222 @@ def error_message(error: str, message: str, code: int, context_id: str | None = 
     return orjson.dumps(body).decode()
 
 
-# ---- the session ---------------------------------------------------------------------------------
+# ---- the protocol --------------------------------------------------------------------------------
+
+# error code -> (ElevenLabs' error name, close code); every error closes the socket (vendor behaviour)
+# but max_active_conversations (multi-stream-input: too many contexts), which leaves it open.
+ERROR_NAMES: Mapping[str, str] = {
+    TEXT_TOO_LONG: "max_character_limit_exceeded",
+    CONTEXT_TEXT_LIMIT: "max_character_limit_exceeded",
+    RATE_LIMITED: "rate_limited",
+    EMPTY_MESSAGE: "invalid_message",
+    "bad_state": "invalid_state",
+}
 
 
 @dataclass(slots=True)
 class ContextInput:
-    """Client-side state of one ElevenLabs context (multi-stream-input bookkeeping)."""
+    """What ElevenLabs keeps per context (multi-stream-input's bookkeeping), on the session's Context."""
 
     last_input_s: float
     unflushed: bool = False  # text arrived since the last flush
     closing: bool = False  # close_context / close_socket seen: no more input
 
 
-class ElevenLabsSession(Connection):
-    protocol_name: ClassVar[str] = "elevenlabs"
+ElevenLabsContext = Context[ContextInput]
 
-    def __init__(self, hub: Hub, websocket: WebSocket, *, multi: bool) -> None:
-        super().__init__(hub, websocket)
-        self.multi = multi
-        self.voice_id = websocket.path_params.get("voice_id", "")
+
+class ElevenLabsProtocol(WireProtocol[ContextInput]):
+    """`stream-input` (one context per socket); `MultiStreamProtocol` is `multi-stream-input`."""
+
+    name: ClassVar[str] = "elevenlabs"
+    multi: ClassVar[bool] = False
+
+    def __init__(self, session: Session[ContextInput]) -> None:
+        super().__init__(session)
+        self.voice_id = session.transport.path_params.get("voice_id", "")
         self.query: Query | None = None
-        self._inputs: dict[str, ContextInput] = {}
         self._closing_socket = False
-        self._last_input_s = time.monotonic()
+        self._last_input_s = session.last_input_s
 
-    # ---- greeting: the query is checked once the socket is open, so errors go out in vendor shape
+    # ---- the query is checked once the socket is open, so that errors go out in vendor shape ----
 
-    def on_open(self) -> None:
-        engine = self.hub.engine
-        assert engine is not None
+    async def on_open(self) -> None:
         try:
-            self.query = parse_query(self.websocket.query_params, engine.variant)
-        except CompatError as exc:
-            self._fail(exc.code if exc.code != "bad_request" else f"invalid_{exc.field}", exc.message)
+            self.query = parse_query(self.session.transport.query, self.session.variant)
+        except FieldError as error:
+            self.session.reject(error)
 
-    def render_refusal(self, reason: str) -> str:
-        return error_message("busy", reason, CLOSE_TRY_AGAIN_LATER)
+    def on_refused(self, refusal: Refusal) -> None:
+        self.session.send(error_message("busy", refusal.reason, CLOSE_TRY_AGAIN_LATER))
 
-    def _fail(self, error: str, message: str, code: int = CLOSE_POLICY, context_id: str | None = None) -> None:
-        self.log.info("elevenlabs_error", error=error, message=message)
-        self.send_message(error_message(error, message, code, context_id))
-        self.request_close(code, message[:120])  # first: nothing more is rendered after the error
-        for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(DoneReason.SHUTDOWN, message)
+    def render_error(self, error: FieldError) -> None:
+        cid = error.context_id if self.multi else None
+        if error.busy:
+            if self.multi:  # other contexts may be speaking: refuse this one, keep the socket
+                busy_name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
+                self.session.send(error_message(busy_name, error.message, CLOSE_TRY_AGAIN_LATER, cid))
+                return
+            self._fail(BUSY, error.message, CLOSE_TRY_AGAIN_LATER, cid)
+            return
+        name = ERROR_NAMES.get(error.code)
+        if name is None:
+            name = error.code if error.code != "bad_request" else f"invalid_{error.field or 'message'}"
+        self._fail(name, error.message, CLOSE_POLICY, cid)
+
+    def _fail(self, error: str, message: str, code: int, context_id: str | None = None) -> None:
+        self.session.send(error_message(error, message, code, context_id))
+        self.session.close(code, message)  # nothing more is rendered; the contexts end with the session
 
     # ---- client messages -------------------------------------------------------------------------
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        session = self.session
         if self.query is None or self._closing_socket:
             return  # refused in on_open (the close is on its way), or closing
         self._last_input_s = now_s
         try:
-            message = parse_message(raw)
-        except CompatError as exc:
-            self._fail("invalid_message", exc.message)
+            parsed = parse_message(message)
+        except FieldError as error:
+            error.code = "invalid_message"
+            session.reject(error)
             return
-        if message.close_socket:
+        if parsed.close_socket:
             self._close_socket(now_s)
             return
-        cid = (message.context_id or DEFAULT_CONTEXT_ID) if self.multi else DEFAULT_CONTEXT_ID
-        if message.close_context:
+        cid = (parsed.context_id or DEFAULT_CONTEXT_ID) if self.multi else DEFAULT_CONTEXT_ID
+        if parsed.close_context:
             self._close_context(cid, now_s)
             return
-        ctx = self.contexts.get(cid)
-        state = self._inputs.get(cid)
-        if ctx is None or state is None or state.closing:
-            if state is not None and state.closing:
-                self._fail("context_closing", f"context {cid!r} is closing", context_id=cid if self.multi else None)
-                return
-            if message.text is None and not message.flush:
-                return  # nothing to open a context for
-            if not self.multi and message.text == "":
-                self.request_close(CLOSE_NORMAL, "end of input before any text")
-                return
-            ctx = self._open(cid, message, now_s)
+        if parsed.text is None and not parsed.flush:
+            session.reject(empty_message(cid))  # `{}`, `{"text": null}`: nothing to do
+            return
+        ctx = session.contexts.get(cid)
+        if ctx is not None and ctx.state.closing:
+            session.reject(FieldError("context_id", f"context {cid!r} is closing", "context_closing", context_id=cid))
+            return
+        if ctx is None:
+            if parsed.text == "" and not parsed.flush:
+                if not self.multi:
+                    session.close(CLOSE_NORMAL, "end of input before any text")
+                return  # multi-stream-input: a keep-alive for a context that is not open changes nothing
+            ctx = await self._open(cid, now_s)
             if ctx is None:
                 return
-            state = self._inputs[cid]
-        state.last_input_s = now_s
+        ctx.state.last_input_s = now_s
         try:
-            self._apply(ctx, state, message, now_s)
+            await self._apply(ctx, parsed, now_s)
         except StreamStateError as exc:
-            self._fail("invalid_state", str(exc), context_id=cid if self.multi else None)
+            session.reject(FieldError("text", str(exc), "bad_state", context_id=cid))
 
-    def _apply(self, ctx: Context, state: ContextInput, message: Message, now_s: float) -> None:
+    async def _apply(self, ctx: ElevenLabsContext, message: Message, now_s: float) -> None:
         stream = ctx.stream
         if stream.status != StreamStatus.OPEN:
             return  # the stream ended on its own (busy, failed); its isFinal is out
         text = message.text
         if text == "" and not message.flush:
             if not self.multi:  # stream-input: the empty text ends the input
-                state.closing = True
+                ctx.state.closing = True
                 stream.end(now_s)
             return  # multi-stream-input: a keep-alive
-        if text:
-            if stream.text_chars + len(text) > self.settings.max_context_text_chars:
-                self._fail("max_character_limit_exceeded", "the context has too much text", context_id=ctx.context_id if self.multi else None)
-                return
-            refusal = self.charge_text(len(text))
-            if refusal is not None:
-                self._fail("rate_limited", refusal, context_id=ctx.context_id if self.multi else None)
-                return
-            stream.push_text(text, now_s)
-            if text.strip():
-                state.unflushed = True
-        if message.flush:
+        if text and await self.session.push_text(ctx, text, now_s) and text.strip():
+            ctx.state.unflushed = True
+        if message.flush and stream.status == StreamStatus.OPEN:
             stream.flush(now_s)
-            state.unflushed = False
+            ctx.state.unflushed = False
 
-    def _open(self, cid: str, message: Message, now_s: float) -> Context | None:
-        assert self.query is not None
-        q = self.query
+    async def _open(self, cid: str, now_s: float) -> ElevenLabsContext | None:
+        session = self.session
+        query = self.query
+        if query is None:
+            return None
         try:
-            spec = make_spec(
-                self.hub,
-                voice_id=resolve_voice(self.hub, self.voice_id),
-                output_format=q.output_format,
-                seed=q.seed,
-                language=q.language_code,
-            )
-            ctx = self.open_context(cid, spec)
-        except CompatError as exc:
-            self._fail(f"invalid_{exc.field}", exc.message)
+            spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
+                             output_format=query.output_format, seed=query.seed, language=query.language_code)
+        except FieldError as error:
+            error.context_id = cid
+            session.reject(error)
             return None
-        except OpenRefused as refused:
-            code = CLOSE_TRY_AGAIN_LATER if refused.busy else CLOSE_POLICY
-            if self.multi and refused.busy and refused.code == "too_many_contexts":
-                self.send_message(error_message("max_active_conversations", refused.message, code, cid))
-                return None
-            self._fail("busy" if refused.busy else refused.code, refused.message, code)
-            return None
-        self._inputs[cid] = ContextInput(last_input_s=now_s)
-        return ctx
+        return await session.open_context(cid, spec, ContextInput(last_input_s=now_s))
 
     def _close_context(self, cid: str, now_s: float) -> None:
         """Graceful when every piece of text was flushed (the turn is complete: speak it, then isFinal);
         otherwise, or when the context is already closing, it is a barge-in: stop now."""
-        ctx = self.contexts.get(cid)
-        state = self._inputs.get(cid)
-        if ctx is None or state is None:
+        ctx = self.session.contexts.get(cid)
+        if ctx is None:
             return
-        if state.closing or state.unflushed:
+        if ctx.state.closing or ctx.state.unflushed:
             ctx.stream.cancel()
             return
-        state.closing = True
+        ctx.state.closing = True
         if ctx.stream.status == StreamStatus.OPEN:
             ctx.stream.end(now_s)
 
     def _close_socket(self, now_s: float) -> None:
         """Every context ends (what was sent is spoken), then the socket closes with 1000."""
         self._closing_socket = True
-        for cid, ctx in list(self.contexts.items()):
-            self._inputs[cid].closing = True
+        for ctx in list(self.session.contexts.values()):
+            ctx.state.closing = True
             if ctx.stream.status == StreamStatus.OPEN:
                 ctx.stream.end(now_s)
-        if not self.contexts:
-            self.request_close(CLOSE_NORMAL, "close_socket")
+        if not self.session.contexts:
+            self.session.close(CLOSE_NORMAL, "close_socket")
 
-    def tick(self, now_s: float) -> None:
-        super().tick(now_s)
-        if self.query is None:
+    def on_tick(self, now_s: float) -> None:
+        query = self.query
+        session = self.session
+        if query is None or session.state != SessionState.OPEN:
             return
-        timeout_s = self.query.inactivity_timeout_s
+        timeout_s = query.inactivity_timeout_s
         if not self.multi:
-            ctx = self.contexts.get(DEFAULT_CONTEXT_ID)
+            ctx = session.contexts.get(DEFAULT_CONTEXT_ID)
             waiting_for_text = ctx is None or ctx.stream.status == StreamStatus.OPEN
-            if waiting_for_text and now_s - self._last_input_s > timeout_s and self.state == ConnectionState.OPEN:
-                self._fail(
-                    "input_timeout_exceeded",
-                    f"Have not received a new text input within the timeout of {timeout_s:g} seconds",
-                )
+            if waiting_for_text and now_s - self._last_input_s > timeout_s:
+                self._fail("input_timeout_exceeded",
+                           f"Have not received a new text input within the timeout of {timeout_s:g} seconds",
+                           CLOSE_POLICY)
             return
-        for cid, state in list(self._inputs.items()):
-            ctx = self.contexts.get(cid)
-            if ctx is not None and not state.closing and now_s - state.last_input_s > timeout_s:
+        for cid, ctx in list(session.contexts.items()):
+            if not ctx.state.closing and now_s - ctx.state.last_input_s > timeout_s:
                 self._close_context(cid, now_s)
 
     # ---- stream events -> wire -------------------------------------------------------------------
 
-    def render(self, ctx: Context, event: StreamEvent) -> None:
+    def render(self, ctx: ElevenLabsContext, event: StreamEvent) -> None:
         if isinstance(event, AudioOut):
-            self.send_audio(ctx, self._audio_json(ctx, b64(event.payload), None))
+            self.session.send_audio(ctx, self._audio_json(ctx, b64(event.payload), None), event.duration_ms)
         elif isinstance(event, SegmentDone):
             times = segment_char_times(event, trailing_space=True)
             alignment = {"chars": times.chars, "charStartTimesMs": times.start_ms, "charDurationsMs": times.duration_ms}
-            self.send_message(self._audio_json(ctx, "", alignment), ctx)
+            self.session.send(self._audio_json(ctx, "", alignment), ctx)
         elif isinstance(event, StreamDone):
             self._render_done(ctx, event)
 
-    def _audio_json(self, ctx: Context, audio: str, alignment: dict[str, Any] | None) -> str:
-        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": alignment, "alignment": alignment}
+    def _audio_json(self, ctx: ElevenLabsContext, audio: str, alignment: dict[str, Any] | None) -> str:
+        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": alignment,
+                                "alignment": alignment}
         if self.multi:
             body["contextId"] = ctx.context_id
         return orjson.dumps(body).decode()
 
-    def _render_done(self, ctx: Context, event: StreamDone) -> None:
+    def _render_done(self, ctx: ElevenLabsContext, event: StreamDone) -> None:
+        session = self.session
         cid = ctx.context_id if self.multi else None
-        if event.reason in (DoneReason.BUSY, DoneReason.FAILED):
-            code = CLOSE_TRY_AGAIN_LATER if event.reason == DoneReason.BUSY else CLOSE_INTERNAL_ERROR
-            error = "busy" if event.reason == DoneReason.BUSY else "generation_failed"
-            self.send_message(error_message(error, event.detail or error, code, cid))
+        if event.status in (StreamStatus.BUSY, StreamStatus.FAILED):
+            code = CLOSE_TRY_AGAIN_LATER if event.status == StreamStatus.BUSY else CLOSE_INTERNAL_ERROR
+            error = "busy" if event.status == StreamStatus.BUSY else "generation_failed"
+            session.send(error_message(error, event.detail or error, code, cid))
             if not self.multi:
-                self.request_close(code, event.detail[:120])
+                session.close(code, event.detail)
                 return
         final: dict[str, Any] = {"isFinal": True}
         if self.multi:
             final["contextId"] = ctx.context_id
-        self.send_message(orjson.dumps(final).decode())
-        self._inputs.pop(ctx.context_id, None)
-        if not self.multi or (self._closing_socket and len(self.contexts) <= 1):
-            self.request_close(CLOSE_NORMAL, "")
+        session.send(orjson.dumps(final).decode())
+        others_open = any(c is not ctx for c in session.contexts.values())
+        if not self.multi or (self._closing_socket and not others_open):
+            session.close(CLOSE_NORMAL, "")
 
 
-async def stream_input(websocket: WebSocket) -> None:
-    await ElevenLabsSession(websocket.app.state.hub, websocket, multi=False).serve()
-
-
-async def multi_stream_input(websocket: WebSocket) -> None:
-    await ElevenLabsSession(websocket.app.state.hub, websocket, multi=True).serve()
+class MultiStreamProtocol(ElevenLabsProtocol):
+    multi: ClassVar[bool] = True

@@ -1,45 +1,62 @@
-"""OpenAI `POST /v1/audio/speech`, translated onto `SpeechStream`.
+"""OpenAI `POST /v1/audio/speech`: the wire format, on the session core (one session, one context per
+request, over agent_server/transport.py's HttpTransport).
 
 - body: {"model", "input", "voice": "alloy" | {"id"}, "response_format": "pcm" | "wav", "speed",
-  "instructions", "stream_format": "audio" | "sse", "seed" (our extension)}.
+  "instructions", "stream_format": "audio" | "sse", "seed" (our extension)}; `input` is held to the
+  server's text limit like every protocol's text (`max_text_piece_chars`, 4096 by default: OpenAI's own).
 - `stream_format: "audio"`: the audio is sent chunked as the engine produces it (`pcm`: 24 kHz PCM16 LE,
   no header; `wav`: a streaming WAV header first). `"sse"`: `data: {"type": "speech.audio.delta",
   "audio": base64}` events, then `{"type": "speech.audio.done", "usage": {...}}`.
-- errors: {"error": {"message", "type", "param", "code"}} with 400 (bad request), 429 (busy), 503.
+- the status line waits for the first audio, so a request refused before any audio gets a real status:
+  errors are {"error": {"message", "type", "param", "code"}} with 400 (bad request), 413 (body too
+  large), 429 (busy, rate limited), 503 (not ready, shutting down, generation failed), 500 (a bug).
 - barge-in: the client closing the response cancels the stream (the slot is free at the next step).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, ClassVar
 
 import orjson
-import structlog
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agent_server.audio import OutputFormat
-from agent_server.compat.common import (CompatError, b64, check_model, load_object, make_spec, parse_seed,
-                                        resolve_voice)
-from agent_server.auth import Principal, principal_of
-from agent_server.hub import Hub
-from agent_server.observers import ContextFinished, SessionClosed, SessionOpened
-from agent_server.speech import AudioOut, DoneReason, SpeechStream, StreamDone, StreamEvent, StreamStatus
-from agent_server.voices import VoiceError
+from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.errors import BAD_REQUEST, RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
+from agent_server.hub import Refusal
+from agent_server.session import (
+    CLOSE_GOING_AWAY,
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_TOO_BIG,
+    CLOSE_TRY_AGAIN_LATER,
+    Context,
+    Session,
+    WireProtocol,
+)
+from agent_server.speech import AudioOut, StreamDone, StreamEvent, StreamStatus
+from agent_server.transport import Head
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 
-log = structlog.get_logger("agent_server.compat.openai")
-
-MAX_INPUT_CHARS = 4096
-SAMPLE_RATE_HZ = 24_000  # OpenAI's pcm is 24 kHz PCM16 LE mono
+OUTPUT_FORMAT = OutputFormat("pcm_s16le", OUTPUT_SAMPLE_RATE_HZ)  # OpenAI's pcm: 24 kHz PCM16 LE mono
+SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # usage.output_tokens: 25 per second
 FORMATS = ("pcm", "wav")
 UNSERVED_FORMATS = ("mp3", "opus", "aac", "flac")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
-BODY_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "seed"})
-_DONE = object()
+BODY_FIELDS = frozenset(
+    {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "seed"}
+)
+CONTEXT_ID = "speech"
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "sse": "text/event-stream"}
+# A close with no response started yet -> (status, type, code) of the error the client gets.
+CLOSE_ERRORS: dict[int, tuple[int, str, str]] = {
+    CLOSE_GOING_AWAY: (503, "server_error", "shutting_down"),
+    CLOSE_POLICY: (400, "invalid_request_error", "bad_request"),
+    CLOSE_TOO_BIG: (413, "invalid_request_error", "body_too_large"),
+    CLOSE_TRY_AGAIN_LATER: (429, "rate_limit_exceeded", "busy"),
+}
+INTERNAL_ERROR = (500, "server_error", "internal_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,214 +71,166 @@ class SpeechRequest:
 
 
 def parse_request(body: object, variant: str) -> SpeechRequest:
-    body = load_object(body, BODY_FIELDS, what="body",
-                       unknown_message="Unrecognized request argument supplied: {name}")
+    """A decoded JSON body -> the request. Raises FieldError naming the parameter at fault."""
+    body = load_object(body, BODY_FIELDS, what="body", unknown_message="Unrecognized request argument supplied: {name}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise CompatError("model", "you must provide a model parameter")
+        raise FieldError("model", "you must provide a model parameter")
     check_model("model", model, variant)
     text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
-        raise CompatError("input", "input must be a non-empty string")
-    if len(text) > MAX_INPUT_CHARS:
-        raise CompatError("input", f"input is longer than {MAX_INPUT_CHARS} characters")
+    if text is not None and not isinstance(text, str):
+        raise FieldError("input", "input must be a string")
+    if text is None or not text.strip():
+        raise empty_message(field="input")
     voice = body.get("voice")
     if isinstance(voice, dict):
         voice = voice.get("id")
     if not isinstance(voice, str) or not voice:
-        raise CompatError("voice", 'voice must be a voice name or {"id": "..."}')
+        raise FieldError("voice", 'voice must be a voice name or {"id": "..."}')
     response_format = body.get("response_format", "mp3")
     if response_format in UNSERVED_FORMATS:
-        raise CompatError("response_format", f"response_format {response_format!r} is not served here: use pcm or wav")
+        raise FieldError("response_format", f"response_format {response_format!r} is not served here: use pcm or wav")
     if response_format not in FORMATS:
-        raise CompatError("response_format", f"response_format must be one of {', '.join(FORMATS)}")
+        raise FieldError("response_format", f"response_format must be one of {', '.join(FORMATS)}")
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
-        raise CompatError("stream_format", "stream_format must be audio or sse")
+        raise FieldError("stream_format", "stream_format must be audio or sse")
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise CompatError("speed", f"speed must be a number in [{MIN_SPEED}, {MAX_SPEED}]")
-    return SpeechRequest(model, text, voice, response_format, stream_format, float(speed), parse_seed("seed", body.get("seed")))
+        raise FieldError("speed", f"speed must be a number in [{MIN_SPEED}, {MAX_SPEED}]")
+    return SpeechRequest(model, text, voice, response_format, stream_format, float(speed),
+                         parse_seed("seed", body.get("seed")))
 
 
-def error_response(status_code: int, message: str, param: str | None, kind: str = "invalid_request_error",
-                   code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
+def error_body(message: str, param: str | None, kind: str, code: str | None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-class HttpSpeechSession:
-    """One request: one SpeechStream whose events go through a bounded queue to the response body.
+@dataclass(slots=True)
+class SpeechState:
+    request: SpeechRequest
+    sent_samples: int = 0  # 24 kHz samples in the body so far (SSE usage)
 
-    It is a hub `Session` (counted against max_sessions, drained on shutdown, failed with the engine).
-    A reader that falls `outbox_max_items` behind is dropped (the stream is cancelled), like a slow socket.
-    """
 
-    protocol_name: ClassVar[str] = "openai"
+SpeechContext = Context[SpeechState]
 
-    def __init__(self, hub: Hub, principal: Principal | None = None) -> None:
-        self.hub = hub
-        self.session_id = hub.new_session_id()
-        self.principal = principal  # the API key it came with (per-key limits)
-        self.stream: SpeechStream | None = None
-        self.queue: asyncio.Queue[object] = asyncio.Queue(maxsize=hub.settings.outbox_max_items)
-        self.done: StreamDone | None = None
-        self._opened_s = time.monotonic()
 
-    # ---- hub Session protocol ----
+class OpenAISpeechProtocol(WireProtocol[SpeechState]):
+    name: ClassVar[str] = "openai"
 
-    @property
-    def live_streams(self) -> int:
-        return 0 if self.stream is None or self.stream.status >= StreamStatus.DONE else 1
+    def __init__(self, session: Session[SpeechState]) -> None:
+        super().__init__(session)
+        self._head_sent = False
 
-    def tick(self, now_s: float) -> None:
-        if self.stream is not None and self.stream.has_unsegmented_text:
-            self.stream.poll(now_s)
+    # ---- the request -----------------------------------------------------------------------------
 
-    def begin_drain(self) -> None:
-        pass  # the request finishes on its own
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        session = self.session
+        if self._head_sent:
+            return
+        try:
+            body = orjson.loads(message)
+        except orjson.JSONDecodeError:
+            session.reject(FieldError("", "the body must be JSON"))
+            return
+        try:
+            request = parse_request(body, session.variant)
+            spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice),
+                             output_format=OUTPUT_FORMAT, seed=request.seed, language=None)
+        except FieldError as error:
+            session.reject(error)
+            return
+        ctx = await session.open_context(CONTEXT_ID, spec, SpeechState(request))
+        if ctx is None:
+            return
+        if not await session.push_text(ctx, request.input, now_s):
+            ctx.stream.cancel()
+            return
+        ctx.stream.end(now_s)
 
-    def close_now(self, code: int, reason: str) -> None:
-        if self.stream is not None:
-            self.stream.cancel(DoneReason.SHUTDOWN, reason)
+    # ---- refusals and errors: a status line while none went out -------------------------------------
 
-    def fail_streams(self, detail: str) -> None:
-        if self.stream is not None:
-            self.stream.cancel(DoneReason.FAILED, detail)
+    def on_refused(self, refusal: Refusal) -> None:
+        if refusal.unavailable:
+            self._error_response(503, refusal.reason, None, "server_error", "not_ready")
+        else:
+            self._error_response(429, refusal.reason, None, "rate_limit_exceeded", "busy")
 
-    # ---- the stream ----
+    def render_error(self, error: FieldError) -> None:
+        if self._head_sent:
+            self.session.close(CLOSE_INTERNAL_ERROR, error.message)
+            return
+        param = error.field or None
+        if error.busy and error.code == UNAVAILABLE:
+            self._error_response(503, error.message, param, "server_error", "not_ready")
+            self.session.close(CLOSE_GOING_AWAY, error.message)
+        elif error.busy or error.code == RATE_LIMITED:
+            busy_code = "rate_limited" if error.code == RATE_LIMITED else "busy"
+            self._error_response(429, error.message, param, "rate_limit_exceeded", busy_code)
+            self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
+        else:
+            code = None if error.code == BAD_REQUEST else error.code
+            self._error_response(400, error.message, param, "invalid_request_error", code)
+            self.session.close(CLOSE_POLICY, error.message)
 
-    def start(self, request: SpeechRequest) -> None:
-        """Open the stream and give it all the text. Raises CompatError, VoiceError."""
-        engine = self.hub.engine
-        assert engine is not None
-        spec = make_spec(
-            self.hub,
-            voice_id=resolve_voice(self.hub, request.voice),
-            output_format=OutputFormat("pcm_s16le", SAMPLE_RATE_HZ),
-            seed=request.seed,
-            language=None,
-        )
-        voice = self.hub.voices.acquire(spec.voice_id)
-        self.stream = SpeechStream(
-            f"{self.session_id}/1",
-            spec,
-            engine=engine,
-            segmenter=self.hub.make_segmenter(),
-            post=self.hub.post,
-            emit=partial(self._on_event, voice),
-        )
-        self.stream.open()
-        now_s = time.monotonic()
-        self.stream.push_text(request.input, now_s)
-        self.stream.end(now_s)
+    def on_close(self, code: int, reason: str) -> None:
+        if not self._head_sent:
+            status, kind, error_code = CLOSE_ERRORS.get(code, INTERNAL_ERROR)
+            self._error_response(status, reason or error_code, None, kind, error_code)
 
-    def _on_event(self, voice: Any, stream: SpeechStream, event: StreamEvent) -> None:
+    def _error_response(self, status: int, message: str, param: str | None, kind: str, code: str | None) -> None:
+        self._head_sent = True
+        self.session.send(Head(status, "application/json"))
+        self.session.send(error_body(message, param, kind, code))
+
+    # ---- the audio ---------------------------------------------------------------------------------
+
+    def _start(self, ctx: SpeechContext) -> None:
+        request = ctx.state.request
+        kind = "sse" if request.stream_format == "sse" else request.response_format
+        headers = [("x-request-id", self.session.session_id)]
+        if kind == "sse":
+            headers.append(("cache-control", "no-cache"))
+        self._head_sent = True
+        self.session.send(Head(200, MEDIA_TYPES[kind], tuple(headers)))
+        if kind == "wav":
+            self.session.send(OUTPUT_FORMAT.wav_header())
+
+    def render(self, ctx: SpeechContext, event: StreamEvent) -> None:
+        session = self.session
         if isinstance(event, AudioOut):
-            self._put(event.payload)
+            if not self._head_sent:
+                self._start(ctx)
+            ctx.state.sent_samples += len(event.payload) // OUTPUT_FORMAT.bytes_per_sample
+            if ctx.state.request.stream_format == "sse":
+                delta = {"type": "speech.audio.delta", "audio": b64(event.payload)}
+                session.send_audio(ctx, b"data: " + orjson.dumps(delta) + b"\n\n", event.duration_ms)
+            else:
+                session.send_audio(ctx, event.payload, event.duration_ms)
         elif isinstance(event, StreamDone):
-            self.done = event
-            self.hub.voices.release(voice)
-            self.hub.observers.emit(
-                ContextFinished(self.protocol_name, self.session_id, "speech", event.reason.value,
-                                stream.output_ms / 1000.0, stream.segment_count)
-            )
-            self._put(_DONE)
+            self._render_done(ctx, event)
 
-    def _put(self, item: object) -> None:
-        try:
-            self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            log.warning("dropped_slow_client", session_id=self.session_id, backlog_items=self.queue.qsize())
-            if self.stream is not None:
-                self.stream.cancel(DoneReason.SHUTDOWN, "slow client")
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.queue.put_nowait(_DONE)
+    def _render_done(self, ctx: SpeechContext, event: StreamDone) -> None:
+        session = self.session
+        if event.status == StreamStatus.COMPLETED:
+            if not self._head_sent:
+                self._start(ctx)  # nothing speakable in the input: an empty audio body
+            if ctx.state.request.stream_format == "sse":
+                session.send(self._sse_done(ctx))
+            session.close(CLOSE_NORMAL, "")
+            return
+        if self._head_sent:  # a failure after audio started ends the body early
+            session.close(CLOSE_INTERNAL_ERROR, event.detail or event.reason)
+        elif event.status == StreamStatus.BUSY:
+            self._error_response(429, event.detail or "no free slot", None, "rate_limit_exceeded", "busy")
+            session.close(CLOSE_TRY_AGAIN_LATER, event.detail)
+        else:
+            self._error_response(503, event.detail or "generation failed", None, "server_error", event.reason)
+            session.close(CLOSE_INTERNAL_ERROR, event.detail)
 
-    async def audio(self, first: object) -> AsyncIterator[bytes]:
-        """PCM16 payloads as they come (`first`: the item already taken from the queue); ends when the
-        stream does. Cancels the stream if the client leaves."""
-        assert self.stream is not None
-        item = first
-        try:
-            while True:
-                if item is _DONE:
-                    return
-                assert isinstance(item, bytes)
-                yield item
-                self.stream.on_frame_sent(time.monotonic())
-                item = await self.queue.get()
-        finally:
-            self.stream.cancel()  # no-op once done; a barge-in (client gone) otherwise
-            self.hub.remove(self)
-            code = 1000 if self.done is not None and self.done.reason == DoneReason.COMPLETED else 1001
-            self.hub.observers.emit(
-                SessionClosed(self.protocol_name, self.session_id, code, "", time.monotonic() - self._opened_s)
-            )
-
-
-async def speech(request: Request) -> Response:
-    hub: Hub = request.app.state.hub
-    engine = hub.engine
-    if engine is None or not hub.ready:
-        return error_response(503, f"the server is not ready: {hub.detail}", None, "server_error", "not_ready")
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        return error_response(400, "the body must be JSON", None)
-    try:
-        speech_request = parse_request(body, engine.variant)
-    except CompatError as exc:
-        return error_response(400, exc.message, exc.field)
-    session = HttpSpeechSession(hub, principal_of(request.scope))
-    refusal = hub.admit(session)
-    if refusal is not None:
-        return error_response(429, refusal, None, "rate_limit_exceeded", "busy")
-    refusal = hub.auth.charge_text(session.principal, len(speech_request.input))
-    if refusal is not None:
-        hub.remove(session)
-        return error_response(429, refusal, "input", "rate_limit_exceeded", "rate_limited")
-    hub.observers.emit(SessionOpened(session.protocol_name, session.session_id))
-    try:
-        session.start(speech_request)
-    except CompatError as exc:
-        hub.remove(session)
-        return error_response(400, exc.message, exc.field)
-    except VoiceError as exc:
-        hub.remove(session)
-        return error_response(400, exc.message, "voice")
-    first = await session.queue.get()  # the first audio, or the end: an early failure gets a real status
-    if first is _DONE:
-        done = session.done
-        assert done is not None
-        if done.reason != DoneReason.COMPLETED:
-            hub.remove(session)
-            if done.reason == DoneReason.BUSY:
-                return error_response(429, done.detail or "no free slot", None, "rate_limit_exceeded", "busy")
-            return error_response(503, done.detail or "generation failed", None, "server_error", done.reason.value)
-    headers = {"X-Request-Id": session.session_id}
-    if speech_request.stream_format == "sse":
-        return StreamingResponse(_sse(session, first), media_type="text/event-stream", headers=headers)
-    fmt = speech_request.response_format
-    media_type = "audio/wav" if fmt == "wav" else "audio/pcm"
-    return StreamingResponse(_audio_body(session, fmt, first), media_type=media_type, headers=headers)
-
-
-async def _audio_body(session: HttpSpeechSession, fmt: str, first: object) -> AsyncIterator[bytes]:
-    if fmt == "wav":
-        yield OutputFormat("pcm_s16le", SAMPLE_RATE_HZ).wav_header()
-    async for payload in session.audio(first):
-        yield payload
-
-
-async def _sse(session: HttpSpeechSession, first: object) -> AsyncIterator[bytes]:
-    samples = 0
-    async for payload in session.audio(first):
-        samples += len(payload) // 2
-        yield b"data: " + orjson.dumps({"type": "speech.audio.delta", "audio": b64(payload)}) + b"\n\n"
-    stream = session.stream
-    input_tokens = 0 if stream is None else stream.text_chars
-    output_tokens = round(samples / SAMPLE_RATE_HZ * 25)  # speech tokens: 25 per second
-    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
-    yield b"data: " + orjson.dumps({"type": "speech.audio.done", "usage": usage}) + b"\n\n"
+    def _sse_done(self, ctx: SpeechContext) -> bytes:
+        input_tokens = ctx.stream.text_chars
+        output_tokens = round(ctx.state.sent_samples / OUTPUT_SAMPLE_RATE_HZ * SPEECH_TOKENS_PER_S)
+        usage: dict[str, Any] = {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                                 "total_tokens": input_tokens + output_tokens}
+        return b"data: " + orjson.dumps({"type": "speech.audio.done", "usage": usage}) + b"\n\n"

@@ -21,10 +21,12 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
@@ -47,7 +49,7 @@ IDLE_WAIT_S = 0.05
 PITCHES = 512
 
 
-def _token_waveforms() -> np.ndarray:
+def _token_waveforms() -> NDArray[Any]:
     freq_hz = 110.0 + np.arange(PITCHES, dtype=np.float64)[:, None] * 2.0
     t_s = np.arange(SAMPLES_PER_SPEECH_TOKEN, dtype=np.float64)[None, :] / OUTPUT_SAMPLE_RATE_HZ
     table = (0.5 * np.sin(2 * np.pi * freq_hz * t_s)).astype(np.float32)  # [PITCHES, 960]
@@ -120,12 +122,13 @@ class FakeEngine(EngineLike):
         return [int(t) for t in rng.integers(0, SPEECH_VOCAB, size=n_tokens)]
 
     @staticmethod
-    def token_pcm(token_id: int) -> np.ndarray:
+    def token_pcm(token_id: int) -> NDArray[Any]:
         """960 samples of a sine whose pitch encodes the token: float32 in [-0.5, 0.5]. Read-only."""
-        return _TOKEN_PCM[token_id % PITCHES]
+        pcm: NDArray[np.float32] = _TOKEN_PCM[token_id % PITCHES]
+        return pcm
 
     @classmethod
-    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> np.ndarray:
+    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> NDArray[Any]:
         tokens = cls.expected_tokens(text, seed, tokens_per_char)
         return np.concatenate([cls.token_pcm(t) for t in tokens])
 
@@ -156,7 +159,7 @@ class FakeEngine(EngineLike):
     def voice_ids(self) -> list[str]:
         return sorted(self.voices)
 
-    def add_voice(self, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> None:
+    def add_voice(self, voice_id: str, wav: NDArray[Any], sample_rate_hz: int) -> None:
         if len(wav) < MIN_VOICE_CLIP_S * sample_rate_hz:
             raise EngineError(f"reference clip too short: need at least {MIN_VOICE_CLIP_S:g} s")
         if self.add_voice_delay_s:
@@ -308,7 +311,7 @@ class FakeEngine(EngineLike):
                         EventKind.GENERATED,
                         time.monotonic(),
                         speech_tokens=len(seg.tokens),
-                        token_ids=tuple(seg.tokens) + (EOS_TOKEN,),
+                        token_ids=(*tuple(seg.tokens), EOS_TOKEN),
                         reason="eos",
                     ),
                 )
@@ -339,7 +342,8 @@ class FakeEngine(EngineLike):
 
 
 def make_engine(settings: object) -> FakeEngine:
-    """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.fake_engine:make_engine` (the load test's server).
+    """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.fake_engine:make_engine`
+    (the load test's server).
 
     Options come from the JSON object in FAKE_ENGINE_OPTIONS (field names of FakeEngine).
     """

@@ -40,7 +40,8 @@ class FaultyEngine(FakeEngine):
 
 
 def make_engine(settings: object) -> FaultyEngine:
-    """`AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.faulty_engine:make_engine` (FAKE_ENGINE_OPTIONS as in fake_engine)."""
+    """`AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.faulty_engine:make_engine` (FAKE_ENGINE_OPTIONS as in
+    fake_engine)."""
     options = json.loads(os.environ.get("FAKE_ENGINE_OPTIONS", "{}"))
     options.setdefault("variant", getattr(settings, "variant", "english"))
     return FaultyEngine(**options)

@@ -9,16 +9,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import httpx
+from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from agent_server.app import create_app
 from agent_server.cli import GracefulServer, build_server
+from agent_server.hub import Hub
 from agent_server.settings import Settings
 from synth.api import EngineLike
 
@@ -32,6 +34,7 @@ class LiveServer:
     server: GracefulServer
     thread: threading.Thread
     port: int
+    app: Starlette
 
     tls: bool = False
 
@@ -44,8 +47,9 @@ class LiveServer:
         return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}/v1/stream"
 
     @property
-    def hub(self):  # type: ignore[no-untyped-def]
-        return self.server.config.app.state.hub
+    def hub(self) -> Hub:
+        hub: Hub = self.app.state.hub
+        return hub
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline_s = time.monotonic() + timeout_s
@@ -80,7 +84,7 @@ def live_server(
     server = build_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
-    live = LiveServer(server, thread, port, tls=settings.tls_certfile is not None)
+    live = LiveServer(server, thread, port, app, tls=settings.tls_certfile is not None)
     try:
         deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
         while not server.started:

@@ -56,7 +56,7 @@ class NativeClient:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> "NativeClient":
+    async def connect(cls, url: str, **kwargs: Any) -> NativeClient:
         ws = await connect(url, max_size=None, compression=None, **kwargs)
         hello = orjson.loads(await ws.recv())
         return cls(ws, hello)

@@ -3,12 +3,14 @@ from __future__ import annotations
 import io
 import struct
 import wave
+from typing import Any
 
 import numpy as np
 import pytest
 import soxr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
 from agent_server.audio import (
     ENGINE_SAMPLE_RATE_HZ,
@@ -30,12 +32,13 @@ AMPLITUDE = 0.5
 ODD_CHUNKS = [1, 7, 960, 13, 4001, 333, 2, 9600]
 
 
-def sine(freq_hz: float, seconds: float, amplitude: float = AMPLITUDE) -> np.ndarray:
+def sine(freq_hz: float, seconds: float, amplitude: float = AMPLITUDE) -> NDArray[Any]:
     t = np.arange(int(seconds * ENGINE_SAMPLE_RATE_HZ)) / ENGINE_SAMPLE_RATE_HZ
-    return (amplitude * np.sin(2 * np.pi * freq_hz * t)).astype(np.float32)
+    wave: NDArray[np.float32] = (amplitude * np.sin(2 * np.pi * freq_hz * t)).astype(np.float32)
+    return wave
 
 
-def encode_all(fmt: OutputFormat, pcm: np.ndarray, chunks: list[int] | None = None) -> list[bytes]:
+def encode_all(fmt: OutputFormat, pcm: NDArray[Any], chunks: list[int] | None = None) -> list[bytes]:
     enc = AudioEncoder(fmt)
     frames: list[bytes] = []
     if chunks is None:
@@ -49,14 +52,14 @@ def encode_all(fmt: OutputFormat, pcm: np.ndarray, chunks: list[int] | None = No
     return frames + enc.finish()
 
 
-def pcm16_of(frames: list[bytes]) -> np.ndarray:
+def pcm16_of(frames: list[bytes]) -> NDArray[Any]:
     return np.frombuffer(b"".join(frames), dtype="<i2").astype(np.float64) / 32767
 
 
-def rms_db(y: np.ndarray, rate_hz: int) -> float:
+def rms_db(y: NDArray[Any], rate_hz: int) -> float:
     """RMS of the steady middle (edges trimmed by 0.1 s), in dB relative to the input sine's RMS."""
     middle = y[rate_hz // 10 : -rate_hz // 10]
-    return 20 * np.log10(np.sqrt(np.mean(middle**2)) / (AMPLITUDE / np.sqrt(2)) + 1e-20)
+    return float(20 * np.log10(np.sqrt(np.mean(middle**2)) / (AMPLITUDE / np.sqrt(2)) + 1e-20))
 
 
 # ---- OutputFormat ----------------------------------------------------------------------------------
@@ -100,7 +103,7 @@ def test_parse_errors_name_the_field(args: tuple[object, object, object], field:
 
 
 def test_direct_construction_is_validated_too() -> None:
-    with pytest.raises(ValueError, match="^encoding"):
+    with pytest.raises(ValueError, match=r"^encoding"):
         OutputFormat("opus", 48000)  # type: ignore[arg-type]
 
 

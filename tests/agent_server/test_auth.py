@@ -95,6 +95,16 @@ def test_where_credentials_are_read() -> None:
     assert find_credential(scope()) is None
 
 
+def test_a_bare_authorization_header_is_refused() -> None:
+    """`Authorization: <key>` with no scheme is not a credential (one answer for every protocol: 401)."""
+    auth = Auth(keys=[KEY_A])
+    assert find_credential(scope({"Authorization": KEY_A})) is None
+    with pytest.raises(Denied) as denied:
+        auth.check(scope({"Authorization": KEY_A}))
+    assert (denied.value.status_code, denied.value.code) == (401, "invalid_authorization")
+    assert auth.check(scope({"Authorization": f"Bearer {KEY_A}"})) is not None
+
+
 def test_tokens_sign_expire_and_follow_their_key() -> None:
     auth = Auth(keys=[KEY_A, KEY_B], token_ttl_s=60)
     principal = auth.verify(KEY_A)
@@ -114,7 +124,8 @@ def test_tokens_sign_expire_and_follow_their_key() -> None:
     with pytest.raises(Denied):
         other.verify(token)
     shared = Auth(keys=[KEY_A], token_secret=b"s3cret")
-    assert Auth(keys=[KEY_A], token_secret=b"s3cret").verify(shared.issue_token(principal)[0]).key_id == principal.key_id
+    token = shared.issue_token(principal)[0]
+    assert Auth(keys=[KEY_A], token_secret=b"s3cret").verify(token).key_id == principal.key_id
     without_b = Auth(keys=[KEY_A], token_secret=b"s3cret")
     with pytest.raises(Denied):  # a token stands for a key only while the key is configured
         without_b.verify(shared.issue_token(Principal(fingerprint(KEY_B)))[0])
@@ -204,15 +215,18 @@ def test_websocket_handshakes_are_refused_before_upgrade(server: LiveServer) -> 
             "expired": await handshake_status(ws_url(server, query=f"token={expired}")),
             "token": await handshake_status(ws_url(server, query=f"token={token}")),
             "header": await handshake_status(ws_url(server), additional_headers={"Authorization": f"Bearer {KEY_B}"}),
-            "bad_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin="https://evil.example"),  # type: ignore[arg-type]
-            "good_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin=ORIGIN),  # type: ignore[arg-type]
+            "bad_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin="https://evil.example"),
+            "good_origin": await handshake_status(ws_url(server, query=f"token={token}"), origin=ORIGIN),
             # each vendor endpoint, with the vendor's own header
-            "deepgram": await handshake_status(ws_url(server, "/v1/speak"), additional_headers={"Authorization": f"Token {KEY_A}"}),
+            "deepgram": await handshake_status(ws_url(server, "/v1/speak"),
+                                               additional_headers={"Authorization": f"Token {KEY_A}"}),
             "deepgram_none": await handshake_status(ws_url(server, "/v1/speak")),
-            "cartesia": await handshake_status(ws_url(server, "/tts/websocket"), additional_headers={"X-API-Key": KEY_A}),
+            "cartesia": await handshake_status(ws_url(server, "/tts/websocket"),
+                                               additional_headers={"X-API-Key": KEY_A}),
             "cartesia_none": await handshake_status(ws_url(server, "/tts/websocket")),
-            "elevenlabs": await handshake_status(ws_url(server, "/v1/text-to-speech/x/stream-input", "output_format=pcm_16000"),
-                                                 additional_headers={"xi-api-key": KEY_A}),
+            "elevenlabs": await handshake_status(
+                ws_url(server, "/v1/text-to-speech/x/stream-input", "output_format=pcm_16000"),
+                additional_headers={"xi-api-key": KEY_A}),
             "elevenlabs_none": await handshake_status(ws_url(server, "/v1/text-to-speech/x/stream-input")),
         }
 

@@ -7,6 +7,7 @@ checked sample by sample against what the FakeEngine produced for the segments t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import signal
 import socket
@@ -22,11 +23,12 @@ import numpy as np
 import orjson
 import pytest
 import soxr
+from numpy.typing import NDArray
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from agent_server.cli import settings_from
-from agent_server.observers import ObservedEvent, SlowClientDropped
+from agent_server.observers import BusyRejected, ObservedEvent, SessionClosed, SlowClientDropped
 from agent_server.settings import Settings
 from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
@@ -57,7 +59,7 @@ def run(coro: Any) -> Any:
 # ---- checks -------------------------------------------------------------------------------------
 
 
-def expected_timeline(log: ContextLog, seed: int, engine: FakeEngine, n_samples: int) -> np.ndarray:
+def expected_timeline(log: ContextLog, seed: int, engine: FakeEngine, n_samples: int) -> NDArray[Any]:
     """What the FakeEngine produced for the segments the server announced, at 24 kHz, each placed at
     the offset the server gave it (silence between segments when the stream went idle)."""
     timeline = np.zeros(n_samples, dtype=np.float64)
@@ -151,7 +153,7 @@ def test_llm_stream_first_audio_and_exact_audio(server: LiveServer, engine: Fake
         assert abs(end_ms - (seg["audio_offset_ms"] + seg["audio_ms"])) <= 1
 
 
-def g711_decode(data: bytes, law: str) -> np.ndarray:
+def g711_decode(data: bytes, law: str) -> NDArray[Any]:
     """G.711 bytes -> float in [-1, 1] (test-side reference decoder)."""
     u = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
     if law == "mulaw":
@@ -252,7 +254,11 @@ def test_cancel_mid_stream(tmp_path: Path) -> None:
             await client.cancel("doomed")
             await asyncio.wait_for(doomed.finished.wait(), 10)
             await asyncio.wait_for(keeper.finished.wait(), 20)
-            await asyncio.sleep(0.2)  # anything still in flight for "doomed" would show up now
+            # a barrier: one socket delivers in order, so anything of "doomed" still queued would
+            # arrive before this context's context_done
+            barrier = await client.open("barrier", text="Done. ")
+            await client.end("barrier")
+            await asyncio.wait_for(barrier.finished.wait(), 10)
             await client.close()
             return doomed, keeper
 
@@ -303,9 +309,10 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         ('{"type": "open", "context_id": "x", "seed": "seven"}', "seed"),
         ('{"type": "open", "context_id": "x", "sampling": {"temperature": -1}}', "sampling.temperature"),
         ('{"type": "open", "context_id": "x", "voice": "nobody"}', "voice"),
-        ('{"type": "open", "context_id": "x", "output_format": {"sample_rate_hz": 11025}}', "output_format.sample_rate_hz"),
+        ('{"type": "open", "context_id": "x", "output_format": {"sample_rate_hz": 11025}}',
+         "output_format.sample_rate_hz"),
         ('{"type": "open", "context_id": "x", "output_format": {"encoding": "opus"}}', "output_format.encoding"),
-        (orjson.dumps({"type": "text", "context_id": "x", "text": "a" * 100_000}).decode(), "text"),
+        (orjson.dumps({"type": "text", "context_id": "t", "text": "a" * 100_000}).decode(), "text"),
     ]
 
     async def scenario() -> tuple[list[dict[str, Any]], ContextLog, ContextLog]:
@@ -314,9 +321,12 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         quiet = await bystander.open("q", seed=31)
         streaming = asyncio.create_task(bystander.stream_text("q", OTHER_TEXTS[1], chars_per_s=400.0))
         errors = []
+        t = await victim.open("t")  # for the text over the limit
         for raw, _ in bad:
             await victim.ws.send(raw)
             errors.append(await asyncio.wait_for(victim.errors.get(), 5))
+        await victim.cancel("t")
+        await asyncio.wait_for(t.finished.wait(), 5)
         # a message over the size limit closes that socket with 1009 (RFC 6455) and nothing else
         oversized = await connect(server.ws_url, max_size=None)
         await oversized.recv()
@@ -338,9 +348,10 @@ def test_bad_messages_get_errors_and_leave_everything_working(server: LiveServer
         return errors, after, quiet
 
     errors, after, quiet = run(scenario())
-    for (raw, field), error in zip(bad, errors):
+    for (raw, field), error in zip(bad, errors, strict=True):
         assert error["type"] == "error" and error["field"] == field, (raw[:60], error)
         assert error["message"]
+    assert errors[-1]["code"] == "text_too_long" and errors[-1]["context_id"] == "t"
     assert_audio_matches(after, 32, engine)
     assert_audio_matches(quiet, 31, engine)
     assert httpx.get(server.http_url + "/readyz").status_code == 200
@@ -380,16 +391,19 @@ def test_busy_when_every_slot_is_taken(tmp_path: Path) -> None:
         assert refusal["type"] == "busy" and refusal["context_id"] is None
         assert closed is not None and closed.rcvd is not None and closed.rcvd.code == 1013
         assert holder.done is not None and holder.done["reason"] == "cancelled"
-        scopes = sorted(e.scope for e in busy_events if type(e).__name__ == "BusyRejected")
+        scopes = sorted(e.scope for e in busy_events if isinstance(e, BusyRejected))
         assert scopes == ["context", "session"]
 
 
+@pytest.mark.timing
 def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> None:
     engine = FakeEngine(realtime_factor=0.25, max_slots=8)
     settings = Settings(data_dir=tmp_path, slow_client_stall_s=1.0)
     with live_server(engine, settings) as server:
         dropped: list[ObservedEvent] = []
+        closed_sessions: list[SessionClosed] = []
         server.hub.observers.subscribe(lambda e: dropped.append(e) if isinstance(e, SlowClientDropped) else None)
+        server.hub.observers.subscribe(lambda e: closed_sessions.append(e) if isinstance(e, SessionClosed) else None)
 
         async def scenario() -> tuple[float, ContextLog, ConnectionClosed | None]:
             good = await NativeClient.connect(server.ws_url)
@@ -424,17 +438,21 @@ def test_slow_client_is_dropped_and_others_keep_their_pace(tmp_path: Path) -> No
         assert dropped, "the slow client was never dropped"
         assert dropped_after_s < 8.0
         assert closed is not None  # the socket was closed by the server
-        if closed.rcvd is not None:
-            assert closed.rcvd.code == 1008
+        # the close frame (1008) may not get through a socket that is not read: then the server drops
+        # the connection; either way the session ended with 1008 on the server's side
+        assert closed.rcvd is None or closed.rcvd.code == 1008
         assert log.done is not None and log.done["reason"] == "completed"
         assert_audio_matches(log, 3, engine)
         arrivals = [recv_s for _, _, recv_s in log.frames]
-        worst_gap_s = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+        worst_gap_s = max(b - a for a, b in itertools.pairwise(arrivals))
         assert worst_gap_s < 1.0, worst_gap_s  # chunks come every ~0.25 s at this pace
         deadline_s = time.monotonic() + 5
         while server.hub.sessions:
             assert time.monotonic() < deadline_s
             time.sleep(0.02)
+        slow = dropped[0]
+        assert isinstance(slow, SlowClientDropped)
+        assert [c.code for c in closed_sessions if c.session_id == slow.session_id] == [1008]
 
 
 def test_graceful_shutdown_lets_speech_finish_then_closes_1001(tmp_path: Path) -> None:
@@ -534,8 +552,8 @@ def test_voices_upload_use_delete_and_survive_restart(tmp_path: Path) -> None:
 
     restarted = FakeEngine()
     with live_server(restarted, settings) as server:
-        listed = {v["voice_id"] for v in httpx.get(server.http_url + "/v1/voices").json()["voices"]}
-        assert listed == {"default", "bob"} and "bob" in restarted.voices
+        kept = {v["voice_id"] for v in httpx.get(server.http_url + "/v1/voices").json()["voices"]}
+        assert kept == {"default", "bob"} and "bob" in restarted.voices
 
 
 def test_health_while_loading_and_busy_refusal(tmp_path: Path) -> None:
@@ -565,7 +583,8 @@ def test_settings_from_flags_and_environment() -> None:
     env = {"PORT": "9123", "AGENT_SERVER_VARIANT": "turbo", "AGENT_SERVER_WEIGHTS": "random-tiny",
            "AGENT_SERVER_MAX_SESSIONS": "12", "AGENT_SERVER_DATA_DIR": "/tmp/x"}
     settings = settings_from([], env)
-    assert (settings.port, settings.variant, settings.weights, settings.max_sessions) == (9123, "turbo", "random-tiny", 12)
+    got = (settings.port, settings.variant, settings.weights, settings.max_sessions)
+    assert got == (9123, "turbo", "random-tiny", 12)
     assert settings.data_dir == Path("/tmp/x")
     settings = settings_from(["--port", "9000", "--variant", "multilingual", "--log-level", "debug"], env)
     assert (settings.port, settings.variant, settings.log_level) == (9000, "multilingual", "debug")
@@ -599,7 +618,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         status = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()
         assert status["variant"] == "turbo" and status["random_weights"] is True
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        assert proc.wait(20) == 0  # a complete drain (uvicorn alone would re-raise the signal: 143)
     lines = [orjson.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     events = [line.get("event") for line in lines]
     assert "random_weights" in events and "server_ready" in events and "server_stopped" in events
@@ -619,7 +638,8 @@ def test_tls_serves_wss(tmp_path: Path) -> None:
     engine = FakeEngine()
     with live_server(engine, settings) as server:
         assert server.ws_url.startswith("wss://")
-        assert httpx.get(server.http_url + "/readyz", verify=ssl.create_default_context(cafile=str(cert))).status_code == 200
+        verify = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(server.http_url + "/readyz", verify=verify).status_code == 200
 
         async def scenario() -> ContextLog:
             client = await NativeClient.connect(server.ws_url, ssl=ssl.create_default_context(cafile=str(cert)))

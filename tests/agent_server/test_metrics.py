@@ -179,7 +179,7 @@ def test_metrics_count_the_traffic(tmp_path: Path) -> None:
 def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
     engine = StatsFakeEngine(realtime_factor=0.2)
     with metrics_server(engine, Settings(data_dir=tmp_path), sample_period_s=0.1) as (server, m):
-        app = server.server.config.app
+        app = server.app
         side, side_thread = metrics.serve_in_thread(app, "127.0.0.1", 0)
         try:
             wait_for(lambda: side.started)

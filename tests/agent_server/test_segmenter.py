@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import unicodedata
 
 import pytest
@@ -374,7 +375,7 @@ PROPERTY_SETTINGS = settings(max_examples=400, deadline=None, suppress_health_ch
 
 def split_at(text: str, cuts: list[int]) -> list[str]:
     bounds = [0, *sorted(set(cuts)), len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def check_invariants(segments: list[Segment], text: str, max_chars: int, *, timed: bool = False) -> None:
@@ -387,7 +388,7 @@ def check_invariants(segments: list[Segment], text: str, max_chars: int, *, time
         pos = s.end_char
     assert pos == len(text)
     merged_words: list[str] = []
-    for prev, s in zip([None, *segments], segments):
+    for prev, s in zip([None, *segments], segments, strict=False):
         raw = text[s.start_char : s.end_char]
         # (b) the text is the range, whitespace-normalised; silent ranges have nothing to say
         if s.speakable:

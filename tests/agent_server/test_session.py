@@ -1,124 +1,257 @@
-"""The native session (agent_server/session.py) over a real socket: greeting, flow, errors, close codes.
-
-More end-to-end cases (formats, concurrency, cancel, shutdown, voices) are in test_e2e.py.
+"""The session core (agent_server/session.py), driven in-process over fake ASGI channels
+(tests/agent_server/fake_asgi.py): a failure at every protocol hook of every protocol, the outbox's
+skip-on-cancel and what a cancelled context reports, and the slow-client watchdog's measure (DrainWatch).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
 
 from agent_server import protocol as wire
-from agent_server.settings import Settings
+from agent_server.compat.cartesia import CartesiaProtocol
+from agent_server.compat.deepgram import DeepgramProtocol
+from agent_server.compat.elevenlabs import ElevenLabsProtocol
+from agent_server.compat.openai_speech import OpenAISpeechProtocol
+from agent_server.native import NativeProtocol
+from agent_server.observers import SessionClosed, SessionOpened
+from agent_server.session import DrainWatch, WireProtocol
+
+from tests.agent_server.fake_asgi import FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import LiveServer, live_server
+from tests.agent_server.protocol_drivers import DRIVERS, Driver
+from tests.agent_server.test_behaviour import TEXT, hold_a_session, make_app
 
 pytestmark = pytest.mark.timeout(60)
 
-
-# ---- the native session over a real socket ----------------------------------------------------------
-
-
-def recv_until(ws: Any, predicate: Any, limit: int = 10_000) -> list[Any]:
-    """Messages (dicts for events, bytes for frames) up to the first one `predicate` accepts."""
-    got: list[Any] = []
-    for _ in range(limit):
-        raw = ws.recv(timeout=10)
-        got.append(orjson.loads(raw) if isinstance(raw, str) else raw)
-        if predicate(got[-1]):
-            return got
-    raise AssertionError("predicate never held")
+PROTOCOL_CLASSES: dict[str, type[WireProtocol[Any]]] = {
+    "native": NativeProtocol,
+    "elevenlabs": ElevenLabsProtocol,  # MultiStreamProtocol inherits every hook
+    "cartesia": CartesiaProtocol,
+    "deepgram": DeepgramProtocol,
+    "openai": OpenAISpeechProtocol,
+}
+HOOKS = ("open", "message", "render", "close", "refused", "tick")
+HOOK_METHODS = {"open": "on_open", "message": "on_message", "render": "render", "close": "on_close",
+                "refused": "on_refused", "tick": "on_tick"}
 
 
-def is_event(kind: str, context_id: str | None = None) -> Any:
-    def check(item: Any) -> bool:
-        return isinstance(item, dict) and item.get("type") == kind and (
-            context_id is None or item.get("context_id") == context_id
-        )
-
-    return check
+class InjectedFault(RuntimeError):
+    pass
 
 
-def send(ws: Any, obj: dict[str, Any]) -> None:
-    ws.send(orjson.dumps(obj).decode())
+def break_hook(monkeypatch: pytest.MonkeyPatch, cls: type[WireProtocol[Any]], hook: str) -> list[str]:
+    """Make `cls`'s `hook` raise; returns the list its calls are recorded in (so a test knows it ran)."""
+    name = HOOK_METHODS[hook]
+    calls: list[str] = []
+    original = getattr(cls, name)
+
+    if name in ("on_open", "on_message"):
+        async def broken_async(self: Any, *args: Any) -> None:
+            calls.append(name)
+            raise InjectedFault(name)
+
+        monkeypatch.setattr(cls, name, broken_async)
+    else:
+        def broken(self: Any, *args: Any) -> None:
+            calls.append(name)
+            raise InjectedFault(name)
+
+        monkeypatch.setattr(cls, name, broken)
+    assert getattr(cls, name) is not original
+    return calls
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: Any) -> Any:
-    settings = Settings(
-        data_dir=tmp_path_factory.mktemp("data"), max_contexts_per_session=2, max_protocol_errors=8
-    )
-    with live_server(FakeEngine(), settings) as live:
-        yield live
+@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_a_failure_in_any_hook_of_any_protocol_leaks_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: Driver, hook: str
+) -> None:
+    """The hook raises; the session still leaves the hub, its opened/closed metrics balance, a close
+    frame (1011, or the refusal's 1013) or an HTTP error goes out, and the server serves the next one."""
+    calls = break_hook(monkeypatch, PROTOCOL_CLASSES[driver.name], hook)
+    engine = FakeEngine(first_chunk_delay_s=0.5 if hook == "tick" else 0.0)  # the tick comes before any audio
+    app, events = make_app(tmp_path, engine, max_sessions=1 if hook == "refused" else 256)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            holder = await hold_a_session(app) if hook == "refused" else None
+            if driver.http:
+                request = driver.request(app, TEXT if hook != "close" else None)
+                await request.done()
+                await request.finished()
+                assert request.status is not None and request.status >= 400, (request.status, request.content)
+                assert request.json()["error"]["message"]
+            else:
+                ws = FakeWebSocket(app, driver.path, driver.query)
+                await ws.connect()
+                if hook in ("message", "render"):
+                    for message in driver.turn("f", TEXT):
+                        ws.send_json(message)
+                elif hook == "close":
+                    await asyncio.sleep(0)  # (admitted and greeted before the drain closes it)
+                    while not hub.sessions:
+                        await asyncio.sleep(0.005)
+                    drain = asyncio.create_task(hub.drain(5.0))
+                code = await ws.wait_closed()
+                await ws.finished()
+                expected = {"refused": 1013, "close": 1001}.get(hook, 1011)
+                if hook == "close":
+                    expected = 1011  # its last words failed: an internal error, still a close frame
+                    assert await drain is True
+                assert code == expected, (code, ws.close_reason, ws.log)
+            if holder is not None:
+                holder.disconnect()
+                await holder.finished()
+            assert not hub.sessions
+            if hook in ("open", "message", "render", "tick"):  # the server still serves
+                monkeypatch.undo()
+                ok = FakeWebSocket(app, "/v1/stream")
+                await ok.connect()
+                assert (await ok.next_json())["type"] == "session_started"
+                ok.disconnect()
+                await ok.finished()
+                assert not hub.sessions
+
+    run(scenario())
+    assert calls, f"the {hook} hook never ran"
+    opened = [e for e in events if isinstance(e, SessionOpened)]
+    closed = [e for e in events if isinstance(e, SessionClosed)]
+    assert sorted(e.session_id for e in opened) == sorted(e.session_id for e in closed)
 
 
-def test_native_session_basic_flow(server: LiveServer) -> None:
-    with connect(server.ws_url) as ws:
-        hello = orjson.loads(ws.recv(timeout=5))
-        assert hello["type"] == "session_started" and hello["random_weights"] is True
-        send(ws, {"type": "open", "context_id": "a", "seed": 3, "text": "Hi there, how are you today? "})
-        send(ws, {"type": "end", "context_id": "a"})
-        got = recv_until(ws, is_event("context_done", "a"))
-        events = [g for g in got if isinstance(g, dict)]
-        assert [e["type"] for e in events][:2] == ["context_started", "segment_started"]
-        frames = [g for g in got if isinstance(g, bytes)]
-        assert events[-1]["reason"] == "completed" and events[-1]["frames"] == len(frames)
-        headers = [wire.decode_frame(f)[0] for f in frames]
-        assert [h.seq for h in headers] == list(range(len(frames)))
-        assert {h.stream_id for h in headers} == {events[0]["stream_id"]}
-        timing = events[-1]["timing"]
-        assert timing["server_overhead_ms"] is not None and timing["server_overhead_ms"] >= 0
-        assert timing["ttfa_ms"] >= timing["server_overhead_ms"]
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
 
 
-def test_native_session_errors_keep_the_session(server: LiveServer) -> None:
-    with connect(server.ws_url) as ws:
-        ws.recv(timeout=5)
-
-        def error_of(message: str | dict[str, Any]) -> dict[str, Any]:
-            ws.send(message if isinstance(message, str) else orjson.dumps(message).decode())
-            reply = orjson.loads(ws.recv(timeout=5))
-            assert reply["type"] == "error", reply
-            return reply
-
-        assert error_of("{oops")["field"] == "message"
-        err = error_of({"type": "text", "context_id": "nope", "text": "x"})
-        assert err["field"] == "context_id" and err["code"] == "unknown_context"
-        err = error_of({"type": "open", "context_id": "a", "voice": "ghost"})
-        assert err["field"] == "voice" and err["code"] == "unknown_voice"
-        assert error_of({"type": "open", "context_id": "a", "model": "turbo"})["field"] == "model"
-        assert error_of({"type": "open", "context_id": "a", "language": "fr"})["field"] == "language"
-        send(ws, {"type": "cancel", "context_id": "never-opened"})  # idempotent: no answer
-        send(ws, {"type": "open", "context_id": "a"})
-        assert orjson.loads(ws.recv(timeout=5))["type"] == "context_started"
-        assert error_of({"type": "open", "context_id": "a"})["code"] == "context_exists"
-        send(ws, {"type": "open", "context_id": "b"})
-        assert orjson.loads(ws.recv(timeout=5))["type"] == "context_started"
-        send(ws, {"type": "open", "context_id": "c"})
-        busy = orjson.loads(ws.recv(timeout=5))
-        assert busy["type"] == "busy" and busy["context_id"] == "c"
-        send(ws, {"type": "cancel", "context_id": "b"})
-        assert recv_until(ws, is_event("context_done", "b"))[-1]["reason"] == "cancelled"
-        send(ws, {"type": "text", "context_id": "a", "text": "Still working, good. "})
-        send(ws, {"type": "end", "context_id": "a"})
-        got = recv_until(ws, is_event("context_done", "a"))
-        assert got[-1]["reason"] == "completed" and any(isinstance(g, bytes) for g in got)
-        # text after end is an error; the budget of 8 errors then runs out and the server closes with 1008
-        assert error_of({"type": "text", "context_id": "a", "text": "x"})["field"] == "context_id"
-        send(ws, {"type": "flush", "context_id": "a"})
-        assert orjson.loads(ws.recv(timeout=5))["type"] == "error"
-        with pytest.raises(ConnectionClosed) as closed:
-            ws.recv(timeout=5)
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+# ---- the outbox ----------------------------------------------------------------------------------------
 
 
-def test_status_and_health(server: LiveServer) -> None:
-    assert httpx.get(server.http_url + "/healthz").json()["status"] == "ready"
-    body = httpx.get(server.http_url + "/v1/status").json()
-    assert body["ready"] and body["random_weights"] and body["warnings"] and body["variant"] == "english"
-    assert body["engine"]["weights_source"] == "fake"
+def test_a_cancelled_context_reports_only_the_audio_it_sent(tmp_path: Path) -> None:
+    """Frames queued behind a slow socket when the cancel comes are skipped; context_done's `frames` and
+    `audio_ms` count what went out, not what was rendered."""
+    engine = FakeEngine(realtime_factor=0.5)  # 2x real time: some is rendered while the socket is stuck
+    app, _ = make_app(tmp_path, engine)
+
+    async def scenario() -> tuple[dict[str, Any], list[bytes]]:
+        async with running(app):
+            ws = FakeWebSocket(app, "/v1/stream")
+            await ws.connect()
+            await ws.next_json()
+            ws.send_json({"type": "open", "context_id": "c", "text": TEXT * 4})
+            ws.send_json({"type": "end", "context_id": "c"})
+            while not any(isinstance(m, bytes) for m in ws.log):
+                await asyncio.sleep(0.001)
+            ws.writable.clear()  # the socket stops taking data: the rest waits in the outbox
+            while len(engine.submits) < 2:  # the first segment was all rendered (into the outbox)
+                await asyncio.sleep(0.005)
+            ws.send_json({"type": "cancel", "context_id": "c"})
+            while not engine.cancels:  # the cancel was read and applied (nothing could go out meanwhile)
+                await asyncio.sleep(0.001)
+            ws.writable.set()
+            done = None
+            while done is None:
+                message = await ws.next()
+                if isinstance(message, str) and orjson.loads(message)["type"] == "context_done":
+                    done = orjson.loads(message)
+            frames = [m for m in ws.log if isinstance(m, bytes)]
+            ws.disconnect()
+            await ws.finished()
+            return done, frames
+
+    done, frames = run(scenario())
+    frame_ms = 20.0
+    assert done["reason"] == "cancelled"
+    assert done["frames"] == len(frames)
+    assert done["audio_ms"] == pytest.approx(len(frames) * frame_ms)
+    first = engine.submits[0]
+    first_segment_ms = len(FakeEngine.expected_tokens(first.text, engine.seed_of(first.request_id))) * 40.0
+    assert done["audio_ms"] < first_segment_ms - 100.0  # rendered, queued, and never sent
+    assert all(wire.decode_frame(f)[0].seq == i for i, f in enumerate(frames))
+
+
+# ---- the slow-client measure -------------------------------------------------------------------------
+
+
+def test_drain_watch_stalls_only_while_bytes_wait_and_none_drain() -> None:
+    watch = DrainWatch()
+    watch.observe(0, 0.0)
+    assert watch.stalled_s(10.0) == 0.0  # nothing was given to the client: it owes nothing
+    watch.wrote(1000)
+    watch.observe(1000, 1.0)  # all of it still waiting
+    assert watch.stalled_s(1.5) == 0.5
+    watch.observe(400, 2.0)  # 600 drained: progress
+    assert watch.stalled_s(2.0) == 0.0
+    watch.wrote(1000)
+    watch.observe(1400, 3.0)  # more written, none drained since
+    assert watch.stalled_s(6.0) == pytest.approx(4.0)  # stalled since the last progress (2.0)
+    watch.observe(0, 6.5)  # everything left
+    assert watch.stalled_s(9.0) == 0.0
+
+
+def test_drain_watch_framing_bytes_never_pass_for_progress() -> None:
+    """The kernel counts frame headers (and TLS records) the session's count does not: they make the
+    drained figure lower, so a client that reads nothing never looks like it progresses."""
+    watch = DrainWatch()
+    unsent = 0
+    for i in range(100):
+        watch.wrote(960)
+        unsent += 960 + 4  # payload and the WebSocket header, never acknowledged
+        watch.observe(unsent, i * 0.1)
+    assert watch.stalled_s(10.0) == pytest.approx(10.0)
+
+
+class OffLoopEncoding(NativeProtocol):
+    """The native protocol with its audio frames "encoded" on a thread pool: each frame is queued as a
+    future, the way a compressing encoder (MP3/Opus/AAC/FLAC) plugs in between the stream's PCM and the
+    writer. Later frames are made to finish first."""
+
+    name = "native"
+
+    def render(self, ctx: Any, event: Any) -> None:
+        from agent_server.speech import AudioOut
+
+        if isinstance(event, AudioOut):
+            delay_s = 0.02 if event.seq % 2 == 0 else 0.0  # even frames take longer: done out of order
+
+            def encode(payload: bytes = event.payload, seq: int = event.seq) -> bytes:
+                time.sleep(delay_s)
+                return seq.to_bytes(4, "little") + payload
+
+            future = asyncio.get_running_loop().run_in_executor(None, encode)
+            self.session.send_audio(ctx, future, event.duration_ms)
+            return
+        super().render(ctx, event)
+
+
+def test_an_off_loop_encoding_stage_keeps_frame_order(tmp_path: Path) -> None:
+    from agent_server.session import websocket_route
+
+    app, _ = make_app(tmp_path)
+    app.router.routes.insert(0, websocket_route("/offloop", OffLoopEncoding))
+
+    async def scenario() -> tuple[list[int], dict[str, Any]]:
+        async with running(app):
+            ws = FakeWebSocket(app, "/offloop")
+            await ws.connect()
+            await ws.next_json()
+            ws.send_json({"type": "open", "context_id": "c", "seed": 1, "text": TEXT})
+            ws.send_json({"type": "end", "context_id": "c"})
+            while True:
+                message = await ws.next()
+                if isinstance(message, str) and orjson.loads(message)["type"] == "context_done":
+                    done = orjson.loads(message)
+                    break
+            seqs = [int.from_bytes(m[:4], "little") for m in ws.log if isinstance(m, bytes)]
+            ws.disconnect()
+            await ws.finished()
+            return seqs, done
+
+    seqs, done = run(scenario())
+    assert len(seqs) > 4 and seqs == list(range(len(seqs)))  # awaited in queue order, not completion order
+    assert done["frames"] == len(seqs) and done["reason"] == "completed"

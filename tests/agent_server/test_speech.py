@@ -17,10 +17,10 @@ from agent_server.audio import OutputFormat
 from agent_server.segmenter import Segmenter
 from agent_server.speech import (
     AudioOut,
-    DoneReason,
     SegmentDone,
     SegmentStarted,
     SpeechStream,
+    Stream,
     StreamDone,
     StreamEvent,
     StreamSpec,
@@ -37,6 +37,7 @@ from synth.api import (
     SamplingParams,
     SegmentEvent,
     SegmentRequest,
+    Variant,
 )
 
 from tests.agent_server.fake_engine import FakeEngine
@@ -50,7 +51,7 @@ PCM24 = OutputFormat.parse("pcm_s16le", 24000, 20)
 class ManualEngine(EngineLike):
     """Records submits and cancels; the test plays the engine thread by calling `chunk` / `event`."""
 
-    variant: str = "english"
+    variant: Variant = "english"
     random_weights: bool = True
     max_slots: int = 4
     refuse: bool = False
@@ -79,7 +80,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[StreamEvent] = []
 
-    def __call__(self, stream: SpeechStream, event: StreamEvent) -> None:
+    def __call__(self, stream: Stream, event: StreamEvent) -> None:
         self.events.append(event)
 
     def of(self, kind: type) -> list[Any]:
@@ -132,8 +133,8 @@ def test_segments_go_one_at_a_time_and_play_in_order() -> None:
     engine.chunk(2, 1, 0.5)
     engine.event(2, EventKind.GENERATED)
     engine.event(2, EventKind.DONE)
-    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].reason == DoneReason.COMPLETED
-    assert stream.status == StreamStatus.DONE
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].status == StreamStatus.COMPLETED
+    assert stream.status == StreamStatus.COMPLETED
     frames = rec.of(AudioOut)
     assert [f.seq for f in frames] == list(range(len(frames)))
     pcm = np.frombuffer(b"".join(f.payload for f in frames), dtype="<i2")
@@ -161,7 +162,7 @@ def test_cancel_stops_audio_at_once_and_cancels_engine_work() -> None:
     engine.chunk(0, 2)  # late output already on its way: dropped
     engine.event(0, EventKind.CANCELLED)
     assert len(rec.of(AudioOut)) == n_frames
-    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].reason == DoneReason.CANCELLED
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].status == StreamStatus.CANCELLED
     assert not stream.cancel()  # idempotent
     with pytest.raises(StreamStateError):
         stream.push_text("more", 1.0)
@@ -174,7 +175,7 @@ def test_busy_and_failures_end_the_stream() -> None:
     stream.flush(0.0)
     engine.event(0, EventKind.BUSY, "no free slot")
     assert stream.status == StreamStatus.BUSY
-    assert rec.events[-1] == StreamDone(DoneReason.BUSY, "no free slot")
+    assert rec.events[-1] == StreamDone(StreamStatus.BUSY, "no free slot")
 
     refusing = ManualEngine(refuse=True)
     stream, rec = make_stream(refusing)
@@ -188,14 +189,14 @@ def test_busy_and_failures_end_the_stream() -> None:
     stream.push_text("Hello there, friend. ", 0.0)
     stream.flush(0.0)
     engine.event(0, EventKind.FAILED, "cuda oom")
-    assert rec.events[-1] == StreamDone(DoneReason.FAILED, "cuda oom")
+    assert rec.events[-1] == StreamDone(StreamStatus.FAILED, "cuda oom")
 
 
 def test_text_after_end_is_refused_and_empty_context_completes() -> None:
     engine = ManualEngine()
     stream, rec = make_stream(engine)
     stream.end(0.0)
-    assert rec.events[-1] == StreamDone(DoneReason.COMPLETED)
+    assert rec.events[-1] == StreamDone(StreamStatus.COMPLETED)
     with pytest.raises(StreamStateError):
         stream.push_text("late", 0.1)
     assert engine.submitted == []
@@ -211,9 +212,9 @@ def test_backlog_holds_the_next_segment_until_frames_go_out() -> None:
     assert len(engine.submitted) == 1  # too much audio waiting for the socket
     assert len(rec.of(AudioOut)) == 20
     for _ in range(14):  # 6 frames (120 ms) still unsent
-        stream.on_frame_sent(time.monotonic())
+        stream.on_frame_sent(time.monotonic(), 20.0)
     assert len(engine.submitted) == 1
-    stream.on_frame_sent(time.monotonic())  # 100 ms unsent: under the bound
+    stream.on_frame_sent(time.monotonic(), 20.0)  # 100 ms unsent: under the bound
     assert len(engine.submitted) == 2
 
 
@@ -261,7 +262,7 @@ def test_a_bug_fails_the_stream_instead_of_hanging_it() -> None:
     stream, rec = make_stream(Exploding())
     stream.push_text("Hello there, friend. ", 0.0)
     stream.flush(0.0)
-    assert stream.status == StreamStatus.FAILED and rec.events[-1] == StreamDone(DoneReason.FAILED, "boom")
+    assert stream.status == StreamStatus.FAILED and rec.events[-1] == StreamDone(StreamStatus.FAILED, "boom")
 
     engine = ManualEngine()
     stream, rec = make_stream(engine)

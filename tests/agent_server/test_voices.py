@@ -6,17 +6,26 @@ import asyncio
 import io
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
-from agent_server.voices import VoiceError, VoiceStatus, VoiceStore, decode_wav, encode_wav_pcm16
+from agent_server.voices import (
+    VoiceError,
+    VoiceStatus,
+    VoiceStore,
+    decode_wav,
+    encode_wav_pcm16,
+)
+
 from tests.agent_server.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def wav_bytes(samples: np.ndarray, rate_hz: int, width_bytes: int, channels: int = 1) -> bytes:
+def wav_bytes(samples: NDArray[Any], rate_hz: int, width_bytes: int, channels: int = 1) -> bytes:
     out = io.BytesIO()
     with wave.open(out, "wb") as writer:
         writer.setnchannels(channels)

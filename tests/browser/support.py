@@ -89,7 +89,7 @@ def metrics_server(
     server = build_server(app, settings, access_log=False)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
-    live = LiveServer(server, thread, port)
+    live = LiveServer(server, thread, port, app)
     try:
         deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
         while not server.started:

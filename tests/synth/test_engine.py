@@ -92,10 +92,13 @@ def test_cancel_frees_the_slot_and_stops_chunks(engine: Engine) -> None:
     after_cancel = len(col.chunks("long"))
     col.wait_done(["long"])
     assert col.kinds("long")[-1] == EventKind.CANCELLED
-    time.sleep(0.2)  # several engine steps
+    # a request submitted after the cancel runs to its end: the engine stepped on since, so a chunk of
+    # "long" that could still come would have come (a count, not a sleep, proves the negative)
+    engine.submit(_request(col, "after", TEXTS[0], seed=6, n_tokens=20))
+    col.wait_done(["after"])
+    assert col.kinds("after")[-1] == EventKind.DONE
     assert len(col.chunks("long")) == after_cancel
-    assert all(s.request_id != "long" for s in engine.scheduler.running)
-    assert engine.scheduler.rows_span == 0 or all(s.status < 10 for s in engine.scheduler.running)
+    assert not engine.scheduler.running  # the cancelled slot was freed (and "after" finished)
 
 
 def test_busy_when_no_slot_and_request_may_not_wait(engine: Engine) -> None:

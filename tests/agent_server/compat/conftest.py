@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 from agent_server.compat import routes
 from agent_server.settings import Settings
@@ -97,5 +99,5 @@ def served_realtime(tmp_path: Path) -> Iterator[Served]:
     yield from start(tmp_path, realtime_factor=1.0)
 
 
-def pcm16(data: bytes) -> np.ndarray:
+def pcm16(data: bytes) -> NDArray[Any]:
     return np.frombuffer(data, dtype="<i2")

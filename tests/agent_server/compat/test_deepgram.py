@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from deepgram.speak.v1.types import SpeakV1Text
 
 from agent_server.audio import alaw_to_pcm16
 from agent_server.compat import deepgram as dg
-from agent_server.compat.common import CompatError
+from agent_server.errors import FieldError
 
 from tests.agent_server.compat.conftest import Served, assert_length
 
@@ -27,10 +28,12 @@ def sdk(served: Served) -> DeepgramClient:
 
 
 def kind(message: object) -> str:
-    return "audio" if isinstance(message, bytes) else str(getattr(message, "type"))
+    return "audio" if isinstance(message, bytes) else str(cast(Any, message).type)
 
 
-@pytest.mark.parametrize("encoding, rate_hz, width", [("linear16", 16_000, 2), ("linear16", 48_000, 2), ("alaw", 8_000, 1)])
+@pytest.mark.parametrize(
+    ("encoding", "rate_hz", "width"), [("linear16", 16_000, 2), ("linear16", 48_000, 2), ("alaw", 8_000, 1)]
+)
 def test_speak_flush_close(served: Served, encoding: str, rate_hz: int, width: int) -> None:
     with sdk(served).speak.v1.connect(model="aura-2-thalia-en", encoding=encoding, sample_rate=str(rate_hz)) as conn:
         for piece in PIECES:
@@ -68,7 +71,8 @@ def test_flushed_follows_all_of_the_flushed_speech(served: Served) -> None:
 
 def test_clear_is_a_barge_in(served_realtime: Served) -> None:
     engine = served_realtime.engine
-    with sdk(served_realtime).speak.v1.connect(model="aura-2-thalia-en", encoding="linear16", sample_rate="24000") as conn:
+    connect = sdk(served_realtime).speak.v1.connect
+    with connect(model="aura-2-thalia-en", encoding="linear16", sample_rate="24000") as conn:
         conn.send_text(SpeakV1Text(text="This is a long answer, " * 8))
         conn.send_flush()
         for message in conn:
@@ -100,8 +104,8 @@ def test_parse_query_and_messages() -> None:
     assert (q.output_format.encoding, q.output_format.sample_rate_hz, q.seed) == ("mulaw", 8000, 3)
     for bad in ({"encoding": "mp3"}, {"encoding": "mulaw", "sample_rate": "16000"}, {"container": "wav"},
                 {"sample_rate": "x"}, {"model": "turbo"}):
-        with pytest.raises(CompatError):
+        with pytest.raises(FieldError):
             dg.parse_query(bad, "english")
     assert dg.parse_message('{"type": "Speak", "text": "hi"}') == ("Speak", "hi")
-    with pytest.raises(CompatError):
+    with pytest.raises(FieldError):
         dg.parse_message('{"type": "Shout"}')

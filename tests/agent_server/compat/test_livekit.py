@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 pytest.importorskip("livekit.agents")
 
-import aiohttp  # noqa: E402
-from livekit.plugins import cartesia, deepgram, elevenlabs  # noqa: E402
-from livekit.plugins import openai as lk_openai  # noqa: E402
+import aiohttp
+from livekit.plugins import cartesia, deepgram, elevenlabs
+from livekit.plugins import openai as lk_openai
 
-from tests.agent_server.compat.conftest import Served, assert_length  # noqa: E402
+from tests.agent_server.compat.conftest import Served, assert_length
 
 pytestmark = pytest.mark.timeout(60)
 

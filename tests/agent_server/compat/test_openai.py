@@ -11,7 +11,7 @@ import pytest
 
 from agent_server.audio import float_to_pcm16
 from agent_server.compat import openai_speech
-from agent_server.compat.common import CompatError
+from agent_server.errors import FieldError
 
 from tests.agent_server.compat.conftest import Served, assert_length
 from tests.agent_server.fake_engine import FakeEngine
@@ -89,7 +89,8 @@ def test_parse_request() -> None:
                                      "speed": 1.0, "seed": 5}, "english")
     assert (r.voice, r.seed, r.stream_format) == ("v1", 5, "audio")
     for bad in ({"input": "hi", "voice": "a"}, {"model": "m", "voice": "a", "input": ""},
-                {"model": "m", "voice": "a", "input": "x", "speed": 9}, {"model": "m", "voice": "a", "input": "x", "foo": 1},
+                {"model": "m", "voice": "a", "input": "x", "speed": 9},
+                {"model": "m", "voice": "a", "input": "x", "foo": 1},
                 {"model": "m", "voice": "a", "input": "x", "response_format": "pcm", "stream_format": "chunks"}):
-        with pytest.raises(CompatError):
+        with pytest.raises(FieldError):
             openai_speech.parse_request(bad, "english")

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 import openai
 import pytest
 
 pytest.importorskip("pipecat")
 
-from pipecat.frames.frames import (  # noqa: E402
+from pipecat.frames.frames import (
     InterruptionFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
     LLMTextFrame,
     TTSAudioRawFrame,
 )
-from pipecat.pipeline.worker import PipelineParams  # noqa: E402
-from pipecat.services.cartesia.tts import CartesiaTTSService  # noqa: E402
-from pipecat.services.deepgram.tts import DeepgramTTSService  # noqa: E402
-from pipecat.services.elevenlabs.tts import ElevenLabsTTSService  # noqa: E402
-from pipecat.services.openai.tts import OpenAITTSService  # noqa: E402
-from pipecat.services.tts_service import TTSService  # noqa: E402
-from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.services.cartesia.tts import CartesiaTTSService
+from pipecat.services.deepgram.tts import DeepgramTTSService
+from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+from pipecat.services.openai.tts import OpenAITTSService
+from pipecat.services.tts_service import TTSService
+from pipecat.tests.utils import SleepFrame, run_test
 
-from tests.agent_server.compat.conftest import Served  # noqa: E402
-from tests.agent_server.fake_engine import FakeEngine  # noqa: E402
+from tests.agent_server.compat.conftest import Served
+from tests.agent_server.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 

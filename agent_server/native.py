@@ -1,0 +1,194 @@
+"""The native protocol (docs/protocol.md) on the session core: JSON control messages in (parsed by
+agent_server/protocol.py), JSON events and binary audio frames out."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import ClassVar
+
+from agent_server import protocol as wire
+from agent_server.errors import FieldError
+from agent_server.hub import Refusal
+from agent_server.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
+from agent_server.speech import (
+    AudioOut,
+    SegmentDone,
+    SegmentStarted,
+    StreamDone,
+    StreamEvent,
+    StreamSpec,
+    StreamStarted,
+    StreamStateError,
+    StreamStatus,
+    build_params,
+)
+
+NativeContext = Context[None]  # the native protocol keeps no state of its own per context
+
+
+class NativeProtocol(WireProtocol[None]):
+    name: ClassVar[str] = "native"
+
+    def __init__(self, session: Session[None]) -> None:
+        super().__init__(session)
+        self._last_active_s = time.monotonic()  # the last moment a context was open
+
+    async def on_open(self) -> None:
+        engine = self.session.hub.engine
+        self.session.send(wire.encode(wire.SessionStarted(
+            session_id=self.session.session_id,
+            protocol_version=wire.PROTOCOL_VERSION,
+            variant=self.session.variant,
+            random_weights=bool(engine is not None and engine.random_weights),
+            max_contexts=self.session.settings.max_contexts_per_session,
+        )))
+
+    def on_refused(self, refusal: Refusal) -> None:
+        self.session.send(wire.encode(wire.Busy(context_id=None, reason=refusal.reason)))
+
+    def on_tick(self, now_s: float) -> None:
+        session = self.session
+        if session.contexts:
+            self._last_active_s = now_s
+            return
+        idle_s = now_s - max(self._last_active_s, session.last_input_s)
+        if session.state == SessionState.OPEN and idle_s > session.settings.inactivity_timeout_s:
+            session.log.info("inactivity_timeout", idle_s=round(idle_s, 1))
+            session.close(CLOSE_NORMAL, "inactivity timeout")
+
+    def render_error(self, error: FieldError) -> None:
+        if error.busy:
+            self.session.send(wire.encode(wire.Busy(context_id=error.context_id, reason=error.message)))
+        else:
+            self.session.send(wire.encode(wire.error_event(error)))
+
+    # ---- client messages -------------------------------------------------------------------------
+
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        parsed = wire.parse(message)
+        session = self.session
+        if isinstance(parsed, FieldError):
+            session.reject(parsed)
+            return
+        if isinstance(parsed, wire.KeepAlive):
+            return
+        if isinstance(parsed, wire.Open):
+            await self._open(parsed, now_s)
+            return
+        ctx = session.contexts.get(parsed.context_id)
+        if ctx is None:
+            if not isinstance(parsed, wire.Cancel):  # cancel is idempotent: the context may just have ended
+                session.reject(FieldError("context_id", f"no open context {parsed.context_id!r}", "unknown_context",
+                                          context_id=parsed.context_id))
+            return
+        try:
+            if isinstance(parsed, wire.Text):
+                await session.push_text(ctx, parsed.text, now_s)
+            elif isinstance(parsed, wire.Flush):
+                ctx.stream.flush(now_s)
+            elif isinstance(parsed, wire.End):
+                ctx.stream.end(now_s)
+            else:
+                ctx.stream.cancel()
+        except StreamStateError as exc:
+            session.reject(FieldError("type", str(exc), "bad_state", context_id=ctx.context_id))
+
+    async def _open(self, message: wire.Open, now_s: float) -> None:
+        session = self.session
+        cid = message.context_id
+        variant = session.variant
+        try:
+            if message.model is not None and message.model != variant:
+                raise FieldError("model", f"this server runs {variant!r} (one variant per server)")
+            if message.language not in (None, "en") and variant != "multilingual":
+                raise FieldError("language", f"the {variant!r} variant speaks English only")
+            params = build_params(variant, message.sampling, message.seed)
+        except FieldError as error:
+            error.context_id = cid
+            session.reject(error)
+            return
+        spec = StreamSpec(
+            voice_id=message.voice,
+            params=params,
+            output_format=message.output_format,
+            language=message.language,
+            may_wait=session.settings.queue_when_full,
+            max_audio_ahead_s=session.settings.max_audio_ahead_s,
+        )
+        ctx = await session.open_context(cid, spec, None)
+        if ctx is not None and message.text:
+            await session.push_text(ctx, message.text, now_s)
+
+    # ---- stream events -> wire -------------------------------------------------------------------
+
+    def render(self, ctx: NativeContext, event: StreamEvent) -> None:
+        session = self.session
+        cid = ctx.context_id
+        stream = ctx.stream
+        if isinstance(event, AudioOut):
+            code = wire.ENCODING_CODES[stream.spec.output_format.encoding]
+            header = wire.FrameHeader(ctx.number, event.seq, event.segment_index, code)
+            session.send_audio(ctx, wire.encode_frame(header, event.payload), event.duration_ms)
+        elif isinstance(event, SegmentStarted):
+            session.send(wire.encode(wire.SegmentStarted(
+                context_id=cid,
+                segment_index=event.index,
+                text=event.text,
+                start_char=event.start_char,
+                end_char=event.end_char,
+                audio_offset_ms=round(event.audio_offset_ms, 2),
+            )), ctx)
+        elif isinstance(event, SegmentDone):
+            session.send(wire.encode(wire.SegmentDone(
+                context_id=cid,
+                segment_index=event.index,
+                audio_offset_ms=round(event.audio_offset_ms, 2),
+                audio_ms=round(event.audio_ms, 2),
+                speech_tokens=event.speech_tokens,
+                alignment=wire.Alignment(list(event.text), event.char_start_ms, event.char_duration_ms),
+            )), ctx)
+        elif isinstance(event, StreamStarted):
+            fmt = stream.spec.output_format
+            session.send(wire.encode(wire.ContextStarted(
+                context_id=cid,
+                stream_id=ctx.number,
+                voice=stream.spec.voice_id,
+                variant=session.variant,
+                output_format={"encoding": fmt.encoding, "sample_rate_hz": fmt.sample_rate_hz,
+                               "frame_ms": fmt.frame_ms},
+                seed=stream.spec.params.seed,
+            )))
+        elif isinstance(event, StreamDone):
+            if event.status == StreamStatus.BUSY:
+                session.send(wire.encode(wire.Busy(context_id=cid, reason=event.detail)))
+            elif event.status == StreamStatus.FAILED:
+                session.send(wire.encode(wire.Error(context_id=cid, field="", message=event.detail,
+                                                    code="engine_failed")))
+            session.send(partial(_context_done, ctx, event))
+
+
+def _context_done(ctx: NativeContext, event: StreamDone) -> str:
+    """Rendered when it goes out, after every frame before it: what was sent is known then."""
+    stream = ctx.stream
+    times = stream.times
+    return wire.encode(wire.ContextDone(
+        context_id=ctx.context_id,
+        reason=event.reason,
+        detail=event.detail,
+        segments=stream.segment_count,
+        frames=stream.frames_sent,
+        audio_ms=round(stream.sent_ms, 2),
+        timing=wire.Timing(
+            first_text_monotonic_s=times.first_text_s,
+            first_submit_monotonic_s=times.first_submit_s,
+            first_chunk_ready_monotonic_s=times.first_chunk_ready_s,
+            first_frame_sent_monotonic_s=times.first_frame_sent_s,
+            ttfa_ms=_ms(times.ttfa_s),
+            server_overhead_ms=_ms(times.server_overhead_s),
+        ),
+    ))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)

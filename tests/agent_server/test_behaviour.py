@@ -1,0 +1,368 @@
+"""The behaviour table of docs/operations.md ("Every protocol, the same behaviour"): each row, asserted
+for every protocol, in-process over fake ASGI channels (tests/agent_server/fake_asgi.py).
+
+Rows: refused when full; refused while not serving; a text piece over the limit; a context over its
+limit; a message with no text; the key's text budget spent; the engine busy; a client that stops
+reading; the drain; metrics; logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from starlette.applications import Starlette
+
+from agent_server.app import create_app
+from agent_server.compat import routes
+from agent_server.observers import (
+    BusyRejected,
+    ContextFinished,
+    FirstAudio,
+    ObservedEvent,
+    SessionClosed,
+    SessionOpened,
+    SlowClientDropped,
+)
+from agent_server.settings import Settings
+
+from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
+from tests.agent_server.fake_engine import FakeEngine
+from tests.agent_server.protocol_drivers import DRIVERS, WEBSOCKET_DRIVERS, Driver, speak, until
+
+pytestmark = pytest.mark.timeout(60)
+
+TEXT = "Sure, I can help with that right away. "
+LONG_TEXT = TEXT * 6  # ~9 s of fake audio
+KEY = "sk-behaviour-test-key"
+EMPTY_ANSWER = "the message carries no text"  # the core's one answer, whatever the protocol's shape
+
+
+def make_app(
+    tmp_path: Path, engine: FakeEngine | None = None, **settings: Any
+) -> tuple[Starlette, list[ObservedEvent]]:
+    app = create_app(engine or FakeEngine(), Settings(data_dir=tmp_path, **settings))
+    served = {getattr(route, "path", None) for route in app.router.routes}
+    app.router.routes.extend(r for r in routes() if getattr(r, "path", None) not in served)
+    events: list[ObservedEvent] = []
+    app.state.observers.subscribe(events.append)
+    return app, events
+
+
+def of(events: list[ObservedEvent], kind: type, protocol: str) -> list[Any]:
+    return [e for e in events if isinstance(e, kind) and e.protocol == protocol]
+
+
+async def hold_a_session(app: Starlette) -> FakeWebSocket:
+    holder = FakeWebSocket(app, "/v1/stream")
+    await holder.connect()
+    await holder.next_json()
+    return holder
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ---- admission ---------------------------------------------------------------------------------------
+
+
+async def assert_session_refused(driver: Driver, app: Starlette, http_status: int, http_code: str) -> None:
+    """A new session of `driver` is refused: its protocol's busy then close 1013, or the HTTP error."""
+    if driver.http:
+        request = driver.request(app, TEXT)
+        await request.done()
+        assert request.status == http_status and request.json()["error"]["code"] == http_code
+    else:
+        ws = await driver.connect(app)
+        assert await ws.wait_closed() == 1013
+        assert driver.is_session_refusal(ws.json_messages()[0]), ws.json_messages()
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_refused_when_full(tmp_path: Path, driver: Driver) -> None:
+    """max_sessions counts every protocol; the refusal is the protocol's busy and 1013 (HTTP: 429)."""
+    app, events = make_app(tmp_path, max_sessions=1)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            holder = await hold_a_session(app)
+            await assert_session_refused(driver, app, http_status=429, http_code="busy")
+            assert len(hub.sessions) == 1
+            holder.disconnect()
+            await holder.finished()
+            assert not hub.sessions
+
+    run(scenario())
+    assert [e.scope for e in of(events, BusyRejected, driver.name)] == ["session"]
+    holders = 1 if driver.name == "native" else 0  # the session that filled the server is a native one
+    assert len(of(events, SessionOpened, driver.name)) == len(of(events, SessionClosed, driver.name)) == holders
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_refused_while_not_serving(tmp_path: Path, driver: Driver) -> None:
+    """Once the drain began (or while the model loads) a new session is refused: busy + 1013 (HTTP: 503)."""
+    app, events = make_app(tmp_path)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            await hub.drain(0.0)
+            await assert_session_refused(driver, app, http_status=503, http_code="not_ready")
+
+    run(scenario())
+    assert [e.scope for e in of(events, BusyRejected, driver.name)] == ["session"]
+
+
+# ---- limits ------------------------------------------------------------------------------------------
+
+
+async def text_refused(driver: Driver, app: Starlette, text: str | None, headers: dict[str, str] | None = None,
+                       opener: str | None = "Hi. ") -> tuple[int | None, str, str]:
+    """(HTTP status, or None; the protocol's error code or name; its message) for one refused text."""
+    if driver.http:
+        request = driver.request(app, text, headers)
+        await request.done()
+        error = request.json()["error"]
+        return request.status, str(error["code"]), str(error["message"])
+    ws = await driver.connect(app, headers)
+    messages = driver.text("c", opener, first=True) if opener is not None else []
+    messages += driver.text("c", text)
+    for message in messages:
+        ws.send_json(message)
+    got = await until(driver, ws, lambda m: driver.error_of(m) is not None)
+    error = driver.error_of(got[-1])
+    assert error is not None, got
+    ws.disconnect()
+    await ws.finished()
+    return None, error[0], error[1]
+
+
+# the form each protocol gives one refusal: (HTTP status or None, error code/name)
+PIECE_TOO_LONG = {"native": "text_too_long", "elevenlabs": "max_character_limit_exceeded", "cartesia": "400",
+                  "deepgram": "TEXT_TOO_LONG", "openai": "text_too_long"}
+CONTEXT_TOO_LONG = {"native": "context_text_limit", "elevenlabs": "max_character_limit_exceeded", "cartesia": "400",
+                    "deepgram": "TEXT_TOO_LONG"}
+EMPTY = {"native": "empty_message", "elevenlabs": "invalid_message", "cartesia": "400",
+         "deepgram": "INVALID_MESSAGE", "openai": "empty_message"}
+RATE = {"native": "rate_limited", "elevenlabs": "rate_limited", "cartesia": "429", "deepgram": "RATE_LIMITED",
+        "openai": "rate_limited"}
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_one_text_piece_limit(tmp_path: Path, driver: Driver) -> None:
+    app, _ = make_app(tmp_path, max_text_piece_chars=50)
+
+    async def scenario() -> tuple[int | None, str, str]:
+        async with running(app):
+            return await text_refused(driver, app, "x" * 51)
+
+    status, code, message = run(scenario())
+    assert code == PIECE_TOO_LONG[driver.name] and "at most 50" in message
+    assert status == (400 if driver.http else None)
+
+
+@pytest.mark.parametrize("driver", [d for d in DRIVERS if not d.http], ids=str)
+def test_context_text_limit(tmp_path: Path, driver: Driver) -> None:
+    app, _ = make_app(tmp_path, max_text_piece_chars=50, max_context_text_chars=60)
+
+    async def scenario() -> tuple[int | None, str, str]:
+        async with running(app):
+            return await text_refused(driver, app, "y" * 50, opener="z" * 40)
+
+    _, code, message = run(scenario())
+    assert code == CONTEXT_TOO_LONG[driver.name] and "60" in message
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_a_message_without_text(tmp_path: Path, driver: Driver) -> None:
+    """One answer everywhere, in each protocol's form: `{}` (ElevenLabs), `{"type": "Speak"}` (Deepgram),
+    a Cartesia request with no transcript, a native `text` with none, an OpenAI body with no input."""
+    app, _ = make_app(tmp_path)
+
+    async def scenario() -> tuple[int | None, str, str]:
+        async with running(app):
+            return await text_refused(driver, app, None)
+
+    status, code, message = run(scenario())
+    assert code == EMPTY[driver.name] and message == EMPTY_ANSWER
+    assert status == (400 if driver.http else None)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_text_budget_per_key(tmp_path: Path, driver: Driver) -> None:
+    app, _ = make_app(tmp_path, api_keys=(KEY,), max_text_chars_per_minute_per_key=30)
+
+    async def scenario() -> tuple[int | None, str, str]:
+        async with running(app):
+            return await text_refused(driver, app, "w" * 40, {"authorization": f"Bearer {KEY}"}, opener=None
+                                      if driver.name in ("deepgram", "openai") else "Hi. ")
+
+    status, code, message = run(scenario())
+    assert code == RATE[driver.name] and "30 characters per minute" in message
+    assert status == (429 if driver.http else None)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_engine_busy(tmp_path: Path, driver: Driver) -> None:
+    """Every slot taken (and no queueing): the first segment of a new turn gets the protocol's busy."""
+    engine = FakeEngine(max_slots=1, max_waiting=0, realtime_factor=1.0)
+    app, events = make_app(tmp_path, engine)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            holder = await hold_a_session(app)
+            holder.send_json({"type": "open", "context_id": "hold", "text": LONG_TEXT})
+            holder.send_json({"type": "end", "context_id": "hold"})
+            while not engine.status()["slots_in_use"]:
+                await asyncio.sleep(0.005)
+            if driver.http:
+                request = driver.request(app, TEXT)
+                await request.done()
+                assert request.status == 429 and request.json()["error"]["code"] == "busy"
+            else:
+                ws = await driver.connect(app)
+                for message in driver.turn("b", TEXT):
+                    ws.send_json(message)
+                got = await until(driver, ws, driver.is_busy)
+                assert driver.is_busy(got[-1]), got
+                ws.disconnect()
+                await ws.finished()
+            holder.disconnect()
+            await holder.finished()
+            assert not hub.sessions
+
+    run(scenario())
+    assert "context" in [e.scope for e in of(events, BusyRejected, driver.name)]
+
+
+# ---- flow control ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_a_client_that_stops_reading_is_cut(tmp_path: Path, driver: Driver) -> None:
+    """Cut `slow_client_stall_s` after it stopped taking its audio, however slowly audio comes: here the
+    engine speaks in real time, so no buffer ever fills and no send ever blocks."""
+    stall_s = 0.4
+    engine = FakeEngine(realtime_factor=1.0, first_chunk_tokens=2, chunk_schedule_tokens=(2,))
+    app, events = make_app(tmp_path, engine, slow_client_stall_s=stall_s)
+
+    async def scenario() -> float:
+        async with running(app) as hub:
+            client: FakeWebSocket | FakeHttpRequest
+            if driver.http:
+                client = driver.request(app, LONG_TEXT)
+                await asyncio.wait_for(client.first_chunk.wait(), 5)
+            else:
+                client = await driver.connect(app)
+                for message in driver.turn("s", LONG_TEXT):
+                    client.send_json(message)
+                while not any(isinstance(m, bytes) or '"audio":"' in m or '"data":"' in m for m in client.log):
+                    await asyncio.sleep(0.005)
+            client.stop_reading()
+            stopped_s = time.monotonic()
+            await client.finished()
+            cut_after_s = time.monotonic() - stopped_s
+            assert not hub.sessions
+            if isinstance(client, FakeWebSocket):
+                assert client.close_code == 1008 or client.aborted.is_set()
+            return cut_after_s
+
+    cut_after_s = run(scenario())
+    assert stall_s <= cut_after_s < stall_s + 1.0, cut_after_s
+    assert len(of(events, SlowClientDropped, driver.name)) == 1
+
+
+# ---- the drain ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_drain(tmp_path: Path, driver: Driver) -> None:
+    """SIGTERM's drain: a running turn speaks to its end; a new context (multi-context protocols) gets
+    busy; the session then closes with 1001 (HTTP: the request completes; a new one gets 503)."""
+    engine = FakeEngine(realtime_factor=0.3)
+    app, _ = make_app(tmp_path, engine, shutdown_grace_s=10.0)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            if driver.http:
+                request = driver.request(app, TEXT)
+                await asyncio.wait_for(request.first_chunk.wait(), 5)
+                drain = asyncio.create_task(hub.drain(10.0))
+                late = driver.request(app, TEXT)
+                await late.done()
+                assert late.status == 503
+                await request.done()
+                assert request.status == 200 and len(request.content) > 0
+                assert await drain is True
+                return
+            ws = await driver.connect(app)
+            for message in driver.turn("t1", TEXT):
+                ws.send_json(message)
+            while not any(isinstance(m, bytes) or '"audio":"' in m or '"data":"' in m for m in ws.log):
+                await asyncio.sleep(0.005)
+            drain = asyncio.create_task(hub.drain(10.0))
+            while hub.status.name != "DRAINING":
+                await asyncio.sleep(0.001)
+            if driver.multi:
+                for message in driver.text("t2", TEXT, first=True):
+                    ws.send_json(message)
+                got = await until(driver, ws, driver.is_busy)
+                assert driver.is_busy(got[-1]), got
+            code = await ws.wait_closed()
+            messages = ws.json_messages()
+            if driver.name != "deepgram":
+                assert any(driver.is_turn_done(m, "t1") for m in messages), messages
+            assert code == (1000 if driver.name in ("deepgram", "elevenlabs") and not driver.multi else 1001)
+            assert await drain is True
+
+    run(scenario())
+    assert not [s for s in engine.submits if "t2" in s.request_id]
+
+
+# ---- metrics and logs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_metrics_and_logs_of_one_turn(tmp_path: Path, driver: Driver) -> None:
+    app, events = make_app(tmp_path)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            if driver.http:
+                request = driver.request(app, TEXT)
+                await request.done()
+                await request.finished()
+                assert request.status == 200 and request.content
+            else:
+                ws = await driver.connect(app)
+                await speak(driver, ws, "m", TEXT)
+                if not ws.closed.is_set():
+                    ws.disconnect()
+                await ws.finished()
+            assert not hub.sessions
+
+    with structlog.testing.capture_logs() as logs:
+        run(scenario())
+    first_audio = of(events, FirstAudio, driver.name)
+    assert len(first_audio) == 1 and first_audio[0].ttfa_s is not None and first_audio[0].ttfa_s > 0
+    assert len(of(events, SessionOpened, driver.name)) == len(of(events, SessionClosed, driver.name)) == 1
+    finished = of(events, ContextFinished, driver.name)
+    assert [f.reason for f in finished] == ["completed"] and finished[0].audio_s > 0
+    mine = [line["event"] for line in logs if line.get("protocol") == driver.name]
+    assert mine[0] == "session_opened" and mine[-1] == "session_closed" and "context_done" in mine, mine
+    done = next(line for line in logs if line["event"] == "context_done")
+    assert done["reason"] == "completed" and done["frames"] > 0 and done["audio_ms"] > 0
+
+
+def test_every_protocol_is_in_the_table() -> None:
+    """docs/operations.md's behaviour table has one column per protocol these tests drive."""
+    table = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| behaviour |"))
+    columns = [c.strip() for c in header.strip("|").split("|")[1:]]
+    assert columns == ["native", "ElevenLabs stream-input", "ElevenLabs multi-stream-input", "Cartesia",
+                       "Deepgram", "OpenAI HTTP"]
+    assert len(columns) == len(DRIVERS) and len(WEBSOCKET_DRIVERS) == len(DRIVERS) - 1
