@@ -2,7 +2,9 @@
 
 It owns the engine (built and warmed up on a daemon thread so /healthz answers while the model loads),
 the voice store, the observers, the registry of open sessions of every protocol, the ticker (segmenter
-polls and the slow-client watchdog) and the shutdown drain.
+polls and the slow-client watchdog) and the shutdown drain; and, for running beside other replicas, the
+shared state (shared_state.py), the phrase cache and its pre-warm list (phrase_cache.py) and the HAProxy
+agent check (agent_check.py).
 """
 
 from __future__ import annotations
@@ -17,12 +19,39 @@ from typing import Any, Callable, Protocol
 
 import structlog
 
+from agent_server.agent_check import AgentCheckServer, Capacity, ReplicaState
 from agent_server.auth import AUTH_OFF_WARNING, Auth
 from agent_server.observers import Observers
+from agent_server.audio import OutputFormat
+from agent_server.phrase_cache import (
+    MIB,
+    NO_CACHE,
+    PREWARM,
+    PrewarmEntry,
+    CachedSource,
+    CachePolicy,
+    KeyContext,
+    PhraseCache,
+    Prewarm,
+    RedisTier,
+    weights_identity,
+)
 from agent_server.settings import Settings
-from agent_server.speech import Emit, SegmenterLike, SpeechStream, StreamDone, StreamEvent, StreamSpec
-from agent_server.voices import VoiceError, VoiceStore
-from synth.api import EngineLike
+from agent_server.shared_state import shared_state_from
+from agent_server.speech import (
+    AudioOut,
+    DoneReason,
+    Emit,
+    SegmenterLike,
+    SpecError,
+    SpeechStream,
+    StreamDone,
+    StreamEvent,
+    StreamSpec,
+    build_params,
+)
+from agent_server.voices import Voice, VoiceError, VoiceStore
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineLike
 
 log = structlog.get_logger("agent_server.hub")
 
@@ -83,11 +112,26 @@ class Hub:
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine, engine_factory")
         self.settings = settings
-        self.auth = Auth.from_settings(settings)  # raises AuthConfigError (a ValueError) on unusable settings
+        self.shared = shared_state_from(settings)  # in this process, or Redis with --redis-url
+        self.auth = Auth.from_settings(settings, self.shared)  # raises AuthConfigError (a ValueError) on unusable settings
         self.observers = Observers()
         self.voices = VoiceStore(
-            settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s
+            settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s,
+            shared=self.shared,
         )
+        cache_url = settings.cache_redis_url or settings.redis_url
+        self.phrase_cache = PhraseCache(
+            int(settings.phrase_cache_mb * MIB),
+            RedisTier(cache_url, prefix=settings.redis_prefix, ttl_s=settings.phrase_cache_ttl_s) if cache_url else None,
+        )
+        self.prewarm = Prewarm(settings.prewarm_file, self.phrase_cache)  # raises ValueError on an unusable list
+        self.weights_id = ""  # weights_identity() once the engine is built
+        self.agent_check = (
+            AgentCheckServer(settings.host, settings.agent_check_port, self.capacity) if settings.agent_check_port else None
+        )
+        self._admitting = 0  # sessions between the first checks of admit() and their registration
+        self._background: set[asyncio.Task[Any]] = set()  # lease releases, pre-warm reloads
+        self._prewarm_numbers = itertools.count(1)
         self.status = ServerStatus.LOADING
         self.detail = "loading the model"
         self.engine: EngineLike | None = None  # set once built (it is ready once status is READY)
@@ -110,6 +154,9 @@ class Hub:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.auth.announce()
+        await self.shared.start()
+        if self.agent_check is not None:
+            await self.agent_check.start()
         self._tasks = [
             asyncio.create_task(self._load(), name="hub-load"),
             asyncio.create_task(self._tick(), name="hub-tick"),
@@ -123,6 +170,12 @@ class Hub:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*list(self._background), return_exceptions=True)  # lease releases among them
+        if self.agent_check is not None:
+            await self.agent_check.stop()
+        await self.voices.detach()
+        await self.phrase_cache.close()
+        await self.shared.stop()
         engine = self.engine or self._given_engine
         if engine is not None and engine.alive:
             await asyncio.to_thread(engine.stop)
@@ -156,8 +209,26 @@ class Hub:
     def new_session_id(self) -> str:
         return f"{self._instance}-{next(self._session_numbers)}"
 
-    def admit(self, session: Session) -> str | None:
+    async def admit(self, session: Session) -> str | None:
         """Register a session, or say why not (then the caller sends busy and closes with 1013)."""
+        refusal = self._refusal()
+        if refusal is not None:
+            return refusal
+        principal = getattr(session, "principal", None)
+        self._admitting += 1
+        try:
+            refusal = await self.auth.acquire_session(principal, session.session_id)
+        finally:
+            self._admitting -= 1
+        if refusal is None and self.status != ServerStatus.READY:  # it changed while the key limit was checked
+            refusal = self._refusal()
+            await self.auth.release_session(principal, session.session_id)
+        if refusal is not None:
+            return refusal
+        self.sessions.add(session)
+        return None
+
+    def _refusal(self) -> str | None:
         if self.status != ServerStatus.READY:
             return {
                 ServerStatus.LOADING: "starting: the model is loading",
@@ -165,18 +236,25 @@ class Hub:
                 ServerStatus.STOPPED: "shutting down",
                 ServerStatus.FAILED: "the engine failed",
             }[self.status]
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) + self._admitting >= self.settings.max_sessions:
             return f"too many sessions (at most {self.settings.max_sessions})"
-        refusal = self.auth.acquire_session(getattr(session, "principal", None))
-        if refusal is not None:
-            return refusal
-        self.sessions.add(session)
         return None
 
     def remove(self, session: Session) -> None:
         if session in self.sessions:
             self.sessions.discard(session)
-            self.auth.release_session(getattr(session, "principal", None))
+            self._spawn(self.auth.release_session(getattr(session, "principal", None), session.session_id))
+
+    def _spawn(self, coro: Any) -> None:
+        """Run a coroutine in the background (kept referenced until done; a failure is logged)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", error=repr(task.exception()))
 
     def open_stream(self, key: str, spec: StreamSpec, emit: Emit) -> SpeechStream:
         """A SpeechStream on the engine (not opened yet: call `.open()`). Its voice is leased until the
@@ -194,8 +272,58 @@ class Hub:
             if isinstance(event, StreamDone):
                 self.voices.release(voice)
 
-        return SpeechStream(key, spec, engine=engine, segmenter=self.make_segmenter(), post=self.post,
+        source = self.stream_source(engine, spec, voice, None if spec.cache else NO_CACHE)
+        return SpeechStream(key, spec, engine=source, segmenter=self.make_segmenter(), post=self.post,
                             emit=emit_then_release)
+
+    async def speak_prewarm(self, entry: PrewarmEntry) -> tuple[list[str], bool]:
+        """Render one pre-warm phrase into the phrase cache (pinned): (the keys it is stored under, whether
+        every segment was a cache hit already). Raises ValueError / VoiceError on an unusable entry."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("no engine")
+        try:
+            params = build_params(engine.variant, entry.sampling, entry.seed)
+        except SpecError as exc:
+            raise ValueError(f"{exc.field}: {exc.message}") from None
+        spec = StreamSpec(voice_id=entry.voice_id, params=params,
+                          output_format=OutputFormat("pcm_s16le", OUTPUT_SAMPLE_RATE_HZ), language=entry.language)
+        voice = self.voices.acquire(entry.voice_id)
+        done: asyncio.Future[StreamDone] = asyncio.get_running_loop().create_future()
+
+        def emit(stream: SpeechStream, event: StreamEvent) -> None:
+            if isinstance(event, AudioOut):
+                stream.on_frame_sent(time.monotonic())  # nobody listens: never hold a segment back
+            elif isinstance(event, StreamDone) and not done.done():
+                done.set_result(event)
+
+        try:
+            source = self.stream_source(engine, spec, voice, PREWARM, pin=True)
+            stream = SpeechStream(f"prewarm/{next(self._prewarm_numbers)}", spec, engine=source,
+                                  segmenter=self.make_segmenter(), post=self.post, emit=emit)
+            stream.open()
+            now_s = time.monotonic()
+            stream.push_text(entry.text, now_s)
+            stream.end(now_s)
+            outcome = await done
+        finally:
+            self.voices.release(voice)
+        if outcome.reason != DoneReason.COMPLETED:
+            raise RuntimeError(f"{outcome.reason.value}: {outcome.detail}")
+        return source.stored_keys, source.hits == stream.segment_count
+
+    def reload_prewarm(self) -> None:
+        """Read the pre-warm list again and render what is new, in the background (SIGHUP, cli.py)."""
+        if self.prewarm.running or not self.ready:
+            log.warning("prewarm_reload_skipped", running=self.prewarm.running, status=self.status.name.lower())
+            return
+        self._spawn(self.prewarm.reload(self.speak_prewarm))
+
+    def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy | None,
+                      *, pin: bool = False) -> CachedSource:
+        """Where a stream's segments get their audio: the phrase cache, else the engine (phrase_cache.py)."""
+        context = KeyContext(engine.variant, self.weights_id, voice.voice_id, voice.version, spec.language)
+        return CachedSource(engine, self.phrase_cache, context, policy or CachePolicy(), self.post, pin=pin)
 
     def post(self, fn: Callable[..., object], *args: object) -> None:
         """Run fn(*args) on the event loop; callable from any thread (the engine's sinks use it)."""
@@ -231,8 +359,26 @@ class Hub:
             "max_sessions": self.settings.max_sessions,
             "uptime_s": round(time.monotonic() - self._started_monotonic_s, 3),
             "auth": self.auth.status_json(),
+            "shared_state": self.shared.status_json(),
+            "phrase_cache": self.phrase_cache.status_json(),
+            "prewarm": self.prewarm.status_json(),
             "warnings": warnings,
         }
+
+    def capacity(self) -> Capacity:
+        """What the agent check reports (agent_check.py)."""
+        engine = self.engine
+        engine_status: dict[str, Any] = engine.status() if engine is not None and self.ready else {}
+        state = {
+            ServerStatus.LOADING: ReplicaState.LOADING,
+            ServerStatus.READY: ReplicaState.READY,
+            ServerStatus.DRAINING: ReplicaState.DRAINING,
+            ServerStatus.STOPPED: ReplicaState.DRAINING,
+            ServerStatus.FAILED: ReplicaState.FAILED,
+        }[self.status]
+        return Capacity(state, len(self.sessions), self.settings.max_sessions,
+                        int(engine_status.get("slots_in_use", 0)), int(engine_status.get("waiting", 0)),
+                        engine.max_slots if engine is not None else self.settings.max_slots, self.detail)
 
     # ---- tasks ---------------------------------------------------------------------------------
 
@@ -254,13 +400,17 @@ class Hub:
         try:
             engine = await built
             self.engine = engine
-            await self.voices.attach(engine)
+            self.weights_id = await asyncio.to_thread(weights_identity, engine.status(), engine.variant)
+            await self.voices.attach(engine, self.weights_id)
         except Exception as exc:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
             log.exception("engine_load_failed")
             self._report_failure()
             return
+        if self.prewarm.entries and self.status == ServerStatus.LOADING:
+            self.detail = f"pre-warming {len(self.prewarm.entries)} phrases"
+            await self.prewarm.run(self.speak_prewarm)
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"

@@ -43,6 +43,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agent_server.hub import Hub, ServerStatus
+from agent_server.replica_metrics import ReplicaCollector
 from agent_server.observers import (
     BusyRejected,
     ContextFinished,
@@ -131,6 +132,7 @@ class Metrics:
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         r.register(_HubCollector(hub, self._protocols))
+        r.register(ReplicaCollector(hub))  # shared state, phrase cache, agent weight (replica_metrics.py)
         for protocol in DEFAULT_PROTOCOLS:
             self._init_labels(protocol)
 

@@ -78,6 +78,7 @@ class Open:
     seed: int | None = None
     language: str | None = None
     text: str = ""  # optional first text piece
+    cache: bool = True  # False: never served from, nor stored in, the phrase cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ assert set(SAMPLING_FIELDS) <= set(SamplingParams.__dataclass_fields__)
 
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
-        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text"}
+        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -231,6 +232,9 @@ def _open(obj: Mapping[str, Any], context_id: str, limits: Limits) -> Open:
         not isinstance(language, str) or not (2 <= len(language) <= 3) or not language.isalpha()
     ):
         raise _Invalid("language", "must be a 2- or 3-letter language code such as 'fr'")
+    cache = obj.get("cache", True)
+    if not isinstance(cache, bool):
+        raise _Invalid("cache", "must be true or false")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -240,6 +244,7 @@ def _open(obj: Mapping[str, Any], context_id: str, limits: Limits) -> Open:
         seed=seed,
         language=language.lower() if language else None,
         text=_text(obj, "text", limits, required=False),
+        cache=cache,
     )
 
 
@@ -340,6 +345,7 @@ class SegmentStarted:
     start_char: int  # [start_char, end_char) of all text pushed into the context
     end_char: int
     audio_offset_ms: float  # where the segment starts in the context's audio
+    cached: bool = False  # served from the phrase cache
 
 
 @dataclass(frozen=True, slots=True)

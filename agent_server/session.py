@@ -125,7 +125,7 @@ class Connection:
     def on_open(self) -> None:
         """Queue the protocol's greeting, if any."""
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def handle_message(self, raw: str | bytes, now_s: float) -> None:
         raise NotImplementedError
 
     def render(self, ctx: Context, event: StreamEvent) -> None:
@@ -163,9 +163,9 @@ class Connection:
         ctx.stream.open()
         return ctx
 
-    def charge_text(self, chars: int) -> str | None:
+    async def charge_text(self, chars: int) -> str | None:
         """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
-        return self.hub.auth.charge_text(self.principal, chars)
+        return await self.hub.auth.charge_text(self.principal, chars)
 
     def request_close(self, code: int, reason: str) -> None:
         """Close after the output already queued has gone out."""
@@ -210,7 +210,7 @@ class Connection:
 
     async def serve(self) -> None:
         await self.websocket.accept()
-        refusal = self.hub.admit(self)
+        refusal = await self.hub.admit(self)
         if refusal is not None:
             await self._refuse(refusal)
             return
@@ -248,7 +248,7 @@ class Connection:
                 return
             text = message.get("text")
             try:
-                self.handle_message(text if text is not None else message.get("bytes") or b"", time.monotonic())
+                await self.handle_message(text if text is not None else message.get("bytes") or b"", time.monotonic())
             except Exception:
                 self.log.exception("message_handling_failed")
                 self.request_close(CLOSE_INTERNAL_ERROR, "internal error")
@@ -441,7 +441,7 @@ class NativeSession(Connection):
             self.log.info("inactivity_timeout", idle_s=round(now_s - self._last_active_s, 1))
             self.request_close(CLOSE_NORMAL, "inactivity timeout")
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def handle_message(self, raw: str | bytes, now_s: float) -> None:
         self._last_active_s = now_s  # any message is a keep-alive
         message = wire.parse(raw, self._limits)
         if isinstance(message, wire.ProtocolError):
@@ -450,7 +450,7 @@ class NativeSession(Connection):
         if isinstance(message, wire.KeepAlive):
             return
         if isinstance(message, wire.Open):
-            self._open(message, now_s)
+            await self._open(message, now_s)
             return
         ctx = self.contexts.get(message.context_id)
         if ctx is None:
@@ -463,7 +463,7 @@ class NativeSession(Connection):
             return
         try:
             if isinstance(message, wire.Text):
-                if not self._text_fits(ctx, message.text):
+                if not await self._text_fits(ctx, message.text):
                     return
                 ctx.stream.push_text(message.text, now_s)
             elif isinstance(message, wire.Flush):
@@ -475,7 +475,7 @@ class NativeSession(Connection):
         except StreamStateError as exc:
             self._reject(wire.ProtocolError("type", str(exc), ctx.context_id, "bad_state"))
 
-    def _open(self, message: wire.Open, now_s: float) -> None:
+    async def _open(self, message: wire.Open, now_s: float) -> None:
         engine = self.hub.engine
         cid = message.context_id
         if engine is None or not self.hub.ready:
@@ -501,6 +501,7 @@ class NativeSession(Connection):
             language=message.language,
             may_wait=self.settings.queue_when_full,
             max_audio_ahead_s=self.settings.max_audio_ahead_s,
+            cache=message.cache,
         )
         try:
             ctx = self.open_context(cid, spec)
@@ -510,17 +511,20 @@ class NativeSession(Connection):
             else:
                 self._reject(wire.ProtocolError(refused.field, refused.message, cid, refused.code))
             return
-        if message.text and self._text_fits(ctx, message.text):
-            ctx.stream.push_text(message.text, now_s)
+        if message.text and await self._text_fits(ctx, message.text):
+            try:
+                ctx.stream.push_text(message.text, now_s)
+            except StreamStateError as exc:  # cancelled (server shutdown) while the text budget was checked
+                self._reject(wire.ProtocolError("type", str(exc), cid, "bad_state"))
 
-    def _text_fits(self, ctx: Context, text: str) -> bool:
+    async def _text_fits(self, ctx: Context, text: str) -> bool:
         limit = self.settings.max_context_text_chars
         if ctx.stream.text_chars + len(text) > limit:
             self._reject(
                 wire.ProtocolError("text", f"the context would exceed {limit} characters of text", ctx.context_id)
             )
             return False
-        refusal = self.charge_text(len(text))
+        refusal = await self.charge_text(len(text))
         if refusal is not None:
             self._reject(wire.ProtocolError("text", refusal, ctx.context_id, "rate_limited"))
             return False
@@ -557,6 +561,7 @@ class NativeSession(Connection):
                         start_char=event.start_char,
                         end_char=event.end_char,
                         audio_offset_ms=round(event.audio_offset_ms, 2),
+                        cached=event.cached,
                     )
                 ),
                 ctx,

@@ -34,6 +34,7 @@ import structlog
 
 from agent_server.audio import AudioEncoder, OutputFormat
 from synth.api import (
+    CACHED_REASON,
     OUTPUT_SAMPLE_RATE_HZ,
     AudioChunk,
     EngineError,
@@ -67,6 +68,7 @@ class StreamSpec:
     # False: the first segment is refused (BUSY) when the engine has no free slot, instead of queueing.
     may_wait: bool = True
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
+    cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
 
 
 class SpecError(ValueError):
@@ -116,6 +118,7 @@ class SegmentStarted:
     start_char: int
     end_char: int
     audio_offset_ms: float
+    cached: bool = False  # replayed from the phrase cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +203,7 @@ class SegmentState:
     samples_24k: int = 0  # audio received so far
     audio_offset_ms: float = 0.0
     announced: bool = False  # SegmentStarted emitted
+    cached: bool = False  # its STARTED event said it is replayed from the phrase cache
 
 
 class StreamStateError(RuntimeError):
@@ -413,6 +417,7 @@ class SpeechStream:
         kind = event.kind
         if kind == EventKind.STARTED:
             seg.status = max(seg.status, SegmentStatus.STARTED)
+            seg.cached = event.reason == CACHED_REASON
         elif kind == EventKind.GENERATED:
             seg.status = SegmentStatus.GENERATED
             self._submit_ready()
@@ -432,7 +437,8 @@ class SpeechStream:
     def _announce(self, seg: SegmentState) -> None:
         seg.announced = True
         seg.audio_offset_ms = self._timeline_ms()
-        self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms))
+        self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms,
+                                        seg.cached))
 
     def _play(self, seg: SegmentState, pcm: np.ndarray) -> None:
         if not seg.announced:

@@ -32,7 +32,7 @@ from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
 from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner, projections
 from synth.text import text_token_ids
-from synth.voices import Voice, VoiceRegistry, make_voice
+from synth.voices import Voice, VoiceRegistry, make_voice, voice_from_bytes, voice_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,14 @@ class Engine(EngineLike):
 
     def remove_voice(self, voice_id: str) -> None:
         self.voices.remove(voice_id)
+
+    def export_voice(self, voice_id: str) -> bytes:
+        return voice_to_bytes(self.voices.get(voice_id))
+
+    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+        voice = voice_from_bytes(voice_id, conditioning, self.device)
+        self.voices.add(voice)
+        self._inbox.put(_PrepareVoice(voice))
 
     def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
         self._stats_listener = listener

@@ -196,7 +196,7 @@ class CartesiaSession(Connection):
     def render_refusal(self, reason: str) -> str:
         return error_event(reason, None, 429, "Busy")
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def handle_message(self, raw: str | bytes, now_s: float) -> None:
         try:
             request = parse_request(raw)
         except CompatError as exc:
@@ -213,7 +213,7 @@ class CartesiaSession(Connection):
                 ctx = self._open(request)
                 if ctx is None:
                     return
-            self._apply(ctx, self._states[cid], request, now_s)
+            await self._apply(ctx, self._states[cid], request, now_s)
         except CompatError as exc:
             if exc.code == "rate_limited":
                 self.send_message(error_event(exc.message, cid, 429, "Rate limited"))
@@ -244,14 +244,14 @@ class CartesiaSession(Connection):
         self._states[cid] = ContextState(request)
         return ctx
 
-    def _apply(self, ctx: Context, state: ContextState, request: Request, now_s: float) -> None:
+    async def _apply(self, ctx: Context, state: ContextState, request: Request, now_s: float) -> None:
         stream = ctx.stream
         if stream.status != StreamStatus.OPEN:
             raise StreamStateError("ended")
         if request.transcript:
             if stream.text_chars + len(request.transcript) > self.settings.max_context_text_chars:
                 raise CompatError("transcript", "the context has too much text")
-            refusal = self.charge_text(len(request.transcript))
+            refusal = await self.charge_text(len(request.transcript))
             if refusal is not None:
                 raise CompatError("transcript", refusal, "rate_limited")
             stream.push_text(request.transcript, now_s)

@@ -127,7 +127,7 @@ class DeepgramSession(Connection):
 
     # ---- client messages -------------------------------------------------------------------------
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def handle_message(self, raw: str | bytes, now_s: float) -> None:
         if self.query is None or self._closing:
             return
         try:
@@ -147,7 +147,7 @@ class DeepgramSession(Connection):
             if ctx.stream.text_chars + len(text) > self.settings.max_context_text_chars:
                 self._warn("TEXT_TOO_LONG", "too much text on this connection since the last Clear")
                 return
-            refusal = self.charge_text(len(text))
+            refusal = await self.charge_text(len(text))
             if refusal is not None:
                 self._warn("RATE_LIMITED", refusal)
                 return

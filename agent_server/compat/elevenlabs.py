@@ -237,7 +237,7 @@ class ElevenLabsSession(Connection):
 
     # ---- client messages -------------------------------------------------------------------------
 
-    def handle_message(self, raw: str | bytes, now_s: float) -> None:
+    async def handle_message(self, raw: str | bytes, now_s: float) -> None:
         if self.query is None or self._closing_socket:
             return  # refused in on_open (the close is on its way), or closing
         self._last_input_s = now_s
@@ -270,11 +270,11 @@ class ElevenLabsSession(Connection):
             state = self._inputs[cid]
         state.last_input_s = now_s
         try:
-            self._apply(ctx, state, message, now_s)
+            await self._apply(ctx, state, message, now_s)
         except StreamStateError as exc:
             self._fail("invalid_state", str(exc), context_id=cid if self.multi else None)
 
-    def _apply(self, ctx: Context, state: ContextInput, message: Message, now_s: float) -> None:
+    async def _apply(self, ctx: Context, state: ContextInput, message: Message, now_s: float) -> None:
         stream = ctx.stream
         if stream.status != StreamStatus.OPEN:
             return  # the stream ended on its own (busy, failed); its isFinal is out
@@ -288,7 +288,7 @@ class ElevenLabsSession(Connection):
             if stream.text_chars + len(text) > self.settings.max_context_text_chars:
                 self._fail("max_character_limit_exceeded", "the context has too much text", context_id=ctx.context_id if self.multi else None)
                 return
-            refusal = self.charge_text(len(text))
+            refusal = await self.charge_text(len(text))
             if refusal is not None:
                 self._fail("rate_limited", refusal, context_id=ctx.context_id if self.multi else None)
                 return

@@ -215,10 +215,10 @@ async def speech(request: Request) -> Response:
     except CompatError as exc:
         return error_response(400, exc.message, exc.field)
     session = HttpSpeechSession(hub, principal_of(request.scope))
-    refusal = hub.admit(session)
+    refusal = await hub.admit(session)
     if refusal is not None:
         return error_response(429, refusal, None, "rate_limit_exceeded", "busy")
-    refusal = hub.auth.charge_text(session.principal, len(speech_request.input))
+    refusal = await hub.auth.charge_text(session.principal, len(speech_request.input))
     if refusal is not None:
         hub.remove(session)
         return error_response(429, refusal, "input", "rate_limit_exceeded", "rate_limited")
