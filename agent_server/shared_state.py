@@ -517,7 +517,8 @@ class RedisState(SharedState):
             return
         async with self._redis.pipeline(transaction=False) as pipe:
             for scope, holders in self._held.items():
-                self._refresh_leases(keys=[self._k("lease", scope)], args=[self._ttl_ms, *sorted(holders)], client=pipe)
+                await self._refresh_leases(keys=[self._k("lease", scope)], args=[self._ttl_ms, *sorted(holders)],
+                                           client=pipe)
             await pipe.execute()
 
 

@@ -355,10 +355,10 @@ def test_a_failure_in_one_session_leaves_the_others_running(tmp_path: Path, monk
     engine = FaultyEngine(realtime_factor=0.5)
     original_open = session_module.NativeSession._open
 
-    def buggy_open(self: Any, message: Any, now_s: float) -> None:
+    async def buggy_open(self: Any, message: Any, now_s: float) -> None:
         if message.context_id == "bug":
             raise RuntimeError("injected protocol bug")
-        original_open(self, message, now_s)
+        await original_open(self, message, now_s)
 
     monkeypatch.setattr(session_module.NativeSession, "_open", buggy_open)
     with live_server(engine, Settings(data_dir=tmp_path)) as server:
