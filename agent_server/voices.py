@@ -310,7 +310,7 @@ class VoiceStore:
         try:
             voice.version = await asyncio.to_thread(self._version_of, voice_id)
             if self.shared is not None:
-                await self._publish(engine, self.shared, voice, wav)
+                await self._publish(engine, self.shared, voice, clip)
             else:
                 await asyncio.to_thread(self._write, voice, wav)
         except BaseException:
@@ -343,13 +343,12 @@ class VoiceStore:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    async def _publish(self, engine: EngineLike, shared: SharedState, voice: Voice, wav: np.ndarray) -> None:
-        """Put the voice (clip and conditioning) in the shared state. Raises VoiceError 409 when another
-        replica created the same id first, 503 when the shared state is unavailable."""
+    async def _publish(self, engine: EngineLike, shared: SharedState, voice: Voice, clip: bytes) -> None:
+        """Put the voice (the clip as uploaded, and its conditioning) in the shared state. Raises VoiceError
+        409 when another replica created the same id first, 503 when the shared state is unavailable."""
         conditioning = await asyncio.to_thread(engine.export_voice, voice.voice_id)
         record = VoiceRecord(voice.voice_id, voice.version, voice.name, voice.created_at, voice.duration_s,
                              voice.sample_rate_hz, self.weights_id)
-        clip = encode_wav_pcm16(wav, voice.sample_rate_hz)
         try:
             created = await shared.put_voice(VoiceData(record, clip, conditioning))
         except SharedStateUnavailable:
