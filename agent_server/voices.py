@@ -274,6 +274,7 @@ class VoiceStore:
 
     async def create(self, clip: bytes, name: str = "", voice_id: str | None = None) -> Voice:
         engine = self._require_engine()
+        await self._catch_up()
         if voice_id is None:
             voice_id = "v_" + secrets.token_hex(6)
         elif not (1 <= len(voice_id) <= MAX_VOICE_ID_CHARS) or not set(voice_id) <= VOICE_ID_CHARS:
@@ -322,6 +323,7 @@ class VoiceStore:
         return voice
 
     async def delete(self, voice_id: str) -> Voice:
+        await self._catch_up()
         voice = self.get(voice_id)
         if voice.builtin:
             raise VoiceError(409, "voice_id", f"{voice_id!r} is a built-in voice and cannot be deleted", "conflict")
@@ -356,6 +358,18 @@ class VoiceStore:
                              code="shared_state_unavailable") from None
         if not created:
             raise VoiceError(409, "voice_id", f"voice {voice.voice_id!r} already exists", code="conflict")
+
+    async def _catch_up(self) -> None:
+        """Shared: read the index now, so that a change made on another replica a moment ago counts (the
+        periodic sync could be up to a period behind). Raises VoiceError 503 while it is unavailable."""
+        if self.shared is None:
+            return
+        try:
+            await self.shared.refresh()
+        except SharedStateUnavailable:
+            raise VoiceError(503, "voice", "voices cannot be changed now: the shared state is unavailable",
+                             code="shared_state_unavailable") from None
+        await self.sync()
 
     def _require_engine(self) -> EngineLike:
         if self._engine is None:
