@@ -60,7 +60,7 @@ log = structlog.get_logger("agent_server.phrase_cache")
 KEY_VERSION = 1  # bump when what the key covers changes: old entries then simply miss
 VALUE_MAGIC = b"PHC1"
 VALUE_HEADER = struct.Struct("<4sII")  # magic, speech tokens, samples; then float32 little-endian samples
-REMOTE_TIMEOUT_S = 0.05  # a remote lookup slower than this counts as a miss (the engine starts instead)
+REMOTE_TIMEOUT_S = 0.1  # a remote lookup slower than this counts as a miss (the engine starts instead)
 REMOTE_RETRY_S = 1.0  # after a remote failure, the remote tier is skipped for this long
 MAX_REMOTE_WRITES = 16  # stores in flight to Redis at once; more are dropped (counted), never queued
 MIB = 1024 * 1024
@@ -184,6 +184,7 @@ class CacheStats:
     stores: int = 0
     evictions: int = 0
     remote_errors: int = 0
+    remote_timeouts: int = 0
     remote_writes_dropped: int = 0
 
 
@@ -261,7 +262,10 @@ class PhraseCache:
         try:
             async with asyncio.timeout(REMOTE_TIMEOUT_S):
                 data = await remote.get(key)
-        except Exception as exc:  # redis errors, TimeoutError
+        except TimeoutError:  # slow, not down: this lookup is a miss, the next one tries again
+            self.stats.remote_timeouts += 1
+            return None
+        except Exception as exc:  # redis's ConnectionError, OSError...: skip the tier for a while
             self.stats.remote_errors += 1
             remote.failed(exc)
             return None

@@ -89,8 +89,10 @@ def voice_to_bytes(voice: Voice) -> bytes:
             tensors[_S3GEN_PREFIX + name] = value.detach().to("cpu").contiguous()
         else:
             plain[name] = value
-    metadata = {"format": VOICE_BLOB_FORMAT, "version": VOICE_BLOB_VERSION, "s3gen_plain": json.dumps(plain)}
-    return bytes(safetensors.torch.save(tensors, metadata=metadata))
+    # one metadata entry: safetensors writes a metadata map in a per-process random order, and these bytes
+    # must be equal for equal voices (their hash is the voice's version across replicas)
+    header = {"format": VOICE_BLOB_FORMAT, "version": VOICE_BLOB_VERSION, "s3gen_plain": plain}
+    return bytes(safetensors.torch.save(tensors, metadata={VOICE_BLOB_FORMAT: json.dumps(header, sort_keys=True)}))
 
 
 def voice_from_bytes(voice_id: str, blob: bytes, device: torch.device) -> Voice:
@@ -98,13 +100,13 @@ def voice_from_bytes(voice_id: str, blob: bytes, device: torch.device) -> Voice:
     try:
         header_bytes = int.from_bytes(blob[:SAFETENSORS_LEN_BYTES], "little")
         header = json.loads(blob[SAFETENSORS_LEN_BYTES:SAFETENSORS_LEN_BYTES + header_bytes])
-        metadata = header.get("__metadata__") or {}
+        metadata = json.loads((header.get("__metadata__") or {}).get(VOICE_BLOB_FORMAT, "{}"))
         tensors = safetensors.torch.load(blob)
     except Exception as exc:  # safetensors raises its own SafetensorError; json a ValueError
         raise EngineError(f"unreadable voice blob: {exc}") from None
     if metadata.get("format") != VOICE_BLOB_FORMAT or metadata.get("version") != VOICE_BLOB_VERSION:
         raise EngineError(f"not a voice blob of format {VOICE_BLOB_FORMAT} v{VOICE_BLOB_VERSION}")
-    plain = json.loads(metadata.get("s3gen_plain", "{}"))
+    plain = metadata.get("s3gen_plain") or {}
     speaker_emb = tensors.pop("speaker_emb", None)
     if speaker_emb is None:
         raise EngineError("a voice blob without its speaker embedding")

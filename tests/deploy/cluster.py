@@ -1,0 +1,119 @@
+"""Three replicas of the real `agent-server` (tiny random Turbo engine) on loopback, sharing a real
+redis-server, behind a real HAProxy running deploy/haproxy/haproxy.cfg: the fixture of test_cluster.py and
+the fleet of scripts/bench_balancer.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import httpx
+
+from tests.services import Backend, HAProxy, RedisServer, free_port, haproxy, stop_process
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 180.0  # three replicas import torch and chatterbox at once on two cores
+TOKEN_SECRET = "cluster-test-secret-0123456789abcdef"
+
+
+@dataclass
+class Replica:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    agent_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_replica(name: str, directory: Path, env: Mapping[str, str], args: Sequence[str] = ()) -> Replica:
+    port, agent_port = free_port(), free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "AGENT_SERVER_DATA_DIR": str(directory),
+        "AGENT_SERVER_TOKEN_SECRET": TOKEN_SECRET,
+        **env,
+    }
+    log_path = directory / "server.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port", str(port),
+             "--agent-check-port", str(agent_port), *args],
+            env=full_env, stdout=subprocess.DEVNULL, stderr=log_file,
+        )
+    return Replica(name, proc, port, agent_port, log_path)
+
+
+def wait_ready(replicas: Sequence[Replica], timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            if not replica.alive:
+                raise RuntimeError(f"replica {replica.name} exited {replica.proc.returncode}:\n{replica.log()[-4000:]}")
+            try:
+                if httpx.get(replica.http_url + "/readyz", timeout=1.0).status_code == 200:
+                    pending.remove(replica)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"not ready: {[r.name for r in pending]}")
+        time.sleep(0.1)
+
+
+@dataclass
+class Cluster:
+    redis: RedisServer
+    replicas: list[Replica]
+    balancer: HAProxy
+
+
+@contextmanager
+def cluster(directory: Path, *, replicas: int = 3, env: Mapping[str, str] | None = None,
+            args: Sequence[str] = ()) -> Iterator[Cluster]:
+    with ExitStack() as stack:
+        redis = RedisServer(directory / "redis")
+        redis.start()
+        stack.callback(redis.stop)
+        shared_env = {
+            "AGENT_SERVER_VARIANT": "turbo",
+            "AGENT_SERVER_WEIGHTS": "random-tiny",
+            "AGENT_SERVER_DEVICE": "cpu",
+            "AGENT_SERVER_REDIS_URL": redis.url,
+            **(env or {}),
+        }
+        started = [start_replica(f"r{i + 1}", directory / f"r{i + 1}", shared_env, args) for i in range(replicas)]
+        for replica in started:
+            stack.callback(_stop_quietly, replica)
+        wait_ready(started)
+        backends = [Backend(r.name, r.port, r.agent_port) for r in started]
+        balancer = stack.enter_context(haproxy(directory / "haproxy", backends))
+        yield Cluster(redis, started, balancer)
+
+
+def _stop_quietly(replica: Replica) -> None:
+    stop_process(replica.proc, signal.SIGINT, timeout_s=15.0)

@@ -1,0 +1,59 @@
+"""synth.voices: a voice's conditioning as bytes (voice_to_bytes / voice_from_bytes) for other replicas."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from synth.api import EngineError
+from synth.voices import Voice, voice_from_bytes, voice_to_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sample_voice() -> Voice:
+    generator = torch.Generator().manual_seed(3)
+    return Voice(
+        voice_id="v",
+        speaker_emb=torch.randn(1, 256, generator=generator),
+        prompt_speech_tokens=torch.randint(0, 6561, (1, 150), generator=generator),
+        s3gen_ref={
+            "prompt_token": torch.randint(0, 6561, (1, 200), generator=generator),
+            "prompt_token_len": torch.tensor([200]),
+            "prompt_feat": torch.randn(1, 400, 80, generator=generator),
+            "prompt_feat_len": None,
+            "embedding": torch.randn(1, 192, generator=generator),
+        },
+    )
+
+
+def test_round_trip_keeps_the_conditioning_exactly() -> None:
+    voice = sample_voice()
+    back = voice_from_bytes("other-id", voice_to_bytes(voice), torch.device("cpu"))
+    assert back.voice_id == "other-id" and back.key == voice.key  # Voice.key: a hash of every tensor and value
+    assert back.s3gen_ref["prompt_feat_len"] is None and not back.builtin
+    no_prompt = Voice("p", voice.speaker_emb, None, {"embedding": voice.s3gen_ref["embedding"]})
+    assert voice_from_bytes("p", voice_to_bytes(no_prompt), torch.device("cpu")).key == no_prompt.key
+
+
+def test_equal_voices_give_equal_bytes_in_any_process() -> None:
+    """The bytes' hash is a voice's version on every replica: it must not depend on the process."""
+    here = hashlib.sha256(voice_to_bytes(sample_voice())).hexdigest()
+    code = ("import hashlib; from tests.synth.test_voices import sample_voice; from synth.voices import voice_to_bytes; "
+            "print(hashlib.sha256(voice_to_bytes(sample_voice())).hexdigest())")
+    for _ in range(2):  # (safetensors orders a metadata map differently per process)
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        assert out.stdout.strip() == here
+
+
+def test_bytes_it_cannot_use_are_refused() -> None:
+    blob = voice_to_bytes(sample_voice())
+    for junk in (b"", b"\x00" * 16, blob[:-10], blob.replace(b"synth-voice", b"other-form")):
+        with pytest.raises(EngineError):
+            voice_from_bytes("v", junk, torch.device("cpu"))
