@@ -5,6 +5,7 @@ the fleet of scripts/bench_balancer.py."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import httpx
+import numpy as np
 
 from tests.services import Backend, HAProxy, RedisServer, free_port, haproxy, stop_process
 
@@ -89,12 +91,34 @@ def wait_ready(replicas: Sequence[Replica], timeout_s: float = READY_TIMEOUT_S) 
 class Cluster:
     redis: RedisServer
     replicas: list[Replica]
-    balancer: HAProxy
+    balancer_or_none: HAProxy | None
+
+    @property
+    def balancer(self) -> HAProxy:
+        if self.balancer_or_none is None:
+            raise RuntimeError("this cluster runs without HAProxy")
+        return self.balancer_or_none
+
+
+def latency_summary_ms(values_s: Sequence[float]) -> dict[str, float | int | None]:
+    """n, p50, p90, p99, max in milliseconds (the benchmarks' one summary)."""
+    if not values_s:
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    return {"n": len(ms), **{f"p{q}": round(float(np.percentile(ms, q)), 3) for q in (50, 90, 99)},
+            "max": round(float(ms.max()), 3)}
+
+
+def machine() -> dict[str, object]:
+    """What the figures were measured on."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()}
 
 
 @contextmanager
 def cluster(directory: Path, *, replicas: int = 3, env: Mapping[str, str] | None = None,
-            args: Sequence[str] = ()) -> Iterator[Cluster]:
+            args: Sequence[str] = (), balancer: bool = True) -> Iterator[Cluster]:
     with ExitStack() as stack:
         redis = RedisServer(directory / "redis")
         redis.start()
@@ -111,8 +135,8 @@ def cluster(directory: Path, *, replicas: int = 3, env: Mapping[str, str] | None
             stack.callback(_stop_quietly, replica)
         wait_ready(started)
         backends = [Backend(r.name, r.port, r.agent_port) for r in started]
-        balancer = stack.enter_context(haproxy(directory / "haproxy", backends))
-        yield Cluster(redis, started, balancer)
+        proxy = stack.enter_context(haproxy(directory / "haproxy", backends)) if balancer else None
+        yield Cluster(redis, started, proxy)
 
 
 def _stop_quietly(replica: Replica) -> None:
