@@ -22,7 +22,13 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from agent_server import compat, metrics, voices
-from agent_server.auth import REVOKE_PATH, TOKEN_PATH, AuthMiddleware, issue_token, revoke_token
+from agent_server.auth import (
+    REVOKE_PATH,
+    TOKEN_PATH,
+    AuthMiddleware,
+    issue_token,
+    revoke_token,
+)
 from agent_server.hub import EngineFactory, Hub, SegmenterFactory
 from agent_server.session import NativeSession, SocketControlMiddleware
 from agent_server.settings import Settings

@@ -20,19 +20,19 @@ from typing import Any, Callable, Protocol
 import structlog
 
 from agent_server.agent_check import AgentCheckServer, Capacity, ReplicaState
+from agent_server.audio import OutputFormat
 from agent_server.auth import AUTH_OFF_WARNING, Auth
 from agent_server.observers import Observers
-from agent_server.audio import OutputFormat
 from agent_server.phrase_cache import (
     MIB,
     NO_CACHE,
     PREWARM,
-    PrewarmEntry,
     CachedSource,
     CachePolicy,
     KeyContext,
     PhraseCache,
     Prewarm,
+    PrewarmEntry,
     RedisTier,
     weights_identity,
 )

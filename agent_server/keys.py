@@ -17,7 +17,7 @@ import asyncio
 import os
 import secrets
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from agent_server.auth import AuthConfigError, check_key_format, fingerprint, key_hash
 from agent_server.logging import configure_logging

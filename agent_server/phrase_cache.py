@@ -34,13 +34,16 @@ import hashlib
 import struct
 import time
 import unicodedata
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 import structlog
+from redis.exceptions import RedisError
 
 from synth.api import (
     CACHED_REASON,
@@ -56,6 +59,8 @@ from synth.api import (
 )
 
 log = structlog.get_logger("agent_server.phrase_cache")
+
+Pcm = npt.NDArray[np.float32]
 
 KEY_VERSION = 1  # bump when what the key covers changes: old entries then simply miss
 VALUE_MAGIC = b"PHC1"
@@ -141,7 +146,7 @@ def _files_fingerprint(directory: Path) -> list[list[object]]:
 
 @dataclass(frozen=True, slots=True)
 class CachedAudio:
-    pcm: np.ndarray  # [samples] float32 at 24 kHz, read-only
+    pcm: Pcm  # [samples] float32 at 24 kHz, read-only
     speech_tokens: int
 
     @property
@@ -152,7 +157,7 @@ class CachedAudio:
         return VALUE_HEADER.pack(VALUE_MAGIC, self.speech_tokens, len(self.pcm)) + self.pcm.astype("<f4").tobytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "CachedAudio":
+    def from_bytes(cls, data: bytes) -> CachedAudio:
         """Raises ValueError on anything but a value of this format."""
         if len(data) < VALUE_HEADER.size:
             raise ValueError("phrase cache value too short")
@@ -164,7 +169,7 @@ class CachedAudio:
         return cls(pcm, speech_tokens)
 
     @classmethod
-    def join(cls, pieces: list[np.ndarray], speech_tokens: int) -> "CachedAudio":
+    def join(cls, pieces: list[Pcm], speech_tokens: int) -> CachedAudio:
         pcm = np.concatenate(pieces).astype(np.float32, copy=False) if pieces else np.zeros(0, np.float32)
         pcm.setflags(write=False)
         return cls(pcm, speech_tokens)
@@ -265,7 +270,7 @@ class PhraseCache:
         except TimeoutError:  # slow, not down: this lookup is a miss, the next one tries again
             self.stats.remote_timeouts += 1
             return None
-        except Exception as exc:  # redis's ConnectionError, OSError...: skip the tier for a while
+        except (RedisError, OSError) as exc:  # down or refusing: skip the tier for a while
             self.stats.remote_errors += 1
             remote.failed(exc)
             return None
@@ -347,7 +352,7 @@ class PhraseCache:
         assert remote is not None
         try:
             await remote.set(key, value)
-        except Exception as exc:
+        except (RedisError, OSError) as exc:
             self.stats.remote_errors += 1
             remote.failed(exc)
 
@@ -387,7 +392,7 @@ class _Recording:
 
     keys: list[str]
     pins: bool
-    pieces: list[np.ndarray] = field(default_factory=list)
+    pieces: list[Pcm] = field(default_factory=list)
     speech_tokens: int = 0
 
 
@@ -539,7 +544,7 @@ def parse_prewarm(raw: bytes) -> list[PrewarmEntry]:
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(items, list):
-        raise ValueError("must be a JSON list of phrases")
+        raise ValueError("must be a JSON list of phrases")  # noqa: TRY004 - the file is bad: one error type
     entries = []
     for i, item in enumerate(items):
         where = f"item {i}"
@@ -609,7 +614,7 @@ class Prewarm:
             async with limit:
                 try:
                     keys, hit = await speak(entry)
-                except Exception as exc:  # a bad voice or sampling value: that phrase only
+                except Exception as exc:  # noqa: BLE001 - a bad voice, sampling value or engine refusal: that phrase only
                     failed += 1
                     log.error("prewarm_phrase_failed", text=entry.text[:80], voice=entry.voice_id, error=str(exc))
                     return []

@@ -28,11 +28,13 @@ import asyncio
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 import structlog
+from redis.exceptions import RedisError
 
 log = structlog.get_logger("agent_server.shared_state")
 
@@ -116,7 +118,7 @@ class VoiceRecord:
         return orjson.dumps({f: getattr(self, f) for f in self.__slots__})
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "VoiceRecord":
+    def from_json(cls, raw: bytes | str) -> VoiceRecord:
         obj = orjson.loads(raw)
         return cls(str(obj["voice_id"]), str(obj["version"]), str(obj.get("name", "")), str(obj.get("created_at", "")),
                    float(obj.get("duration_s", 0.0)), int(obj.get("sample_rate_hz", 0)), str(obj.get("weights_id", "")))
@@ -362,7 +364,7 @@ class RedisState(SharedState):
             for scope, holders in list(self._held.items()):
                 try:
                     await self._redis.zrem(self._k("lease", scope), *holders)
-                except Exception:  # best effort: they expire anyway
+                except (RedisError, OSError):  # best effort: they expire anyway
                     break
         self._held.clear()
         await self._redis.aclose()
@@ -442,7 +444,7 @@ class RedisState(SharedState):
             raise SharedStateUnavailable(self.detail)
         try:
             return await awaitable
-        except Exception as exc:  # redis raises ConnectionError, TimeoutError, ResponseError, OSError...
+        except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc)
             raise SharedStateUnavailable(self.detail) from exc
 
@@ -498,7 +500,7 @@ class RedisState(SharedState):
             await asyncio.sleep(self.sync_period_s)
             try:
                 await self._sync_once()
-            except Exception as exc:  # keep probing, whatever happened
+            except Exception as exc:  # noqa: BLE001 - the probe loop must outlive anything: it is the recovery
                 self._mark_down(exc)
 
     async def _sync_once(self) -> None:

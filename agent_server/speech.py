@@ -38,7 +38,6 @@ from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
     AudioChunk,
     EngineError,
-    EngineLike,
     EngineOutput,
     EventKind,
     SamplingParams,
@@ -151,6 +150,13 @@ Emit = Callable[["SpeechStream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
 
+class SegmentTarget(Protocol):
+    """What a stream submits its segments to: the engine, or the phrase cache in front of it."""
+
+    def submit(self, request: SegmentRequest) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
+
+
 class SegmentLike(Protocol):
     index: int
     text: str
@@ -239,7 +245,7 @@ class SpeechStream:
         key: str,
         spec: StreamSpec,
         *,
-        engine: EngineLike,
+        engine: SegmentTarget,
         segmenter: SegmenterLike,
         post: Post,
         emit: Emit,

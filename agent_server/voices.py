@@ -37,7 +37,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agent_server.shared_state import SharedState, SharedStateUnavailable, VoiceData, VoiceRecord
+from agent_server.shared_state import (
+    SharedState,
+    SharedStateUnavailable,
+    VoiceData,
+    VoiceRecord,
+)
 from synth.api import EngineError, EngineLike
 
 log = structlog.get_logger("agent_server.voices")

@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.agent_server.native_client import NativeClient  # noqa: E402
-from tests.deploy.cluster import cluster, latency_summary_ms, machine  # noqa: E402
+from tests.agent_server.native_client import NativeClient
+from tests.deploy.cluster import cluster, latency_summary_ms, machine
 
 MAX_CLIENTS = 64
 MAX_TURNS = 100
@@ -89,12 +89,11 @@ def main() -> None:
         env["AGENT_SERVER_ENGINE_FACTORY"] = "tests.agent_server.fake_engine:make_engine"
     started_s = time.monotonic()
     results: dict[str, RunTimes] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-balancer-") as tmp:
-        with cluster(Path(tmp), replicas=3, env=env) as fleet:
-            direct, proxy = fleet.replicas[0].ws_url, fleet.balancer.ws_url
-            results["direct_1"] = asyncio.run(run(direct, args.clients, args.turns))
-            results["haproxy_3"] = asyncio.run(run(proxy, 3 * args.clients, args.turns))
-            results["haproxy_3_same"] = asyncio.run(run(proxy, args.clients, args.turns))
+    with tempfile.TemporaryDirectory(prefix="bench-balancer-") as tmp, cluster(Path(tmp), replicas=3, env=env) as fleet:
+        direct, proxy = fleet.replicas[0].ws_url, fleet.balancer.ws_url
+        results["direct_1"] = asyncio.run(run(direct, args.clients, args.turns))
+        results["haproxy_3"] = asyncio.run(run(proxy, 3 * args.clients, args.turns))
+        results["haproxy_3_same"] = asyncio.run(run(proxy, args.clients, args.turns))
     summary = {
         "command": " ".join(sys.argv),
         "machine": machine(),

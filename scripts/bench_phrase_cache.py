@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.agent_server.native_client import ContextLog, NativeClient  # noqa: E402
-from tests.deploy.cluster import Replica, cluster, latency_summary_ms, machine  # noqa: E402
+from tests.agent_server.native_client import ContextLog, NativeClient
+from tests.deploy.cluster import Replica, cluster, latency_summary_ms, machine
 
 MAX_PHRASES = 200
 SEED_BASE = 9000
@@ -91,9 +91,9 @@ def main() -> None:
     env = {"AGENT_SERVER_VARIANT": args.variant, "AGENT_SERVER_WEIGHTS": args.weights,
            "AGENT_SERVER_DEVICE": args.device}
     started_s = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-phrase-cache-") as tmp:
-        with cluster(Path(tmp), replicas=2, env=env, balancer=False) as fleet:
-            times = asyncio.run(measure(fleet.replicas[0], fleet.replicas[1], args.phrases))
+    with (tempfile.TemporaryDirectory(prefix="bench-phrase-cache-") as tmp,
+          cluster(Path(tmp), replicas=2, env=env, balancer=False) as fleet):
+        times = asyncio.run(measure(fleet.replicas[0], fleet.replicas[1], args.phrases))
     summary = {
         "command": " ".join(sys.argv),
         "machine": machine(),

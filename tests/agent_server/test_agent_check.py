@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from agent_server.agent_check import MAX_REASON_CHARS, Capacity, ReplicaState, agent_reply, weight_pct
+from agent_server.agent_check import (
+    MAX_REASON_CHARS,
+    Capacity,
+    ReplicaState,
+    agent_reply,
+    weight_pct,
+)
 from agent_server.settings import Settings
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import live_server

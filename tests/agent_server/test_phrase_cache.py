@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -30,7 +31,14 @@ from agent_server.phrase_cache import (
 )
 from agent_server.segmenter import Segmenter
 from agent_server.settings import Settings
-from agent_server.speech import AudioOut, SegmentDone, SegmentStarted, SpeechStream, StreamDone, StreamSpec
+from agent_server.speech import (
+    AudioOut,
+    SegmentDone,
+    SegmentStarted,
+    SpeechStream,
+    StreamDone,
+    StreamSpec,
+)
 from synth.api import SAMPLES_PER_SPEECH_TOKEN, EventKind, SamplingParams
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import live_server

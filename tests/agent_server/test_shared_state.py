@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 

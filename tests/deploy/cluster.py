@@ -10,15 +10,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 import httpx
 import numpy as np
 
-from tests.services import Backend, HAProxy, RedisServer, free_port, haproxy, stop_process
+from tests.services import (
+    Backend,
+    HAProxy,
+    RedisServer,
+    free_port,
+    haproxy,
+    stop_process,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180.0  # three replicas import torch and chatterbox at once on two cores

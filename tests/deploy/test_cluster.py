@@ -15,8 +15,8 @@ import signal
 import socket
 import time
 import wave
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -52,6 +52,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         wait_for(lambda: all(s["status"] == "UP" and s["agent_status"] == "L7OK" and s["check_status"] == "L7OK"
                              for s in fleet.balancer.servers().values()), 30)
         yield fleet
+
+
+async def ahttp(method: str, target: str, **kwargs: Any) -> httpx.Response:
+    """An HTTP call from a scenario's event loop (in a thread: the clients' readers keep running)."""
+    return await asyncio.to_thread(httpx.request, method.upper(), target, **kwargs)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> float:
@@ -171,7 +176,7 @@ def test_a_voice_uploaded_through_one_replica_is_spoken_by_the_others(fleet: Clu
         return response.status_code == 200 and response.json()["status"] == "ready"
 
     for replica in (r2, r3):
-        wait_for(lambda: ready_on(replica), 10)
+        wait_for(lambda replica=replica: ready_on(replica), 10)  # type: ignore[misc]
         assert httpx.get(replica.http_url + "/v1/voices/ann", headers=auth(KEYS[6])).json()["version"] == version
 
     async def scenario() -> list[ContextLog]:
@@ -242,7 +247,7 @@ def test_a_phrase_cache_hit_from_another_replica_is_bit_identical_and_immediate(
         hit, ttfa_s = await ask(r2, seed=21)
         assert all(s["cached"] for s in hit.segments_started), (
             hit.segments_started, miss.segments_started,
-            httpx.get(r2.http_url + "/v1/status", headers=auth(KEYS[9])).json()["phrase_cache"])
+            (await ahttp("get", r2.http_url + "/v1/status", headers=auth(KEYS[9]))).json()["phrase_cache"])
         assert hit.audio == miss.audio  # bit-identical, from a replica that never rendered it
         assert ttfa_s <= HIT_TTFA_LIMIT_S, f"first audio of a hit took {ttfa_s * 1000:.1f} ms"
         for changed in ({"seed": 22}, {"seed": 21, "sampling": {"temperature": 0.7}},
@@ -251,15 +256,15 @@ def test_a_phrase_cache_hit_from_another_replica_is_bit_identical_and_immediate(
             cached = [s["cached"] for s in log.segments_started]
             if "output_format" in changed:  # the format is encoded per request from the same cached audio
                 assert all(cached), (log.segments_started, miss.segments_started,
-                                     httpx.get(r3.http_url + "/v1/status", headers=auth(KEYS[9])).json()["phrase_cache"])
+                                     (await ahttp("get", r3.http_url + "/v1/status", headers=auth(KEYS[9]))).json()["phrase_cache"])
             else:
                 assert not any(cached), changed
         # the voice changes (deleted and created again from another clip): its old entries miss everywhere
         before, _ = await ask(r1, seed=23, voice="ann")
         again, _ = await ask(r2, seed=23, voice="ann")
         assert all(s["cached"] for s in again.segments_started) and again.audio == before.audio
-        assert httpx.delete(r1.http_url + "/v1/voices/ann", headers=auth(KEYS[9])).status_code == 200
-        recreated = httpx.post(r1.http_url + "/v1/voices", headers=auth(KEYS[9]), timeout=60,
+        assert (await ahttp("delete", r1.http_url + "/v1/voices/ann", headers=auth(KEYS[9]))).status_code == 200
+        recreated = await ahttp("post", r1.http_url + "/v1/voices", headers=auth(KEYS[9]), timeout=60,
                                files={"file": ("ann.wav", wav_clip(6.0, 330.0), "audio/wav")}, data={"voice_id": "ann"})
         assert recreated.status_code == 201, recreated.text
 
@@ -286,22 +291,22 @@ def test_redis_stopped_mid_run_degrades_as_documented_and_recovers(fleet: Cluste
         try:
             await asyncio.to_thread(wait_for, lambda: "shared state unavailable" in httpx.get(
                 r1.http_url + "/readyz").json()["detail"], 10)
-            ready = httpx.get(r1.http_url + "/readyz")
+            ready = await ahttp("get", r1.http_url + "/readyz")
             assert ready.status_code == 200 and ready.json()["shared_state"]["available"] is False
-            assert "tts_shared_state_up{backend=\"redis\"} 0.0" in httpx.get(r1.http_url + "/metrics").text
+            assert "tts_shared_state_up{backend=\"redis\"} 0.0" in (await ahttp("get", r1.http_url + "/metrics")).text
             # served: an open session speaks (it needs no shared state), a known voice included
             log = await speak(open_session, "c", "Still speaking while Redis is down.", seed=31)
             assert log.done is not None and log.done["reason"] == "completed" and log.frames
             # refused: what cannot be checked (a new session of a key with a session limit; a new voice)
             busy, code = await refused(url(r1.ws_url, KEYS[11]))
             assert busy["type"] == "busy" and "cannot be checked" in busy["reason"] and code == 1013
-            upload = httpx.post(r1.http_url + "/v1/voices", headers=auth(KEYS[10]), timeout=60,
+            upload = await ahttp("post", r1.http_url + "/v1/voices", headers=auth(KEYS[10]), timeout=60,
                                 files={"file": ("b.wav", wav_clip(6.0, 200.0), "audio/wav")}, data={"voice_id": "bob"})
             assert upload.status_code == 503 and upload.json()["error"]["code"] == "shared_state_unavailable"
         finally:
             fleet.redis.start()
         await asyncio.to_thread(wait_for, lambda: httpx.get(r1.http_url + "/readyz").json()["shared_state"]["available"])
-        assert "tts_shared_state_up{backend=\"redis\"} 1.0" in httpx.get(r1.http_url + "/metrics").text
+        assert "tts_shared_state_up{backend=\"redis\"} 1.0" in (await ahttp("get", r1.http_url + "/metrics")).text
         client = await NativeClient.connect(url(r1.ws_url, KEYS[11]))
         assert client.hello["type"] == "session_started"
         log = await speak(open_session, "d", "And after it came back.", seed=32)
