@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.agent_server.native_client import NativeClient
-from tests.deploy.cluster import cluster, latency_summary_ms, machine
+from tests.deploy.cluster import cluster, latency_summary_ms, machine, write_summary
 
 MAX_CLIENTS = 64
 MAX_TURNS = 100
@@ -108,11 +107,7 @@ def main() -> None:
                  if proxied[metric][q] is not None and base[metric][q] is not None}
         for metric in ("handshake_ms", "ttfa_ms")
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench-balancer-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"written: {path}")
+    write_summary(args.out, "bench-balancer", summary)
 
 
 if __name__ == "__main__":

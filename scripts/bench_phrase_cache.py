@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -27,7 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.agent_server.native_client import ContextLog, NativeClient
-from tests.deploy.cluster import Replica, cluster, latency_summary_ms, machine
+from tests.deploy.cluster import (
+    Replica,
+    cluster,
+    latency_summary_ms,
+    machine,
+    write_summary,
+)
 
 MAX_PHRASES = 200
 SEED_BASE = 9000
@@ -101,11 +106,7 @@ def main() -> None:
         "ttfa_ms": {kind: latency_summary_ms(values) for kind, values in times.items()},
         "wall_s": round(time.monotonic() - started_s, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench-phrase-cache-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"written: {path}")
+    write_summary(args.out, "bench-phrase-cache", summary)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,20 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
             proc.wait()
 
 
+class Loopback:
+    """A server of ours on 127.0.0.1 (`port`): its HTTP and native WebSocket URLs."""
+
+    port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+
 @dataclass
 class RedisServer:
     """redis-server with an append-only file (so a restart keeps the data, as deploy/ runs it)."""
@@ -115,18 +129,10 @@ class Backend:
 
 
 @dataclass
-class HAProxy:
+class HAProxy(Loopback):
     proc: subprocess.Popen[bytes]
     port: int
     stats_socket: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/stream"
 
     def command(self, line: str) -> str:
         """One command on HAProxy's admin socket (`show servers state tts`, ...)."""

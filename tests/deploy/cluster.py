@@ -4,6 +4,7 @@ the fleet of scripts/bench_balancer.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -21,6 +22,7 @@ import numpy as np
 from tests.services import (
     Backend,
     HAProxy,
+    Loopback,
     RedisServer,
     free_port,
     haproxy,
@@ -33,20 +35,12 @@ TOKEN_SECRET = "cluster-test-secret-0123456789abcdef"
 
 
 @dataclass
-class Replica:
+class Replica(Loopback):
     name: str
     proc: subprocess.Popen[bytes]
     port: int
     agent_port: int
     log_path: Path
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/stream"
 
     @property
     def alive(self) -> bool:
@@ -114,6 +108,15 @@ def latency_summary_ms(values_s: Sequence[float]) -> dict[str, float | int | Non
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     return {"n": len(ms), **{f"p{q}": round(float(np.percentile(ms, q)), 3) for q in (50, 90, 99)},
             "max": round(float(ms.max()), 3)}
+
+
+def write_summary(out: Path, name: str, summary: dict[str, object]) -> None:
+    """A benchmark's result: printed, and written to out/<name>-<stamp>.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"written: {path}")
 
 
 def machine() -> dict[str, object]:

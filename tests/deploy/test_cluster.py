@@ -10,11 +10,9 @@ another mid-speech.
 from __future__ import annotations
 
 import asyncio
-import io
 import signal
 import socket
 import time
-import wave
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +22,7 @@ import orjson
 import pytest
 
 from agent_server.protocol import FrameHeader
+from agent_server.voices import encode_wav_pcm16
 from tests.agent_server.native_client import ContextLog, NativeClient
 from tests.deploy.cluster import Cluster, Replica, cluster
 
@@ -125,14 +124,8 @@ def log_events(replica: Replica) -> list[dict[str, Any]]:
 
 def wav_clip(seconds: float, freq_hz: float, rate_hz: int = 16000) -> bytes:
     t = np.arange(int(seconds * rate_hz)) / rate_hz
-    pcm = (0.3 * np.sin(2 * np.pi * freq_hz * t) * np.sin(2 * np.pi * 3 * t) * 32767).astype("<i2")
-    out = io.BytesIO()
-    with wave.open(out, "wb") as writer:
-        writer.setnchannels(1)
-        writer.setsampwidth(2)
-        writer.setframerate(rate_hz)
-        writer.writeframes(pcm.tobytes())
-    return out.getvalue()
+    return encode_wav_pcm16((0.3 * np.sin(2 * np.pi * freq_hz * t) * np.sin(2 * np.pi * 3 * t)).astype(np.float32),
+                            rate_hz)
 
 
 # ---- placement ---------------------------------------------------------------------------------------
