@@ -72,6 +72,7 @@ class Voice:
     created_at: str = ""
     leases: int = 0  # contexts using it now
     version: str = ""  # content hash of the conditioning the engine holds for it
+    shared_version: str = ""  # the shared record's version it was made from ("": not shared); sync compares it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -175,11 +176,8 @@ class VoiceStore:
             voice = self._voices.get(voice_id)
             if voice is not None and (voice.builtin or voice.status == VoiceStatus.LOADING):
                 continue
-            if voice is not None and voice.status == VoiceStatus.READY and (
-                voice.version == record.version
-                or (record.weights_id != self.weights_id and voice.created_at == record.created_at)
-            ):
-                continue  # current (a replica on other weights has its own version: it goes by creation)
+            if voice is not None and voice.status == VoiceStatus.READY and voice.shared_version == record.version:
+                continue  # current
             try:
                 await self._import(engine, shared, record)
             except SharedStateUnavailable:
@@ -216,10 +214,12 @@ class VoiceStore:
             if record.weights_id == self.weights_id:
                 await asyncio.to_thread(engine.import_voice, record.voice_id, data.conditioning)
                 voice.version = record.version
+                voice.shared_version = record.version
             else:  # computed by another model: recompute here, from the clip
                 wav, sample_rate_hz = decode_wav(data.clip_wav)
                 await asyncio.to_thread(engine.add_voice, record.voice_id, wav, sample_rate_hz)
                 voice.version = await asyncio.to_thread(self._version_of, record.voice_id)
+                voice.shared_version = record.version
         except BaseException:
             if replacing is not None:
                 self._voices[record.voice_id] = replacing
@@ -363,6 +363,7 @@ class VoiceStore:
                              code="shared_state_unavailable") from None
         if not created:
             raise VoiceError(409, "voice_id", f"voice {voice.voice_id!r} already exists", code="conflict")
+        voice.shared_version = record.version
 
     async def _catch_up(self) -> None:
         """Shared: read the index now, so that a change made on another replica a moment ago counts (the

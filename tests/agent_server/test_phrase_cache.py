@@ -349,3 +349,28 @@ def test_prewarm_renders_before_ready_serves_unseeded_requests_and_reloads(tmp_p
         assert status["prewarm"]["phrases"] == 2 and status["phrase_cache"]["hits_local"] >= 2
         metrics = httpx.get(server.http_url + "/metrics").text
         assert 'tts_phrase_cache_lookups_total{result="hit_local"}' in metrics
+
+
+def test_sighup_reloads_the_prewarm_list_of_the_real_command(tmp_path: Path) -> None:
+    import signal
+
+    from tests.agent_server.live_server import cli_server
+
+    prewarm = tmp_path / "prewarm.json"
+    prewarm.write_bytes(orjson.dumps(["One moment, please."]))
+    with cli_server(tmp_path, {"AGENT_SERVER_PREWARM": str(prewarm)}) as (proc, port, log_path):
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["prewarm"]
+        assert status["runs"] == 1 and status["rendered"] == 1 and status["phrases"] == 1  # before ready
+        prewarm.write_bytes(orjson.dumps(["One moment, please.", "Please hold.", "Goodbye."]))
+        proc.send_signal(signal.SIGHUP)
+        deadline_s = time.monotonic() + 15
+        while (status := httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["prewarm"])["runs"] < 2:
+            assert time.monotonic() < deadline_s and proc.poll() is None
+            time.sleep(0.05)
+        assert status["phrases"] == 3 and status["rendered"] == 2 and status["cached"] == 1
+        prewarm.write_text("[not json")  # a broken file keeps the old list, and the server
+        proc.send_signal(signal.SIGHUP)
+        while "prewarm_reload_failed" not in log_path.read_text():  # the server says it kept the old list
+            assert time.monotonic() < deadline_s + 15 and proc.poll() is None
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["prewarm"]["phrases"] == 3

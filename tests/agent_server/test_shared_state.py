@@ -195,3 +195,33 @@ def test_redis_down_fails_fast_keeps_the_mirror_and_recovers(tmp_path: Path) -> 
     finally:
         server.stop()
 
+
+
+def test_a_server_whose_redis_is_down_stays_ready_says_so_and_refuses_only_what_it_cannot_check(
+    tmp_path: Path,
+) -> None:
+    from agent_server.settings import Settings
+    from tests.agent_server.fake_engine import FakeEngine
+    from tests.agent_server.live_server import live_server
+    from tests.agent_server.native_client import NativeClient
+    from tests.services import free_port
+
+    dead_redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    settings = Settings(data_dir=tmp_path, redis_url=dead_redis, api_keys=("limited-key",), max_sessions_per_key=2)
+    with live_server(FakeEngine(), settings) as server:
+        import httpx
+
+        ready = httpx.get(server.http_url + "/readyz")
+        assert ready.status_code == 200 and "degraded: shared state unavailable" in ready.json()["detail"]
+        assert ready.json()["shared_state"] == {"backend": "redis", "available": False}
+        assert 'tts_shared_state_up{backend="redis"} 0.0' in httpx.get(server.http_url + "/metrics").text
+
+        async def session() -> tuple[dict[str, Any], int | None]:
+            client = await NativeClient.connect(server.ws_url + "?api_key=limited-key")
+            return client.hello, await client.wait_closed()
+
+        hello, code = asyncio.run(session())
+        assert hello["type"] == "busy" and "cannot be checked" in hello["reason"] and code == 1013
+        status = httpx.get(server.http_url + "/v1/status", headers={"X-API-Key": "limited-key"})
+        assert status.status_code == 200  # a configured key is still accepted (for what needs no shared state)
+        assert status.json()["shared_state"]["available"] is False

@@ -87,6 +87,14 @@ def test_store_leases_defer_the_engine_forgetting(tmp_path: Path) -> None:
 # ---- shared voices (RedisState against a real redis-server) ---------------------------------------------
 
 
+def version_on(store: VoiceStore, voice_id: str) -> str | None:
+    """The version a new context would get there (None: none now)."""
+    try:
+        return store.get(voice_id).version
+    except VoiceError:
+        return None
+
+
 class CountingEngine(FakeEngine):
     """Counts how each voice arrived: computed from a clip, or imported as conditioning."""
 
@@ -158,6 +166,13 @@ def test_a_voice_created_on_one_replica_is_served_by_the_others_without_recomput
         await until(lambda: "ann" in engine_a.voices and a.get("ann").status == VoiceStatus.READY)
         await until(lambda: "ann" in engine_b.voices and b.get("ann").version not in ("", created.version))
         assert engine_a.computed == ["ann", "ann"]  # made on w2 weights: a (w1) recomputed it from the clip
+        # changed again while a context on b still speaks the old version: that context ends, the new stays
+        old_lease = b.acquire("ann")
+        await c.delete("ann")
+        third = await c.create(clip, voice_id="ann")
+        await until(lambda: version_on(b, "ann") == third.version)
+        b.release(old_lease)
+        assert "ann" in engine_b.voices and b.get("ann").status == VoiceStatus.READY
         # the shared state down: what is loaded keeps serving; creating and deleting are refused (503)
         redis.stop()
         try:
