@@ -374,3 +374,29 @@ def test_sighup_reloads_the_prewarm_list_of_the_real_command(tmp_path: Path) -> 
             assert time.monotonic() < deadline_s + 15 and proc.poll() is None
             time.sleep(0.05)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/status").json()["prewarm"]["phrases"] == 3
+
+
+def test_weights_identity(tmp_path: Path) -> None:
+    from agent_server.phrase_cache import WEIGHT_FILE_SAMPLE_BYTES, weights_identity
+
+    base = {"weights_source": "random-tiny", "preset": "tiny", "dtype": "float32", "cpu_weights": "fp32",
+            "device": "cuda:0"}
+    same = weights_identity(base, "turbo")
+    assert weights_identity({**base, "device": "cuda:3"}, "turbo") == same  # which GPU does not matter
+    for change in ({"dtype": "bfloat16"}, {"cpu_weights": "bf16"}, {"device": "cpu"}, {"preset": "full"},
+                   {"weights_source": "random-full"}):
+        assert weights_identity({**base, **change}, "turbo") != same, change
+    assert weights_identity(base, "english") != same
+    # a checkpoint directory: its files, wherever it lies
+    first, second = tmp_path / "a", tmp_path / "b"
+    for directory in (first, second):
+        directory.mkdir()
+        (directory / "t3.safetensors").write_bytes(bytes(3 * WEIGHT_FILE_SAMPLE_BYTES))
+        (directory / "notes.txt").write_text("not a weight file")
+    ids = [weights_identity({**base, "weights_source": str(d)}, "turbo") for d in (first, second)]
+    assert ids[0] == ids[1]
+    assert weights_identity({**base, "weights_source": f"hf-cache:{first}"}, "turbo") == ids[0]
+    tail_changed = bytearray(3 * WEIGHT_FILE_SAMPLE_BYTES)
+    tail_changed[-1] = 1  # a fine-tune differs everywhere; the last MiB is enough to see it
+    (second / "t3.safetensors").write_bytes(bytes(tail_changed))
+    assert weights_identity({**base, "weights_source": str(second)}, "turbo") != ids[0]
