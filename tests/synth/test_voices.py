@@ -57,3 +57,36 @@ def test_bytes_it_cannot_use_are_refused() -> None:
     for junk in (b"", b"\x00" * 16, blob[:-10], blob.replace(b"synth-voice", b"other-form")):
         with pytest.raises(EngineError):
             voice_from_bytes("v", junk, torch.device("cpu"))
+
+
+def test_an_imported_voice_speaks_exactly_as_on_the_engine_that_computed_it(collector) -> None:  # noqa: ANN001
+    """Engine.export_voice / import_voice: a second engine serves a voice without its encoders, sample for
+    sample the same as the engine that computed it from the clip."""
+    import numpy as np
+
+    from synth.api import SamplingParams, SegmentRequest
+    from synth.presets import synthetic_reference_wav
+    from synth.loading import random_bundle
+    from tests.synth.conftest import TEST_DEVICE, make_engine
+
+    # two bundles of the same random weights (seeded), as two replicas have: S3Gen is not shared by threads
+    computing, importing = (make_engine("turbo", render_audio=True, max_slots=2,
+                                        bundle=random_bundle("turbo", "tiny", torch.device(TEST_DEVICE)))
+                            for _ in range(2))
+    rate_hz = 24_000
+    computing.add_voice("clone", synthetic_reference_wav(rate_hz, seed=5), rate_hz)  # another clip than default's
+    importing.import_voice("clone", computing.export_voice("clone"))
+    assert importing.voices.get("clone").key == computing.voices.get("clone").key
+    try:
+        for name, engine in (("a", computing), ("b", importing)):  # one after the other, each alone
+            engine.start()
+            assert engine.wait_ready(60)
+            engine.submit(SegmentRequest(request_id=name, text="Hello there.", sink=collector.sink_for(name),
+                                         voice_id="clone", params=SamplingParams(seed=7, max_new_tokens=30)))
+            collector.wait_done([name])
+        assert collector.tokens("a") == collector.tokens("b")
+        pcm = [np.concatenate([c.pcm for c in collector.chunks(r)]) for r in ("a", "b")]
+        assert len(pcm[0]) > 0 and np.array_equal(pcm[0], pcm[1])
+    finally:
+        for engine in (computing, importing):
+            engine.stop()
