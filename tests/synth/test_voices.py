@@ -7,11 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from synth.api import EngineError
+from synth.api import EngineError, SamplingParams, SegmentRequest
+from synth.loading import random_bundle
+from synth.presets import synthetic_reference_wav
 from synth.voices import Voice, voice_from_bytes, voice_to_bytes
+from tests.synth.conftest import TEST_DEVICE, Collector, make_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,16 +63,9 @@ def test_bytes_it_cannot_use_are_refused() -> None:
             voice_from_bytes("v", junk, torch.device("cpu"))
 
 
-def test_an_imported_voice_speaks_exactly_as_on_the_engine_that_computed_it(collector) -> None:  # noqa: ANN001
+def test_an_imported_voice_speaks_exactly_as_on_the_engine_that_computed_it(collector: Collector) -> None:
     """Engine.export_voice / import_voice: a second engine serves a voice without its encoders, sample for
     sample the same as the engine that computed it from the clip."""
-    import numpy as np
-
-    from synth.api import SamplingParams, SegmentRequest
-    from synth.presets import synthetic_reference_wav
-    from synth.loading import random_bundle
-    from tests.synth.conftest import TEST_DEVICE, make_engine
-
     # two bundles of the same random weights (seeded), as two replicas have: S3Gen is not shared by threads
     computing, importing = (make_engine("turbo", render_audio=True, max_slots=2,
                                         bundle=random_bundle("turbo", "tiny", torch.device(TEST_DEVICE)))
