@@ -5,6 +5,7 @@ list, and pre-warming a live server before /readyz turns ready."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -15,7 +16,10 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from starlette.applications import Starlette
 
+from agent_server import protocol as wire
+from agent_server.app import create_app
 from agent_server.phrase_cache import (
     NO_CACHE,
     PREWARM,
@@ -44,9 +48,11 @@ from agent_server.speech import (
 )
 from synth.api import SAMPLES_PER_SPEECH_TOKEN, EventKind, SamplingParams
 
+from tests.agent_server.fake_asgi import FakeHttpRequest, running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import live_server
 from tests.agent_server.native_client import NativeClient
+from tests.agent_server.protocol_drivers import DRIVERS, Driver, until
 from tests.agent_server.test_speech import PCM24, ManualEngine, Recorder, sync_post
 from tests.services import RedisServer, redis_server
 
@@ -223,6 +229,72 @@ def test_prewarm_stores_under_the_unseeded_key_too() -> None:
     assert len(source.stored_keys) == 2  # seeded and unseeded
     cache.put("filler", audio(200, 0.0))  # way over budget: pinned entries stay
     assert cache.get_local(source.stored_keys[0]) is not None
+
+
+# ---- every protocol gets it -----------------------------------------------------------------------------
+
+SEED = 5
+
+
+async def seeded_turn(driver: Driver, app: Starlette, text: str) -> tuple[bytes, list[bool]]:
+    """One turn of `text` with seed SEED over `driver`'s protocol: (the audio the client got, as raw bytes of
+    its output format; the native `segment_started.cached` flags, [] for the others)."""
+    if driver.http:
+        body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "input": text, "seed": SEED}
+        request = FakeHttpRequest(app, driver.path, body)
+        request.start()
+        await request.done()
+        await request.finished()
+        assert request.status == 200, request.content[:200]
+        return request.content, []
+    query = driver.query if driver.name in ("native", "cartesia") else f"{driver.query}&seed={SEED}".lstrip("&")
+    ws = await dataclasses.replace(driver, query=query).connect(app)
+    messages = driver.turn("c", text)
+    if driver.name == "cartesia":
+        messages[0]["seed"] = SEED
+    if driver.name == "native":
+        messages[0]["seed"] = SEED
+    for message in messages:
+        ws.send_json(message)
+    got = await until(driver, ws, lambda m: driver.is_turn_done(m, "c"))
+    assert not any(driver.is_busy(m) or driver.error_of(m) for m in got), got
+    if not ws.closed.is_set():
+        ws.disconnect()
+    await ws.finished()
+    audio = b""
+    for item in ws.log:
+        if isinstance(item, bytes):
+            audio += wire.decode_frame(item)[1] if driver.name == "native" else item
+            continue
+        message = orjson.loads(item)
+        encoded = message.get("audio") if driver.name == "elevenlabs" else message.get("data")
+        if isinstance(encoded, str) and (driver.name == "elevenlabs" or message.get("type") == "chunk"):
+            audio += base64.b64decode(encoded)
+    cached = [m["cached"] for m in got if m.get("type") == "segment_started"]
+    return audio, cached
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_every_protocol_gets_a_seeded_repeat_from_the_phrase_cache(tmp_path: Path, driver: Driver) -> None:
+    """The cache sits under the session core (hub.open_stream), so every protocol, the OpenAI HTTP one
+    included, gets a seeded repeat from it: no segment reaches the engine, and the client gets the same bytes
+    in its own framing (native: `segment_started.cached`)."""
+    engine = FakeEngine()
+    app = create_app(engine, Settings(data_dir=tmp_path))
+    text = "Sure. One moment, please, I am looking it up now."
+
+    async def scenario() -> tuple[bytes, list[bool], bytes, list[bool], int]:
+        async with running(app):
+            first, first_cached = await seeded_turn(driver, app, text)
+            rendered = len(engine.submits)
+            again, again_cached = await seeded_turn(driver, app, text)
+            return first, first_cached, again, again_cached, rendered
+
+    first, first_cached, again, again_cached, rendered = asyncio.run(scenario())
+    assert rendered >= 2 and len(engine.submits) == rendered  # every segment of the repeat came from the cache
+    assert first and again == first
+    if driver.name == "native":
+        assert first_cached == [False] * rendered and again_cached == [True] * rendered
 
 
 # ---- the Redis tier ------------------------------------------------------------------------------------
