@@ -22,7 +22,7 @@ test: browser-deps scale-deps lint
 
 lint: install
 	.venv/bin/python -m mypy
-	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py
+	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py tests/deploy tests/services.py
 
 # synth/ is typed strict outside its model wrappers (pyproject.toml) but not yet a gate of `make test`
 typecheck-synth: install

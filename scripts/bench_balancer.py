@@ -24,12 +24,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.agent_server.native_client import NativeClient
-from tests.deploy.cluster import cluster, latency_summary_ms, machine, write_summary
+from tests.agent_server.native_client import NativeClient  # noqa: E402
+from tests.deploy.cluster import cluster, latency_summary_ms, machine, write_summary  # noqa: E402
 
 MAX_CLIENTS = 64
 MAX_TURNS = 100
@@ -93,15 +94,19 @@ def main() -> None:
         results["direct_1"] = asyncio.run(run(direct, args.clients, args.turns))
         results["haproxy_3"] = asyncio.run(run(proxy, 3 * args.clients, args.turns))
         results["haproxy_3_same"] = asyncio.run(run(proxy, args.clients, args.turns))
-    summary = {
+    runs: dict[str, dict[str, Any]] = {
+        name: {"handshake_ms": latency_summary_ms(t.handshake_s), "ttfa_ms": latency_summary_ms(t.ttfa_s),
+               "failed_turns": t.failed_turns}
+        for name, t in results.items()
+    }
+    summary: dict[str, object] = {
         "command": " ".join(sys.argv),
         "machine": machine(),
         "config": {"engine": args.engine, "clients_per_replica": args.clients, "turns": args.turns},
-        "runs": {name: {"handshake_ms": latency_summary_ms(t.handshake_s), "ttfa_ms": latency_summary_ms(t.ttfa_s),
-                        "failed_turns": t.failed_turns} for name, t in results.items()},
+        "runs": runs,
         "wall_s": round(time.monotonic() - started_s, 1),
     }
-    base, proxied = summary["runs"]["direct_1"], summary["runs"]["haproxy_3"]
+    base, proxied = runs["direct_1"], runs["haproxy_3"]
     summary["added_by_balancer_ms"] = {
         metric: {q: round(proxied[metric][q] - base[metric][q], 3) for q in ("p50", "p99")
                  if proxied[metric][q] is not None and base[metric][q] is not None}

@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.agent_server.native_client import ContextLog, NativeClient
-from tests.deploy.cluster import (
+from tests.agent_server.native_client import ContextLog, NativeClient  # noqa: E402
+from tests.deploy.cluster import (  # noqa: E402
     Replica,
     cluster,
     latency_summary_ms,

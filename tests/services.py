@@ -151,7 +151,7 @@ class HAProxy(Loopback):
         header = rows[0].lstrip("# ").split(",")
         out: dict[str, dict[str, str]] = {}
         for row in rows[1:]:
-            values = dict(zip(header, row.split(",")))
+            values = dict(zip(header, row.split(","), strict=False))  # (a trailing empty column)
             if values.get("pxname") == "tts" and values.get("svname") not in ("FRONTEND", "BACKEND", None):
                 out[values["svname"]] = values
         return out

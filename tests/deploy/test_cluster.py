@@ -23,6 +23,7 @@ import pytest
 
 from agent_server.protocol import FrameHeader
 from agent_server.voices import encode_wav_pcm16
+
 from tests.agent_server.native_client import ContextLog, NativeClient
 from tests.deploy.cluster import Cluster, Replica, cluster
 
@@ -83,7 +84,7 @@ def instances(fleet: Cluster) -> dict[str, Replica]:
 
     async def probe() -> dict[str, Replica]:
         out = {}
-        for replica, key in zip(fleet.replicas, PROBE_KEYS):
+        for replica, key in zip(fleet.replicas, PROBE_KEYS, strict=True):
             if replica.alive:
                 client = await NativeClient.connect(url(replica.ws_url, key))
                 out[instance_of(client)] = replica
@@ -248,8 +249,8 @@ def test_a_phrase_cache_hit_from_another_replica_is_bit_identical_and_immediate(
             log, _ = await ask(r3, **changed)
             cached = [s["cached"] for s in log.segments_started]
             if "output_format" in changed:  # the format is encoded per request from the same cached audio
-                assert all(cached), (log.segments_started, miss.segments_started,
-                                     (await ahttp("get", r3.http_url + "/v1/status", headers=auth(KEYS[9]))).json()["phrase_cache"])
+                status = await ahttp("get", r3.http_url + "/v1/status", headers=auth(KEYS[9]))
+                assert all(cached), (log.segments_started, miss.segments_started, status.json()["phrase_cache"])
             else:
                 assert not any(cached), changed
         # the voice changes (deleted and created again from another clip): its old entries miss everywhere
@@ -298,7 +299,8 @@ def test_redis_stopped_mid_run_degrades_as_documented_and_recovers(fleet: Cluste
             assert upload.status_code == 503 and upload.json()["error"]["code"] == "shared_state_unavailable"
         finally:
             fleet.redis.start()
-        await asyncio.to_thread(wait_for, lambda: httpx.get(r1.http_url + "/readyz").json()["shared_state"]["available"])
+        await asyncio.to_thread(wait_for,
+                                lambda: httpx.get(r1.http_url + "/readyz").json()["shared_state"]["available"])
         assert "tts_shared_state_up{backend=\"redis\"} 1.0" in (await ahttp("get", r1.http_url + "/metrics")).text
         client = await NativeClient.connect(url(r1.ws_url, KEYS[11]))
         assert client.hello["type"] == "session_started"

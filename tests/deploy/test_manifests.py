@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from agent_server.app import create_app
 from agent_server.phrase_cache import parse_prewarm
 from agent_server.settings import ENV_VARS, Settings
+
 from tests.agent_server.fake_engine import FakeEngine
 from tests.services import require
 
@@ -54,7 +55,7 @@ def env_of(config_map: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -> None:
     checked = 0
-    for path, doc in manifests():
+    for _path, doc in manifests():
         if doc["kind"] in CRD_KINDS:
             continue
         kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
@@ -117,7 +118,8 @@ def test_keda_scales_on_metrics_the_server_exports(tmp_path: Path) -> None:
     scaled = find("ScaledObject", "agent-server")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert find("Deployment", scaled["spec"]["scaleTargetRef"]["name"])
-    assert scaled["spec"]["minReplicaCount"] >= 1 and scaled["spec"]["maxReplicaCount"] > scaled["spec"]["minReplicaCount"]
+    replicas = scaled["spec"]
+    assert replicas["minReplicaCount"] >= 1 and replicas["maxReplicaCount"] > replicas["minReplicaCount"]
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     used = set(re.findall(r"\b(tts_[a-z_]+)\b", trigger["metadata"]["query"]))
@@ -161,8 +163,8 @@ def test_the_compose_file_gives_each_replica_its_own_gpu() -> None:
 
 def test_haproxy_accepts_the_sample_configuration(tmp_path: Path) -> None:
     program = require("haproxy")
-    result = subprocess.run([program, "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")], check=False, capture_output=True,
-                            text=True, cwd=tmp_path)
+    result = subprocess.run([program, "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")], check=False,
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

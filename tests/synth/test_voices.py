@@ -17,6 +17,7 @@ from synth.api import EngineError, EventKind, SamplingParams, SegmentRequest, Va
 from synth.loading import random_bundle
 from synth.presets import synthetic_reference_wav
 from synth.voices import Voice, make_voice, voice_from_bytes, voice_to_bytes
+
 from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, tiny_bundle
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +74,8 @@ def test_round_trip_keeps_the_conditioning_exactly() -> None:
 def test_equal_voices_give_equal_bytes_in_any_process() -> None:
     """The bytes' hash is a voice's version on every replica: it must not depend on the process."""
     here = hashlib.sha256(voice_to_bytes(sample_voice())).hexdigest()
-    code = ("import hashlib; from tests.synth.test_voices import sample_voice; from synth.voices import voice_to_bytes; "
+    code = ("import hashlib; from tests.synth.test_voices import sample_voice; "
+            "from synth.voices import voice_to_bytes; "
             "print(hashlib.sha256(voice_to_bytes(sample_voice())).hexdigest())")
     for _ in range(2):  # (safetensors orders a metadata map differently per process)
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
