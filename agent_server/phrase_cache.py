@@ -18,11 +18,12 @@ Where (`PhraseCache`): an in-process LRU with a byte budget (pre-warmed entries 
 when the server has one (`--cache-redis-url`, else `--redis-url`): entries there carry a TTL and the
 instance should run `maxmemory-policy allkeys-lru` (deploy/), so another replica's render is a hit here.
 
-How a hit is served (`CachedSource`): the hub gives each SpeechStream a `CachedSource` in place of the
-engine (`hub.open_stream`); a hit is replayed through the segment's own sink as STARTED (reason "cached"),
-one AudioChunk, GENERATED and DONE, so it takes the very path of engine audio (same encoder and framing,
-same metrics) and its first frame goes out at once. A miss is handed to the engine with a sink that also
-records the audio, stored when the segment is DONE (never a cancelled or failed one).
+How a hit is served (`CachedSource`): the hub gives each SpeechStream a `CachedSource` as the target of its
+segments in place of the engine (`hub.open_stream`, under the session core: every protocol gets it); a hit
+is replayed through the segment's own sink as STARTED (reason "cached"), one AudioChunk, GENERATED and DONE,
+so it takes the very path of engine audio (same encoder and framing, same metrics) and its first frame goes
+out at once. A miss is handed to the engine with a sink that also records the audio, stored when the segment
+is DONE (never a cancelled or failed one).
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ class PhraseCache:
             if len(self._writes) >= MAX_REMOTE_WRITES:
                 self.stats.remote_writes_dropped += 1
                 return
-            task = asyncio.get_running_loop().create_task(self._write(key, audio.to_bytes()))
+            task = asyncio.get_running_loop().create_task(self._write(self.remote, key, audio.to_bytes()))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
@@ -347,9 +348,7 @@ class PhraseCache:
             self.bytes -= entry.audio.nbytes
             self.stats.evictions += 1
 
-    async def _write(self, key: str, value: bytes) -> None:
-        remote = self.remote
-        assert remote is not None
+    async def _write(self, remote: RedisTier, key: str, value: bytes) -> None:
         try:
             await remote.set(key, value)
         except (RedisError, OSError) as exc:
@@ -397,7 +396,8 @@ class _Recording:
 
 
 class CachedSource:
-    """A SpeechStream's engine (submit / cancel) that serves cached segments and records the rest.
+    """A SpeechStream's segment target (speech.SegmentTarget: submit / cancel) that serves cached segments
+    and hands the rest to the engine, recording their audio.
 
     Loop thread, like the stream. `post` hands a callable to the loop (the engine thread records, the loop
     stores)."""
@@ -412,10 +412,11 @@ class CachedSource:
         self.stored_keys: list[str] = []  # every key this source stored (pre-warm pins and reloads them)
         self.hits = 0
         self._post = post
-        self._pending: dict[str, asyncio.Task[None]] = {}  # request id -> its remote lookup
-        self._forwarded: set[str] = set()
+        # request id -> its remote lookup while one is in flight, None once it went to the engine (a segment
+        # replayed from the cache is not in it: there is nothing to cancel)
+        self._open: dict[str, asyncio.Task[None] | None] = {}
 
-    # ---- the EngineLike verbs a SpeechStream uses ------------------------------------------------------
+    # ---- the verbs a SpeechStream uses -----------------------------------------------------------------
 
     def submit(self, request: SegmentRequest) -> None:
         if not self.policy.lookup or not self.cache.enabled:
@@ -432,14 +433,15 @@ class CachedSource:
             self.cache.stats.misses += 1
             self._forward(request)
             return
-        task = asyncio.get_running_loop().create_task(self._look_remote(request, key))
-        self._pending[request.request_id] = task
+        self._open[request.request_id] = asyncio.get_running_loop().create_task(self._look_remote(request, key))
 
     def cancel(self, request_id: str) -> None:
-        task = self._pending.pop(request_id, None)
-        if task is not None:
-            task.cancel()  # the lookup never forwards it now
-        if request_id in self._forwarded:
+        if request_id not in self._open:
+            return  # replayed, or unknown
+        lookup = self._open.pop(request_id)
+        if lookup is not None:
+            lookup.cancel()  # the lookup never forwards it now
+        else:
             self.engine.cancel(request_id)
 
     # ---- internals ---------------------------------------------------------------------------------
@@ -456,11 +458,9 @@ class CachedSource:
         return keys
 
     async def _look_remote(self, request: SegmentRequest, key: str) -> None:
-        try:
-            audio = await self.cache.get_remote(key)
-        finally:
-            self._pending.pop(request.request_id, None)
+        audio = await self.cache.get_remote(key)  # (cancelled by `cancel`, which forgot the request)
         if audio is not None:
+            del self._open[request.request_id]
             self.cache.stats.hits_remote += 1
             self._replay(request, audio, key)
             return
@@ -490,8 +490,12 @@ class CachedSource:
         keys = self._store_keys(request) if self.cache.enabled else []
         if keys:
             request = dataclasses.replace(request, sink=self._recording_sink(request, _Recording(keys, self.pin)))
-        self.engine.submit(request)  # raises EngineError: the stream fails the segment
-        self._forwarded.add(request.request_id)
+        self._open[request.request_id] = None  # (before submit: a synchronous engine may call back into cancel)
+        try:
+            self.engine.submit(request)  # raises EngineError: the stream fails the segment
+        except BaseException:
+            del self._open[request.request_id]
+            raise
 
     def _recording_sink(self, request: SegmentRequest, recording: _Recording) -> Callable[[EngineOutput], None]:
         sink, post, store = request.sink, self._post, self._store
@@ -579,7 +583,7 @@ class Prewarm:
     def __init__(self, path: Path | None, cache: PhraseCache) -> None:
         self.path = path
         self.cache = cache
-        self.entries: list[PrewarmEntry] = self.load() if path is not None else []
+        self.entries: list[PrewarmEntry] = self.load(path) if path is not None else []
         self.pinned_keys: set[str] = set()
         self.rendered = 0  # phrases the last run had the engine render
         self.cached = 0  # phrases the last run found in a cache already (here or in Redis)
@@ -587,14 +591,15 @@ class Prewarm:
         self.runs = 0
         self.running = False
 
-    def load(self) -> list[PrewarmEntry]:
-        assert self.path is not None
+    @staticmethod
+    def load(path: Path) -> list[PrewarmEntry]:
+        """The list in `path`. Raises ValueError naming the file (unreadable) or the bad item."""
         try:
-            return parse_prewarm(self.path.read_bytes())
+            return parse_prewarm(path.read_bytes())
         except OSError as exc:
-            raise ValueError(f"cannot read the pre-warm list {self.path}: {exc.strerror}") from None
+            raise ValueError(f"cannot read the pre-warm list {path}: {exc.strerror}") from None
         except ValueError as exc:
-            raise ValueError(f"pre-warm list {self.path}: {exc}") from None
+            raise ValueError(f"pre-warm list {path}: {exc}") from None
 
     def status_json(self) -> dict[str, object]:
         return {"file": str(self.path) if self.path else None, "phrases": len(self.entries), "runs": self.runs,
@@ -643,7 +648,7 @@ class Prewarm:
             log.warning("prewarm_reload_without_list")
             return
         try:
-            self.entries = self.load()
+            self.entries = self.load(self.path)
         except ValueError as exc:
             log.error("prewarm_reload_failed", error=str(exc))
             return

@@ -127,7 +127,7 @@ class VoiceStore:
             voice.version = await asyncio.to_thread(self._version_of, voice_id)
         if self.shared is not None:
             await self.sync()
-            self._sync_task = asyncio.create_task(self._sync_loop(), name="voices-sync")
+            self._sync_task = asyncio.create_task(self._sync_loop(self.shared), name="voices-sync")
             return
         if not self.voices_dir.is_dir():
             return
@@ -187,9 +187,7 @@ class VoiceStore:
                 self._retire(voice)
         self._synced_generation = generation
 
-    async def _sync_loop(self) -> None:
-        shared = self.shared
-        assert shared is not None
+    async def _sync_loop(self, shared: SharedState) -> None:
         while True:
             await asyncio.sleep(shared.sync_period_s)
             if shared.mirror.generation != self._synced_generation:
