@@ -1,6 +1,6 @@
 # The two commands a newcomer needs (see README): `make serve` and `make test`. Both install first.
 ARGS ?=
-.PHONY: install browser-deps serve test lint typecheck-synth
+.PHONY: install browser-deps scale-deps serve test lint typecheck-synth
 
 install:
 	@bash scripts/install.sh
@@ -9,16 +9,20 @@ install:
 browser-deps: install
 	@bash scripts/ci_browser_deps.sh || echo "warning: could not install chromium; browser tests will not run" >&2
 
+# Debian redis-server and haproxy for the multi-replica tests (root for apt-get; without: skip, or fail under CI=true)
+scale-deps: install
+	@bash scripts/ci_scale_deps.sh || echo "warning: could not install redis-server/haproxy; multi-replica tests will not run" >&2
+
 serve: install
 	.venv/bin/agent-server $(ARGS)
 
 # the gates first (zero findings: mypy --strict and ruff, configured in pyproject.toml), then the suite
-test: browser-deps lint
+test: browser-deps scale-deps lint
 	.venv/bin/python -m pytest -q
 
 lint: install
 	.venv/bin/python -m mypy
-	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py
+	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py tests/deploy tests/services.py
 
 # synth/ is typed strict outside its model wrappers (pyproject.toml) but not yet a gate of `make test`
 typecheck-synth: install

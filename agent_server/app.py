@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
 from agent_server import compat, metrics, voices
-from agent_server.auth import TOKEN_PATH, AuthMiddleware, issue_token
+from agent_server.auth import REVOKE_PATH, TOKEN_PATH, AuthMiddleware, issue_token, revoke_token
 from agent_server.hub import EngineFactory, Hub, SegmenterFactory
 from agent_server.native import NativeProtocol
 from agent_server.session import websocket_route
@@ -61,6 +61,7 @@ def create_app(
         Route("/readyz", readyz, methods=["GET"]),
         Route("/v1/status", status, methods=["GET"]),
         Route(TOKEN_PATH, issue_token, methods=["POST"]),
+        Route(REVOKE_PATH, revoke_token, methods=["POST"]),
         websocket_route(NATIVE_PATH, NativeProtocol),
         *voices.routes,
         *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
@@ -102,9 +103,16 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Readiness: the model is loaded and warmed up and the server is not shutting down."""
+    """Readiness: the model is loaded and warmed up (the pre-warm list rendered) and the server is not
+    shutting down. A shared state that is down does not make it unready (it serves what needs none), but
+    says so in `detail` and `shared_state`."""
     hub = _hub(request)
-    body = {"status": hub.status.name.lower(), "detail": hub.detail}
+    shared = hub.shared
+    detail = hub.detail
+    if hub.ready and not shared.available:
+        detail = f"{detail}; degraded: shared state unavailable ({shared.detail})"
+    body = {"status": hub.status.name.lower(), "detail": detail,
+            "shared_state": {"backend": "redis" if shared.shared else "local", "available": shared.available}}
     return JSONResponse(body, status_code=200 if hub.ready else 503)
 
 

@@ -5,20 +5,24 @@ handshake without valid credentials is answered 401 (403 for a forbidden browser
 used where only a key will do) before any route runs, so a refused WebSocket is never upgraded.
 
 - keys: `Settings.api_keys` (env AGENT_SERVER_API_KEYS, comma list) and `Settings.api_keys_file` (one
-  key per line, `#` comments). A key is never logged: logs, metrics and /v1/status name it by its
-  fingerprint (`k_` + 12 hex digits of its SHA-256).
+  key per line, `#` comments), plus keys added at run time to the shared state (`python -m
+  agent_server.keys`). Only their SHA-256 is kept in memory (and in Redis). A key is never logged: logs,
+  metrics and /v1/status name it by its fingerprint (`k_` + 12 hex digits of its SHA-256). A key revoked in
+  the shared state is refused by every replica (with its tokens).
 - where a credential is read, first found wins: `Authorization: Bearer K` (or `Token K`, Deepgram's
   form), `X-API-Key`, `xi-api-key` (ElevenLabs) headers; `token`, `access_token`, `api_key`,
   `xi_api_key` query parameters (browsers cannot set WebSocket headers).
-- tokens: `POST /v1/tokens` with a key answers `{"token", "expires_at", "expires_in_s"}`; the token
-  (`v1.<payload>.<HMAC-SHA256>`) stands for that key until it expires and is what a browser puts in the
-  WebSocket URL (`?token=...`). The secret is `Settings.token_secret` (AGENT_SERVER_TOKEN_SECRET; set it
-  when several server processes must accept each other's tokens) or a random one per process.
+- tokens: `POST /v1/tokens` with a key answers `{"token", "expires_at", "expires_in_s", "token_id"}`; the
+  token (`v1.<payload>.<HMAC-SHA256>`) stands for that key until it expires (or is revoked with `POST
+  /v1/tokens/revoke`) and is what a browser puts in the WebSocket URL (`?token=...`). The secret is
+  `Settings.token_secret` (AGENT_SERVER_TOKEN_SECRET; set it when several server processes must accept
+  each other's tokens) or a random one per process.
 - mode: `on`, `off` or `auto` (on when keys are configured, else off). Off is logged loudly at start
   (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning).
 - per-key limits: concurrent sessions (checked by `Hub.admit`, so a refusal is the protocol's own
   `busy` + close 1013, or 429 over HTTP) and text characters per minute (a token bucket charged by the
-  sessions through `Auth.charge_text`).
+  sessions through `Auth.charge_text`). Both live in the shared state (shared_state.py), so they hold
+  across replicas; while it is unavailable, what they guard is refused and everything else is served.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agent_server.settings import AUTH_MODES, Settings
+from agent_server.shared_state import LocalState, SharedState, SharedStateUnavailable
 
 log = structlog.get_logger("agent_server.auth")
 
@@ -63,7 +68,12 @@ HEADER_NAMES = (b"authorization", b"x-api-key", b"xi-api-key")
 QUERY_NAMES = ("token", "access_token", "api_key", "xi_api_key")
 AUTHORIZATION_SCHEMES = ("bearer", "token")  # a bare `Authorization: <key>` is refused (401 invalid_authorization)
 TOKEN_PATH = "/v1/tokens"
+REVOKE_PATH = "/v1/tokens/revoke"
 SECONDS_PER_MINUTE = 60.0
+TOKEN_ID_BYTES = 9
+SESSIONS_SCOPE = "sessions:"  # + key fingerprint: the shared lease set of a key's sessions
+TEXT_SCOPE = "text:"  # + key fingerprint: the shared token bucket of a key's text
+UNCHECKABLE = "cannot be checked now (the shared state is unavailable); try again shortly"
 
 
 class AuthConfigError(ValueError):
@@ -78,15 +88,6 @@ class Principal:
     via_token: bool = False
 
 
-@dataclass(slots=True)
-class KeyUsage:
-    """One key's live usage: open sessions and its text token bucket."""
-
-    sessions: int = 0
-    text_budget_chars: float = 0.0
-    text_budget_at_s: float = 0.0
-
-
 class Denied(Exception):
     def __init__(self, status_code: int, code: str, message: str) -> None:
         super().__init__(message)
@@ -95,8 +96,21 @@ class Denied(Exception):
         self.message = message
 
 
+def key_hash(key: str) -> str:
+    """What is kept of a key: its SHA-256 (hex)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def fingerprint(key: str) -> str:
-    return "k_" + hashlib.sha256(key.encode()).hexdigest()[:FINGERPRINT_HEX]
+    return "k_" + key_hash(key)[:FINGERPRINT_HEX]
+
+
+def check_key_format(key: str) -> str:
+    """The key stripped; raises AuthConfigError when it cannot be a key."""
+    key = key.strip()
+    if not key or len(key) > MAX_KEY_CHARS or any(c.isspace() for c in key):
+        raise AuthConfigError(f"an API key must be 1-{MAX_KEY_CHARS} characters without spaces")
+    return key
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -131,32 +145,30 @@ class Auth:
         metrics_auth: bool = False,
         max_sessions_per_key: int = 0,
         max_text_chars_per_minute_per_key: int = 0,
+        shared: SharedState | None = None,
     ) -> None:
         if mode not in AUTH_MODES:
             raise AuthConfigError(f"auth must be one of {', '.join(AUTH_MODES)} (got {mode!r})")
-        self._keys: dict[str, str] = {}  # fingerprint -> key
+        self.shared = shared if shared is not None else LocalState()
+        self._key_hashes: dict[str, str] = {}  # SHA-256 hex of a configured key -> its fingerprint
         for key in keys:
-            key = key.strip()
-            if not key:
-                continue
-            if len(key) > MAX_KEY_CHARS or any(c.isspace() for c in key):
-                raise AuthConfigError(f"an API key must be 1-{MAX_KEY_CHARS} characters without spaces")
-            self._keys[fingerprint(key)] = key
-        if mode == "on" and not self._keys:
+            if key.strip():
+                key = check_key_format(key)
+                self._key_hashes[key_hash(key)] = fingerprint(key)
+        if mode == "on" and not self._key_hashes and not self.shared.shared:
             raise AuthConfigError("auth is on but no API keys are configured "
                                   "(AGENT_SERVER_API_KEYS or --api-keys-file)")
         self.mode = mode
-        self.enabled = mode == "on" or (mode == "auto" and bool(self._keys))
+        self.enabled = mode == "on" or (mode == "auto" and bool(self._key_hashes))
         self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
         self.token_ttl_s = token_ttl_s
         self.allowed_origins = frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip())
         self.metrics_auth = metrics_auth
         self.max_sessions_per_key = max_sessions_per_key
         self.max_text_chars_per_minute_per_key = max_text_chars_per_minute_per_key
-        self._usage: dict[str, KeyUsage] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Auth:
+    def from_settings(cls, settings: Settings, shared: SharedState | None = None) -> Auth:
         keys = list(settings.api_keys)
         keys_file = settings.api_keys_file
         if keys_file is not None:
@@ -173,11 +185,12 @@ class Auth:
             metrics_auth=settings.metrics_auth,
             max_sessions_per_key=settings.max_sessions_per_key,
             max_text_chars_per_minute_per_key=settings.max_text_chars_per_minute_per_key,
+            shared=shared,
         )
 
     @property
     def key_count(self) -> int:
-        return len(self._keys)
+        return len(self._key_hashes)
 
     def announce(self) -> None:
         """The start-up log line: loud when auth is off."""
@@ -197,6 +210,8 @@ class Auth:
             "metrics_auth": self.metrics_auth,
             "max_sessions_per_key": self.max_sessions_per_key,
             "max_text_chars_per_minute_per_key": self.max_text_chars_per_minute_per_key,
+            "shared_keys": len(self.shared.mirror.key_hashes),
+            "revoked_keys": len(self.shared.mirror.revoked_keys),
         }
 
     # ---- credentials -----------------------------------------------------------------------------
@@ -221,11 +236,19 @@ class Auth:
         """A key or a token -> its Principal. Raises Denied (401)."""
         if credential.startswith(TOKEN_PREFIX + ".") and credential.count(".") == 2:
             return self._verify_token(credential)
-        key_id = fingerprint(credential)
-        key = self._keys.get(key_id)
-        if key is None or not hmac.compare_digest(key.encode(), credential.encode()):
+        if len(credential) > MAX_KEY_CHARS:
+            raise Denied(401, "invalid_credentials", "invalid API key")
+        digest = key_hash(credential)  # looked up by hash: what the timing of a dict lookup shows is the hash's
+        key_id = self._key_hashes.get(digest) or self.shared.key_of_hash(digest)
+        if key_id is None or self.shared.key_revoked(key_id):
             raise Denied(401, "invalid_credentials", "invalid API key")
         return Principal(key_id)
+
+    def key_valid(self, key_id: str) -> bool:
+        """A fingerprint of a configured or shared key that is not revoked."""
+        if self.shared.key_revoked(key_id):
+            return False
+        return key_id in self._key_hashes.values() or key_id in self.shared.mirror.key_hashes.values()
 
     def issue_token(self, principal: Principal | None, ttl_s: float | None = None,
                     now_s: float | None = None) -> tuple[str, int]:
@@ -233,70 +256,87 @@ class Auth:
         ttl_s = self.token_ttl_s if ttl_s is None else min(ttl_s, self.token_ttl_s)
         expires_at = int((time.time() if now_s is None else now_s) + ttl_s)
         key_id = principal.key_id if principal is not None else ANONYMOUS
-        payload = _b64(orjson.dumps({"kid": key_id, "exp": expires_at}))
+        token_id = _b64(secrets.token_bytes(TOKEN_ID_BYTES))
+        payload = _b64(orjson.dumps({"kid": key_id, "exp": expires_at, "jti": token_id}))
         return f"{TOKEN_PREFIX}.{payload}.{self._sign(payload)}", expires_at
 
-    def _sign(self, payload: str) -> str:
-        return _b64(hmac.new(self._secret, f"{TOKEN_PREFIX}.{payload}".encode(), hashlib.sha256).digest())
-
-    def _verify_token(self, token: str) -> Principal:
-        if len(token) > MAX_TOKEN_CHARS:
+    def read_token(self, token: str) -> tuple[str, str, int]:
+        """(key id, token id, expires_at) of a token this server signed (expired or not). Raises Denied."""
+        if len(token) > MAX_TOKEN_CHARS or not token.startswith(TOKEN_PREFIX + ".") or token.count(".") != 2:
             raise Denied(401, "invalid_token", "invalid token")
         _, payload, signature = token.split(".")
         if not hmac.compare_digest(self._sign(payload).encode(), signature.encode()):
             raise Denied(401, "invalid_token", "invalid token")
         try:
             claims = orjson.loads(_unb64(payload))
-            key_id, expires_at = claims["kid"], claims["exp"]
+            key_id, expires_at, token_id = claims["kid"], claims["exp"], claims.get("jti", "")
         except (ValueError, TypeError, KeyError):
             raise Denied(401, "invalid_token", "invalid token") from None
-        if not isinstance(expires_at, int) or expires_at <= time.time():
+        if not isinstance(expires_at, int) or not isinstance(key_id, str) or not isinstance(token_id, str):
+            raise Denied(401, "invalid_token", "invalid token")
+        return key_id, token_id, expires_at
+
+    async def revoke_token(self, token: str, principal: Principal | None) -> tuple[str, int]:
+        """Revoke a token of the caller's own key on every replica: (token id, expires_at). Raises Denied
+        (403 for another key's token, 503 while the shared state is unavailable)."""
+        key_id, token_id, expires_at = self.read_token(token)
+        if key_id != (principal.key_id if principal is not None else ANONYMOUS):
+            raise Denied(403, "not_your_token", "a token can be revoked only with its own key (or itself)")
+        if not token_id:
+            raise Denied(400, "not_revocable", "this token has no id (issued by an older server): let it expire")
+        try:
+            await self.shared.revoke_token(token_id, float(expires_at))
+        except SharedStateUnavailable:
+            raise Denied(503, "shared_state_unavailable", "the revocation " + UNCHECKABLE) from None
+        log.info("token_revoked", key_id=key_id, token_id=token_id)
+        return token_id, expires_at
+
+    def _sign(self, payload: str) -> str:
+        return _b64(hmac.new(self._secret, f"{TOKEN_PREFIX}.{payload}".encode(), hashlib.sha256).digest())
+
+    def _verify_token(self, token: str) -> Principal:
+        key_id, token_id, expires_at = self.read_token(token)
+        if expires_at <= time.time():
             raise Denied(401, "expired_token", "the token has expired: get a new one from POST /v1/tokens")
-        if key_id not in self._keys and not (key_id == ANONYMOUS and not self.enabled):
+        if token_id and self.shared.token_revoked(token_id):
+            raise Denied(401, "revoked_token", "the token was revoked")
+        if not self.key_valid(key_id) and not (key_id == ANONYMOUS and not self.enabled):
             raise Denied(401, "invalid_token", "the token's key is no longer valid")
         return Principal(key_id, via_token=True)
 
-    # ---- per-key limits --------------------------------------------------------------------------
+    # ---- per-key limits (in the shared state: they hold across replicas) -----------------------------
 
-    def acquire_session(self, principal: Principal | None) -> str | None:
-        """Count a session against its key; a refusal reason when the key is at its limit."""
-        if principal is None:
-            return None
-        usage = self._usage.setdefault(principal.key_id, KeyUsage())
+    async def acquire_session(self, principal: Principal | None, holder: str) -> str | None:
+        """Count session `holder` against its key; a refusal reason when the key is at its limit (or the
+        limit cannot be checked). A key without a limit needs no shared state."""
         limit = self.max_sessions_per_key
-        if limit and usage.sessions >= limit:
-            return f"too many sessions for this API key (at most {limit})"
-        usage.sessions += 1
-        return None
+        if principal is None or not limit:
+            return None
+        try:
+            taken = await self.shared.acquire_lease(SESSIONS_SCOPE + principal.key_id, holder, limit)
+        except SharedStateUnavailable:
+            return "the per-key session limit " + UNCHECKABLE
+        return None if taken else f"too many sessions for this API key (at most {limit})"
 
-    def release_session(self, principal: Principal | None) -> None:
-        if principal is None:
-            return
-        usage = self._usage.get(principal.key_id)
-        if usage is not None and usage.sessions > 0:
-            usage.sessions -= 1
+    async def release_session(self, principal: Principal | None, holder: str) -> None:
+        if principal is not None and self.max_sessions_per_key:
+            await self.shared.release_lease(SESSIONS_SCOPE + principal.key_id, holder)
 
-    def charge_text(self, principal: Principal | None, chars: int, now_s: float | None = None) -> str | None:
+    async def sessions_of(self, principal: Principal) -> int:
+        """Live sessions of the principal's key, all replicas (counted only under a session limit)."""
+        return await self.shared.lease_count(SESSIONS_SCOPE + principal.key_id)
+
+    async def charge_text(self, principal: Principal | None, chars: int) -> str | None:
         """Take `chars` from the key's per-minute text budget; a refusal reason when it is short
-        (then nothing is taken: the text is refused whole)."""
+        (then nothing is taken: the text is refused whole) or cannot be checked."""
         limit = self.max_text_chars_per_minute_per_key
         if principal is None or not limit or chars <= 0:
             return None
-        now_s = time.monotonic() if now_s is None else now_s
-        usage = self._usage.setdefault(principal.key_id, KeyUsage())
-        if usage.text_budget_at_s == 0.0:
-            usage.text_budget_chars = float(limit)
-        else:
-            refill = (now_s - usage.text_budget_at_s) * limit / SECONDS_PER_MINUTE
-            usage.text_budget_chars = min(float(limit), usage.text_budget_chars + refill)
-        usage.text_budget_at_s = now_s
-        if chars > usage.text_budget_chars:
-            return f"text rate limit: at most {limit} characters per minute for this API key"
-        usage.text_budget_chars -= chars
-        return None
-
-    def usage_of(self, principal: Principal | None) -> KeyUsage | None:
-        return None if principal is None else self._usage.get(principal.key_id)
+        try:
+            taken = await self.shared.take(TEXT_SCOPE + principal.key_id, chars, limit, limit / SECONDS_PER_MINUTE)
+        except SharedStateUnavailable:
+            return "the per-key text limit " + UNCHECKABLE
+        return None if taken else f"text rate limit: at most {limit} characters per minute for this API key"
 
 
 def find_credential(scope: Scope) -> str | None:
@@ -410,8 +450,27 @@ async def issue_token(request: Request) -> Response:
             ttl_s = float(raw_ttl)
     now_s = time.time()
     token, expires_at = auth.issue_token(principal, ttl_s, now_s)
-    return JSONResponse({"token": token, "expires_at": expires_at, "expires_in_s": expires_at - int(now_s)},
-                        headers={"Cache-Control": "no-store"})
+    _, token_id, _ = auth.read_token(token)
+    return JSONResponse({"token": token, "expires_at": expires_at, "expires_in_s": expires_at - int(now_s),
+                         "token_id": token_id}, headers={"Cache-Control": "no-store"})
+
+
+async def revoke_token(request: Request) -> Response:
+    """`{"token": "v1...."}`: that token (of the caller's own key) is refused by every replica from now on
+    (the others within one shared-state sync period). Idempotent."""
+    auth: Auth = request.app.state.hub.auth
+    try:
+        obj = orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        return _error(400, "bad_request", "the body must be JSON: {\"token\": \"...\"}")
+    if not isinstance(obj, dict) or set(obj) != {"token"} or not isinstance(obj["token"], str):
+        return _error(400, "bad_request", "the body takes exactly one field: token (a string)")
+    try:
+        token_id, expires_at = await auth.revoke_token(obj["token"], principal_of(request.scope))
+    except Denied as denied:
+        status = 400 if denied.status_code == 401 else denied.status_code  # a bad token in the body is a bad request
+        return _error(status, denied.code, denied.message)
+    return JSONResponse({"revoked": True, "token_id": token_id, "expires_at": expires_at})
 
 
 def _error(status_code: int, code: str, message: str) -> JSONResponse:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -103,6 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-sessions-per-key", "max_sessions_per_key", "concurrent sessions per API key (0: no limit)", type=int)
     add("--max-text-chars-per-minute-per-key", "max_text_chars_per_minute_per_key",
         "text characters per minute per API key (0: no limit)", type=int)
+    add("--redis-url", "redis_url", "share keys, limits, voices and the phrase cache with other replicas "
+        "through this Redis (redis://[:password@]host:6379/0); none: in this process")
+    add("--redis-prefix", "redis_prefix", "prefix of every Redis key")
+    add("--shared-lease-ttl-s", "shared_lease_ttl_s",
+        "a dead replica's sessions stop counting against per-key limits within this", type=float)
+    add("--agent-check-port", "agent_check_port",
+        "serve HAProxy's agent check here: free capacity as a weight, drain, down (0: off)", type=int)
+    add("--phrase-cache-mb", "phrase_cache_mb", "in-process phrase cache budget in MiB (0: off)", type=float)
+    add("--phrase-cache-ttl-s", "phrase_cache_ttl_s", "a phrase cache entry's life in Redis", type=float)
+    add("--cache-redis-url", "cache_redis_url", "the phrase cache's own Redis (allkeys-lru); default: --redis-url")
+    add("--prewarm", "prewarm_file", "JSON list of phrases rendered into the phrase cache at start-up, "
+        "before /readyz turns ready (reloaded on SIGHUP)")
     return parser
 
 
@@ -123,7 +136,7 @@ def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Set
             if raw is None:
                 continue
             value = _convert(name, raw, fields[name].type, parser)
-        values[name] = Path(value) if name in ("data_dir", "api_keys_file") else value
+        values[name] = Path(value) if name in ("data_dir", "api_keys_file", "prewarm_file") else value
     try:
         return Settings(**values)
     except ValueError as exc:
@@ -274,7 +287,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         server.grace_s = min(server.grace_s, ENGINE_FAILED_GRACE_S)
         server.should_exit = True
 
-    app.state.hub.on_engine_failed = on_engine_failed
+    hub: Hub = app.state.hub
+    hub.on_engine_failed = on_engine_failed
+
+    def on_sighup(signum: int, frame: object) -> None:
+        """Read the --prewarm list again and render what is new (the server keeps serving meanwhile)."""
+        if hub.ready:  # (started: its loop exists)
+            hub.post(hub.reload_prewarm)
+
+    signal.signal(signal.SIGHUP, on_sighup)
     metrics_server = None
     if settings.metrics_port:
         metrics_server, metrics_thread = metrics.serve_in_thread(app, settings.host, settings.metrics_port,

@@ -2,36 +2,64 @@
 
 It owns the engine (built and warmed up on a daemon thread so /healthz answers while the model loads),
 the voice store, the observers, the registry of open sessions of every protocol, the ticker (segmenter
-polls and the slow-client watchdog) and the shutdown drain.
+polls and the slow-client watchdog) and the shutdown drain; and, for running beside other replicas, the
+shared state (shared_state.py), the phrase cache and its pre-warm list (phrase_cache.py) and the HAProxy
+agent check (agent_check.py).
 
 Sessions (agent_server/session.py, one per WebSocket or HTTP request of any protocol) come in through
 `await admit(session)` and leave through `remove(session)`; every context's stream comes from
 `await open_stream(...)`. Admission and text charging are awaitable: the per-key limits they consult
-may live in a shared store.
+live in the shared state (Redis with --redis-url).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import itertools
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import structlog
 
+from agent_server.agent_check import AgentCheckServer, Capacity, ReplicaState
+from agent_server.audio import OutputFormat
 from agent_server.auth import AUTH_OFF_WARNING, Auth, Principal
 from agent_server.errors import UNAVAILABLE, FieldError
 from agent_server.observers import Observers
+from agent_server.phrase_cache import (
+    MIB,
+    NO_CACHE,
+    PREWARM,
+    CachedSource,
+    CachePolicy,
+    KeyContext,
+    PhraseCache,
+    Prewarm,
+    PrewarmEntry,
+    RedisTier,
+    weights_identity,
+)
 from agent_server.settings import Settings
-from agent_server.speech import Emit, SegmenterLike, SpeechStream, Stream, StreamDone, StreamEvent, StreamSpec
-from agent_server.voices import VoiceError, VoiceStore
-from synth.api import EngineLike
+from agent_server.shared_state import shared_state_from
+from agent_server.speech import (
+    AudioOut,
+    Emit,
+    SegmenterLike,
+    SpeechStream,
+    Stream,
+    StreamDone,
+    StreamEvent,
+    StreamSpec,
+    StreamStatus,
+    build_params,
+)
+from agent_server.voices import Voice, VoiceStore
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineLike
 
 log = structlog.get_logger("agent_server.hub")
 
@@ -45,14 +73,7 @@ RANDOM_WEIGHTS_WARNING = (
 
 EngineFactory = Callable[[Settings], EngineLike]
 SegmenterFactory = Callable[[], SegmenterLike]
-T = TypeVar("T")
-
-
-async def resolved(value: T | Awaitable[T]) -> T:
-    """`value`, awaited when it is awaitable: Auth's per-key methods may be sync or async."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
+PREWARM_FORMAT = OutputFormat("pcm_s16le", OUTPUT_SAMPLE_RATE_HZ)  # what a pre-warm render is encoded to (unheard)
 
 
 class ServerStatus(enum.IntEnum):
@@ -101,11 +122,23 @@ class Hub:
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine, engine_factory")
         self.settings = settings
-        self.auth = Auth.from_settings(settings)  # raises AuthConfigError (a ValueError) on unusable settings
+        self.shared = shared_state_from(settings)  # in this process, or Redis with --redis-url
+        self.auth = Auth.from_settings(settings, self.shared)  # raises AuthConfigError (a ValueError)
         self.observers = Observers()
         self.voices = VoiceStore(
-            settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s
+            settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s,
+            shared=self.shared,
         )
+        cache_url = settings.cache_redis_url or settings.redis_url
+        remote = (RedisTier(cache_url, prefix=settings.redis_prefix, ttl_s=settings.phrase_cache_ttl_s)
+                  if cache_url else None)
+        self.phrase_cache = PhraseCache(int(settings.phrase_cache_mb * MIB), remote)
+        self.prewarm = Prewarm(settings.prewarm_file, self.phrase_cache)  # raises ValueError on an unusable list
+        self.weights_id = ""  # weights_identity() once the engine is built
+        self.agent_check = (AgentCheckServer(settings.host, settings.agent_check_port, self.capacity)
+                            if settings.agent_check_port else None)
+        self._admitting = 0  # sessions between admit()'s first checks and their registration
+        self._prewarm_numbers = itertools.count(1)
         self.status = ServerStatus.LOADING
         self.detail = "loading the model"
         self.engine: EngineLike | None = None  # set once built (it is ready once status is READY)
@@ -115,7 +148,7 @@ class Hub:
         self._engine_factory = engine_factory
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()  # releases of per-key limits that are async
+        self._background: set[asyncio.Task[Any]] = set()  # lease releases, pre-warm reloads
         self._session_numbers = itertools.count(1)
         self._instance = secrets.token_hex(3)
         self._started_monotonic_s = time.monotonic()
@@ -133,6 +166,9 @@ class Hub:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.auth.announce()
+        await self.shared.start()
+        if self.agent_check is not None:
+            await self.agent_check.start()
         self._tasks = [
             asyncio.create_task(self._load(), name="hub-load"),
             asyncio.create_task(self._tick(), name="hub-tick"),
@@ -146,6 +182,12 @@ class Hub:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*list(self._background), return_exceptions=True)  # lease releases among them
+        if self.agent_check is not None:
+            await self.agent_check.stop()
+        await self.voices.detach()
+        await self.phrase_cache.close()
+        await self.shared.stop()
         engine = self.engine or self._given_engine
         if engine is not None and engine.alive:
             await asyncio.to_thread(engine.stop)
@@ -189,38 +231,38 @@ class Hub:
 
     async def admit(self, session: SessionHandle) -> Refusal | None:
         """Register a session, or say why not (the session then answers busy in its protocol's form and
-        closes with 1013, or 429/503 over HTTP). Nothing is registered when it refuses."""
+        closes with 1013, or 429/503 over HTTP). Nothing is registered when it refuses. The key's session
+        lease (auth.py, in the shared state) is taken here and given back by `remove`."""
         if self.status != ServerStatus.READY:
             return Refusal(self._not_serving_reason(), unavailable=True)
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) + self._admitting >= self.settings.max_sessions:
             return Refusal(f"too many sessions (at most {self.settings.max_sessions})", unavailable=False)
-        refusal = await resolved(self.auth.acquire_session(session.principal))
+        self._admitting += 1  # counted while the key's limit is read (Redis): the place is taken
+        try:
+            refusal = await self.auth.acquire_session(session.principal, session.session_id)
+        finally:
+            self._admitting -= 1
         if refusal is not None:
             return Refusal(refusal, unavailable=False)
         if not self.ready:  # the drain may have begun while the key's limit was read
-            self._release(session.principal)
+            self.spawn(self.auth.release_session(session.principal, session.session_id), "release_session")
             return Refusal(self._not_serving_reason(), unavailable=True)
         self.sessions.add(session)
         self._no_sessions.clear()
         return None
 
     def remove(self, session: SessionHandle) -> None:
-        """Unregister a session (at once, whatever the store behind the per-key limits does)."""
+        """Unregister a session at once; its key's lease is given back in the background (a lease that
+        cannot be given back now, Redis being down, expires on its own)."""
         if session in self.sessions:
             self.sessions.discard(session)
-            self._release(session.principal)
+            self.spawn(self.auth.release_session(session.principal, session.session_id), "release_session")
             if not self.sessions:
                 self._no_sessions.set()
 
     async def charge_text(self, principal: Principal | None, chars: int) -> str | None:
         """Count text against the API key's per-minute budget; a refusal reason when it is spent."""
-        return await resolved(self.auth.charge_text(principal, chars))
-
-    def _release(self, principal: Principal | None) -> None:
-        release: Callable[[Principal | None], object] = self.auth.release_session  # sync today, async later
-        released = release(principal)
-        if inspect.iscoroutine(released):
-            self.spawn(released, "release_session")
+        return await self.auth.charge_text(principal, chars)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> None:
         """Run `coro` in the background, kept referenced until done; a failure is logged."""
@@ -243,25 +285,73 @@ class Hub:
         }[self.status]
 
     async def open_stream(self, key: str, spec: StreamSpec, emit: Emit) -> Stream:
-        """A stream for one context (not opened yet: call `.open()`); today a SpeechStream on the engine,
-        whose voice is leased until its StreamDone. Every protocol, WebSocket or HTTP, gets its streams
-        here, so this is where the drain is checked and where another source of PCM (a phrase cache)
-        plugs in. Raises FieldError (`busy` when the server is not serving)."""
+        """A stream for one context (not opened yet: call `.open()`): a SpeechStream whose segments come
+        from the phrase cache when it has them, else from the engine (`stream_source`); its voice is leased
+        until its StreamDone. Every protocol, WebSocket or HTTP, gets its streams here, so this is where the
+        drain is checked and where the cache plugs in. Raises FieldError (`busy` when the server is not
+        serving; a VoiceError, which is one, for a voice it cannot use)."""
         engine = self.engine
         if engine is None or not self.ready:
             raise FieldError("", f"the server is not ready: {self._not_serving_reason()}", UNAVAILABLE, busy=True)
-        try:
-            voice = self.voices.acquire(spec.voice_id)
-        except VoiceError as exc:
-            raise FieldError("voice", exc.message, exc.code) from None
+        voice = self.voices.acquire(spec.voice_id)
 
         def emit_then_release(stream: Stream, event: StreamEvent) -> None:
             emit(stream, event)
             if isinstance(event, StreamDone):
                 self.voices.release(voice)
 
-        return SpeechStream(key, spec, engine=engine, segmenter=self.make_segmenter(), post=self.post,
+        source = self.stream_source(engine, spec, voice, CachePolicy() if spec.cache else NO_CACHE)
+        return SpeechStream(key, spec, engine=source, segmenter=self.make_segmenter(), post=self.post,
                             emit=emit_then_release)
+
+    def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy,
+                      *, pin: bool = False) -> CachedSource:
+        """Where a stream's segments get their audio: the phrase cache, else the engine (phrase_cache.py)."""
+        context = KeyContext(engine.variant, self.weights_id, voice.voice_id, voice.version, spec.language)
+        return CachedSource(engine, self.phrase_cache, context, policy, self.post, pin=pin)
+
+    # ---- the pre-warm list ---------------------------------------------------------------------
+
+    async def speak_prewarm(self, entry: PrewarmEntry) -> tuple[list[str], bool]:
+        """Render one pre-warm phrase into the phrase cache (pinned): (the keys it is stored under, whether
+        every segment was a cache hit already). Raises ValueError (a FieldError among them) on an unusable
+        entry, RuntimeError when it did not complete."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("no engine")
+        params = build_params(engine.variant, entry.sampling, entry.seed)
+        spec = StreamSpec(voice_id=entry.voice_id, params=params, output_format=PREWARM_FORMAT,
+                          language=entry.language)
+        voice = self.voices.acquire(entry.voice_id)
+        done: asyncio.Future[StreamDone] = asyncio.get_running_loop().create_future()
+
+        def emit(stream: Stream, event: StreamEvent) -> None:
+            if isinstance(event, AudioOut):
+                stream.on_frame_sent(time.monotonic(), event.duration_ms)  # nobody listens: never hold one back
+            elif isinstance(event, StreamDone) and not done.done():
+                done.set_result(event)
+
+        try:
+            source = self.stream_source(engine, spec, voice, PREWARM, pin=True)
+            stream = SpeechStream(f"prewarm/{next(self._prewarm_numbers)}", spec, engine=source,
+                                  segmenter=self.make_segmenter(), post=self.post, emit=emit)
+            stream.open()
+            now_s = time.monotonic()
+            stream.push_text(entry.text, now_s)
+            stream.end(now_s)
+            outcome = await done
+        finally:
+            self.voices.release(voice)
+        if outcome.status != StreamStatus.COMPLETED:
+            raise RuntimeError(f"{outcome.reason}: {outcome.detail}")
+        return source.stored_keys, source.hits == stream.segment_count
+
+    def reload_prewarm(self) -> None:
+        """Read the pre-warm list again and render what is new, in the background (SIGHUP, cli.py)."""
+        if self.prewarm.running or not self.ready:
+            log.warning("prewarm_reload_skipped", running=self.prewarm.running, status=self.status.name.lower())
+            return
+        self.spawn(self.prewarm.reload(self.speak_prewarm), "prewarm_reload")
 
     def post(self, fn: Callable[..., object], *args: object) -> None:
         """Run fn(*args) on the event loop; callable from any thread (the engine's sinks use it)."""
@@ -298,8 +388,26 @@ class Hub:
             "max_sessions": self.settings.max_sessions,
             "uptime_s": round(time.monotonic() - self._started_monotonic_s, 3),
             "auth": self.auth.status_json(),
+            "shared_state": self.shared.status_json(),
+            "phrase_cache": self.phrase_cache.status_json(),
+            "prewarm": self.prewarm.status_json(),
             "warnings": warnings,
         }
+
+    def capacity(self) -> Capacity:
+        """What the HAProxy agent check reports (agent_check.py)."""
+        engine = self.engine
+        engine_status: dict[str, Any] = engine.status() if engine is not None and self.ready else {}
+        state = {
+            ServerStatus.LOADING: ReplicaState.LOADING,
+            ServerStatus.READY: ReplicaState.READY,
+            ServerStatus.DRAINING: ReplicaState.DRAINING,
+            ServerStatus.STOPPED: ReplicaState.DRAINING,
+            ServerStatus.FAILED: ReplicaState.FAILED,
+        }[self.status]
+        return Capacity(state, len(self.sessions), self.settings.max_sessions,
+                        int(engine_status.get("slots_in_use", 0)), int(engine_status.get("waiting", 0)),
+                        engine.max_slots if engine is not None else self.settings.max_slots, self.detail)
 
     # ---- tasks ---------------------------------------------------------------------------------
 
@@ -321,7 +429,8 @@ class Hub:
         try:
             engine = await built
             self.engine = engine
-            await self.voices.attach(engine)
+            self.weights_id = await asyncio.to_thread(weights_identity, engine.status(), engine.variant)
+            await self.voices.attach(engine, self.weights_id)
         except Exception as exc:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
@@ -330,6 +439,9 @@ class Hub:
             self._report_failure()
             return
         self.engine_settled.set()
+        if self.prewarm.entries and self.status == ServerStatus.LOADING:
+            self.detail = f"pre-warming {len(self.prewarm.entries)} phrases"
+            await self.prewarm.run(self.speak_prewarm)
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"

@@ -53,6 +53,7 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
+from agent_server.replica_metrics import ReplicaCollector
 from synth.api import EngineLike, StepStats
 
 log = structlog.get_logger("agent_server.metrics")
@@ -131,6 +132,7 @@ class Metrics:
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         r.register(_HubCollector(hub, self._protocols))
+        r.register(ReplicaCollector(hub))  # shared state, phrase cache, agent weight (replica_metrics.py)
         for protocol in DEFAULT_PROTOCOLS:
             self._init_labels(protocol)
 

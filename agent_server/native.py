@@ -115,10 +115,14 @@ class NativeProtocol(WireProtocol[None]):
             language=message.language,
             may_wait=session.settings.queue_when_full,
             max_audio_ahead_s=session.settings.max_audio_ahead_s,
+            cache=message.cache,
         )
         ctx = await session.open_context(cid, spec, None)
         if ctx is not None and message.text:
-            await session.push_text(ctx, message.text, now_s)
+            try:
+                await session.push_text(ctx, message.text, now_s)
+            except StreamStateError as exc:  # ended (the server shutting down) while the key's budget was read
+                session.reject(FieldError("type", str(exc), "bad_state", context_id=cid))
 
     # ---- stream events -> wire -------------------------------------------------------------------
 
@@ -138,6 +142,7 @@ class NativeProtocol(WireProtocol[None]):
                 start_char=event.start_char,
                 end_char=event.end_char,
                 audio_offset_ms=round(event.audio_offset_ms, 2),
+                cached=event.cached,
             )), ctx)
         elif isinstance(event, SegmentDone):
             session.send(wire.encode(wire.SegmentDone(

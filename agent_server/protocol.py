@@ -80,6 +80,7 @@ class Open:
     seed: int | None = None
     language: str | None = None
     text: str = ""  # optional first text piece
+    cache: bool = True  # False: never served from, nor stored in, the phrase cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,7 @@ SAMPLING_FIELDS: Mapping[str, type] = {
 
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
-        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text"}
+        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -205,6 +206,9 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         not isinstance(language, str) or not (2 <= len(language) <= 3) or not language.isalpha()
     ):
         raise FieldError("language", "must be a 2- or 3-letter language code such as 'fr'")
+    cache = obj.get("cache", True)
+    if not isinstance(cache, bool):
+        raise FieldError("cache", "must be true or false")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -214,6 +218,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         seed=seed,
         language=language.lower() if language else None,
         text=_optional_text(obj, "text") or "",
+        cache=cache,
     )
 
 
@@ -308,6 +313,7 @@ class SegmentStarted:
     start_char: int  # [start_char, end_char) of all text pushed into the context
     end_char: int
     audio_offset_ms: float  # where the segment starts in the context's audio
+    cached: bool = False  # served from the phrase cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,16 @@ class Settings:
     max_sessions_per_key: int = 0  # concurrent sessions (all protocols) per API key; 0: no limit
     max_text_chars_per_minute_per_key: int = 0  # text characters per minute per API key; 0: no limit
 
+    # ---- beyond one GPU: replicas, shared state, phrase cache (docs/deploy.md) ----
+    redis_url: str | None = field(default=None, repr=False)  # shared state in Redis (None: in this process)
+    redis_prefix: str = "agent-server:"  # every Redis key starts with it (several deployments, one Redis)
+    shared_lease_ttl_s: float = 10.0  # a dead replica's sessions stop counting against key limits within this
+    agent_check_port: int = 0  # HAProxy agent check: free capacity as a weight, drain, down (0: off)
+    phrase_cache_mb: float = 256.0  # in-process phrase cache budget (0: no phrase cache)
+    phrase_cache_ttl_s: float = 86_400.0  # an entry's life in Redis (its allkeys-lru may evict it sooner)
+    cache_redis_url: str | None = field(default=None, repr=False)  # the phrase cache's Redis (None: redis_url)
+    prewarm_file: Path | None = None  # JSON list of phrases rendered at start-up, before /readyz turns ready
+
     # ---- voices ----
     min_voice_clip_s: float = 5.0
     max_voice_clip_s: float = 60.0
@@ -127,6 +137,12 @@ class Settings:
                 raise ValueError(f"{name} must be >= 0 (0: no limit)")
         if self.alignment_analyzer and self.variant != "multilingual":
             raise ValueError("alignment_analyzer is for the multilingual variant only")
+        if self.shared_lease_ttl_s < 1.0:
+            raise ValueError("shared_lease_ttl_s must be >= 1")
+        if not 0 <= self.agent_check_port < 65536:
+            raise ValueError("agent_check_port must be in 0..65535 (0: off)")
+        if self.phrase_cache_mb < 0 or self.phrase_cache_ttl_s <= 0:
+            raise ValueError("phrase_cache_mb must be >= 0 and phrase_cache_ttl_s > 0")
         for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -185,4 +201,12 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "metrics_auth": ("AGENT_SERVER_METRICS_AUTH",),
     "max_sessions_per_key": ("AGENT_SERVER_MAX_SESSIONS_PER_KEY",),
     "max_text_chars_per_minute_per_key": ("AGENT_SERVER_MAX_TEXT_CHARS_PER_MINUTE_PER_KEY",),
+    "redis_url": ("AGENT_SERVER_REDIS_URL",),  # may hold a password: no flag of its own needed, but allowed
+    "redis_prefix": ("AGENT_SERVER_REDIS_PREFIX",),
+    "shared_lease_ttl_s": ("AGENT_SERVER_SHARED_LEASE_TTL_S",),
+    "agent_check_port": ("AGENT_SERVER_AGENT_CHECK_PORT",),
+    "phrase_cache_mb": ("AGENT_SERVER_PHRASE_CACHE_MB",),
+    "phrase_cache_ttl_s": ("AGENT_SERVER_PHRASE_CACHE_TTL_S",),
+    "cache_redis_url": ("AGENT_SERVER_CACHE_REDIS_URL",),
+    "prewarm_file": ("AGENT_SERVER_PREWARM",),
 }

@@ -20,9 +20,12 @@ segment overlaps the vocoder tail of the current one; audio that arrives for a s
 come is held until every earlier segment has played. One encoder per context keeps the output stream
 continuous across segments (a frame may straddle two segments).
 
-`Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one, so
-a stream whose PCM comes from somewhere else than the engine (a phrase cache) can stand in for a
-SpeechStream.
+`Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one.
+A stream submits its segments to a `SegmentTarget` (submit/cancel): the engine itself, or the phrase
+cache in front of it (phrase_cache.CachedSource, which the hub puts there), which answers a hit through the
+segment's own sink as the engine would (STARTED with reason "cached", the audio, GENERATED, DONE). So a
+cached segment takes the very path of engine audio: same encoder and framing, same events and metrics,
+and `SegmentStarted.cached` says where it came from.
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ from numpy.typing import NDArray
 from agent_server.audio import AudioEncoder, OutputFormat
 from agent_server.errors import FieldError
 from synth.api import (
+    CACHED_REASON,
     OUTPUT_SAMPLE_RATE_HZ,
     AudioChunk,
     EngineError,
-    EngineLike,
     EngineOutput,
     EventKind,
     ListenerClock,
@@ -75,6 +78,7 @@ class StreamSpec:
     # False: the first segment is refused (BUSY) when the engine has no free slot, instead of queueing.
     may_wait: bool = True
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
+    cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
 
 
 def build_params(
@@ -136,6 +140,7 @@ class SegmentStarted:
     start_char: int
     end_char: int
     audio_offset_ms: float
+    cached: bool = False  # replayed from the phrase cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,13 @@ class StreamDone:
 StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone
 Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
+
+
+class SegmentTarget(Protocol):
+    """What a stream submits its segments to: the engine, or the phrase cache in front of it."""
+
+    def submit(self, request: SegmentRequest) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
 
 
 class SegmentLike(Protocol):
@@ -218,6 +230,7 @@ class SegmentState:
     samples_24k: int = 0  # audio received so far
     audio_offset_ms: float = 0.0
     announced: bool = False  # SegmentStarted emitted
+    cached: bool = False  # its STARTED event said it is replayed from the phrase cache
 
 
 class StreamStateError(RuntimeError):
@@ -279,7 +292,7 @@ class SpeechStream:
         key: str,
         spec: StreamSpec,
         *,
-        engine: EngineLike,
+        engine: SegmentTarget,
         segmenter: SegmenterLike,
         post: Post,
         emit: Emit,
@@ -464,6 +477,7 @@ class SpeechStream:
         kind = event.kind
         if kind == EventKind.STARTED:
             seg.status = max(seg.status, SegmentStatus.STARTED)
+            seg.cached = event.reason == CACHED_REASON
         elif kind == EventKind.GENERATED:
             seg.status = SegmentStatus.GENERATED
             self._submit_ready()
@@ -483,7 +497,8 @@ class SpeechStream:
     def _announce(self, seg: SegmentState) -> None:
         seg.announced = True
         seg.audio_offset_ms = self._timeline_ms()
-        self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms))
+        self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms,
+                                        seg.cached))
 
     def _play(self, seg: SegmentState, pcm: NDArray[Any]) -> None:
         if not seg.announced:

@@ -1,7 +1,16 @@
-"""Voices: the engine's built-in ones plus reference clips uploaded over HTTP, kept on disk.
+"""Voices: the engine's built-in ones plus reference clips uploaded over HTTP, kept on disk or shared.
 
-Layout: `<data_dir>/voices/<voice_id>.wav` (mono 16-bit PCM at the clip's own rate) and
+Alone (no shared state): `<data_dir>/voices/<voice_id>.wav` (mono 16-bit PCM at the clip's own rate) and
 `<voice_id>.json` (metadata). At start-up every stored clip is handed to the engine again.
+
+Shared (`--redis-url`): a voice lives in Redis with its clip and its computed conditioning
+(`EngineLike.export_voice`), so every replica serves every voice without running the voice encoders again
+(`import_voice`); a replica on other weights recomputes from the clip. Each replica imports the voices of
+the shared index as it changes (polled every shared_state.SYNC_PERIOD_S), so a voice created on one
+replica is spoken by the others within about that. The disk is not used then (Redis needs persistence).
+
+Every voice has a `version`: the first 16 hex digits of the SHA-256 of its conditioning. A voice deleted and
+created again from another clip has another version, so caches keyed by it (the phrase cache) miss.
 
 A context holds a lease on its voice for its whole life. DELETE removes the files at once (so the voice
 does not come back after a restart) and hides the voice from new contexts; the engine forgets it when the
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import io
 import secrets
 import wave
@@ -28,6 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agent_server.errors import BAD_REQUEST, FieldError
+from agent_server.shared_state import SharedState, SharedStateUnavailable, VoiceData, VoiceRecord
 from synth.api import EngineError, EngineLike
 
 log = structlog.get_logger("agent_server.voices")
@@ -36,6 +48,8 @@ VOICE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 MAX_VOICE_ID_CHARS = 64
 MAX_NAME_CHARS = 200
 PCM16_FULL_SCALE = 32767.0
+VERSION_HEX = 16
+UNVERSIONED = "unversioned"  # an engine that cannot export a voice's conditioning
 
 
 class VoiceStatus(enum.IntEnum):
@@ -54,6 +68,8 @@ class Voice:
     sample_rate_hz: int = 0
     created_at: str = ""
     leases: int = 0  # contexts using it now
+    version: str = ""  # content hash of the conditioning the engine holds for it
+    shared_version: str = ""  # the shared record's version it was made from ("": not shared); sync compares it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,37 +81,54 @@ class Voice:
             "sample_rate_hz": self.sample_rate_hz,
             "created_at": self.created_at,
             "in_use": self.leases,
+            "version": self.version,
         }
 
 
-class VoiceError(Exception):
-    def __init__(self, status_code: int, field: str, message: str, code: str = "bad_request") -> None:
-        super().__init__(message)
+class VoiceError(FieldError):
+    """A voice request refused: a FieldError (a context opened on an unusable voice is refused with it in
+    every protocol's own form) that knows its HTTP status (the /v1/voices routes answer with it)."""
+
+    def __init__(self, status_code: int, field: str, message: str, code: str = BAD_REQUEST) -> None:
+        super().__init__(field, message, code)
         self.status_code = status_code
-        self.field = field
-        self.message = message
-        self.code = code
 
     def response(self) -> JSONResponse:
         body = {"error": {"field": self.field, "message": self.message, "code": self.code}}
         return JSONResponse(body, status_code=self.status_code)
 
 
+def conditioning_version(conditioning: bytes) -> str:
+    return hashlib.sha256(conditioning).hexdigest()[:VERSION_HEX]
+
+
 class VoiceStore:
-    def __init__(self, voices_dir: Path, *, min_clip_s: float = 5.0, max_clip_s: float = 60.0) -> None:
+    def __init__(self, voices_dir: Path, *, min_clip_s: float = 5.0, max_clip_s: float = 60.0,
+                 shared: SharedState | None = None) -> None:
         self.voices_dir = voices_dir
         self.min_clip_s = min_clip_s
         self.max_clip_s = max_clip_s
+        self.shared = shared if shared is not None and shared.shared else None  # None: the disk store
+        self.weights_id = ""
         self._voices: dict[str, Voice] = {}
         self._engine: EngineLike | None = None
+        self._synced_generation = -1
+        self._sync_task: asyncio.Task[None] | None = None
+        self._sync_wanted = asyncio.Event()
 
     # ---- start-up ------------------------------------------------------------------------------
 
-    async def attach(self, engine: EngineLike) -> None:
-        """Register the engine's built-in voices, then hand every stored clip to the engine again."""
+    async def attach(self, engine: EngineLike, weights_id: str = "") -> None:
+        """Register the engine's built-in voices, then hand every stored (or shared) voice to the engine."""
         self._engine = engine
+        self.weights_id = weights_id
         for voice_id in engine.voice_ids():
-            self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY)
+            voice = self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY)
+            voice.version = await asyncio.to_thread(self._version_of, voice_id)
+        if self.shared is not None:
+            await self.sync()
+            self._sync_task = asyncio.create_task(self._sync_loop(self.shared), name="voices-sync")
+            return
         if not self.voices_dir.is_dir():
             return
         for meta_path in sorted(self.voices_dir.glob("*.json")):
@@ -114,11 +147,99 @@ class VoiceStore:
                 )
                 self._voices[voice_id] = voice
                 await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
+                voice.version = await asyncio.to_thread(self._version_of, voice_id)
                 voice.status = VoiceStatus.READY
                 log.info("voice_restored", voice_id=voice_id, duration_s=round(voice.duration_s, 2))
             except (OSError, ValueError, EngineError) as exc:  # one bad file must not stop the server
                 self._voices.pop(voice_id, None)
                 log.error("voice_restore_failed", voice_id=voice_id, error=str(exc))
+
+    async def detach(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            await asyncio.gather(self._sync_task, return_exceptions=True)
+
+    # ---- the shared index (RedisState) -----------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Make this replica's voices match the shared index: import new or changed voices, forget deleted
+        ones. One voice that cannot be imported is logged and skipped (it is tried again next change)."""
+        shared, engine = self.shared, self._engine
+        if shared is None or engine is None or not shared.available:
+            return
+        generation = shared.mirror.generation
+        index = shared.voice_index()
+        for voice_id, record in sorted(index.items()):
+            voice = self._voices.get(voice_id)
+            if voice is not None and (voice.builtin or voice.status == VoiceStatus.LOADING):
+                continue
+            if voice is not None and voice.status == VoiceStatus.READY and voice.shared_version == record.version:
+                continue  # current
+            try:
+                await self._import(engine, shared, record)
+            except SharedStateUnavailable:
+                return  # the next sync after Redis is back does the rest
+            except (OSError, ValueError, EngineError) as exc:
+                log.error("voice_import_failed", voice_id=voice_id, error=str(exc))
+        current = shared.voice_index()  # read again: a voice created here meanwhile is in it by now
+        for voice in list(self._voices.values()):
+            if not voice.builtin and voice.status == VoiceStatus.READY and voice.voice_id not in current:
+                self._retire(voice)
+        self._synced_generation = generation
+
+    async def _sync_loop(self, shared: SharedState) -> None:
+        while True:
+            await asyncio.sleep(shared.sync_period_s)
+            if shared.mirror.generation != self._synced_generation:
+                try:
+                    await self.sync()
+                except Exception:  # the loop must outlive one bad voice
+                    log.exception("voices_sync_failed")
+
+    async def _import(self, engine: EngineLike, shared: SharedState, record: VoiceRecord) -> None:
+        data = await shared.get_voice(record.voice_id)
+        if data is None:
+            return  # deleted since the index was read
+        record = data.record
+        replacing = self._voices.get(record.voice_id)
+        voice = Voice(record.voice_id, False, VoiceStatus.LOADING, record.name, record.duration_s,
+                      record.sample_rate_hz, record.created_at)
+        self._voices[record.voice_id] = voice
+        try:
+            if record.weights_id == self.weights_id:
+                await asyncio.to_thread(engine.import_voice, record.voice_id, data.conditioning)
+                voice.version = record.version
+                voice.shared_version = record.version
+            else:  # computed by another model: recompute here, from the clip
+                wav, sample_rate_hz = decode_wav(data.clip_wav)
+                await asyncio.to_thread(engine.add_voice, record.voice_id, wav, sample_rate_hz)
+                voice.version = await asyncio.to_thread(self._version_of, record.voice_id)
+                voice.shared_version = record.version
+        except BaseException:
+            if replacing is not None:
+                self._voices[record.voice_id] = replacing
+            else:
+                self._voices.pop(record.voice_id, None)
+            raise
+        if replacing is not None:
+            replacing.status = VoiceStatus.DELETING  # its contexts finish on the conditioning they hold
+        voice.status = VoiceStatus.READY
+        log.info("voice_imported", voice_id=record.voice_id, version=voice.version,
+                 recomputed=record.weights_id != self.weights_id)
+
+    def _retire(self, voice: Voice) -> None:
+        """Deleted elsewhere: hide it now, forget it once its last context ends."""
+        voice.status = VoiceStatus.DELETING
+        if voice.leases == 0:
+            self._forget(voice)
+        log.info("voice_retired", voice_id=voice.voice_id, in_use=voice.leases)
+
+    def _version_of(self, voice_id: str) -> str:
+        engine = self._require_engine()
+        try:
+            return conditioning_version(engine.export_voice(voice_id))
+        except NotImplementedError:
+            return UNVERSIONED
 
     # ---- leases (contexts) -----------------------------------------------------------------------
 
@@ -149,12 +270,16 @@ class VoiceStore:
 
     async def create(self, clip: bytes, name: str = "", voice_id: str | None = None) -> Voice:
         engine = self._require_engine()
+        await self._catch_up()
         if voice_id is None:
             voice_id = "v_" + secrets.token_hex(6)
         elif not (1 <= len(voice_id) <= MAX_VOICE_ID_CHARS) or not set(voice_id) <= VOICE_ID_CHARS:
             raise VoiceError(400, "voice_id", f"must be 1-{MAX_VOICE_ID_CHARS} characters of [A-Za-z0-9_-]")
-        if voice_id in self._voices:
+        if voice_id in self._voices or (self.shared is not None and voice_id in self.shared.voice_index()):
             raise VoiceError(409, "voice_id", f"voice {voice_id!r} already exists", code="conflict")
+        if self.shared is not None and not self.shared.available:
+            raise VoiceError(503, "voice", "voices cannot be added now: the shared state is unavailable",
+                             code="shared_state_unavailable")
         if len(name) > MAX_NAME_CHARS:
             raise VoiceError(400, "name", f"at most {MAX_NAME_CHARS} characters")
         try:
@@ -180,7 +305,11 @@ class VoiceStore:
             self._voices.pop(voice_id, None)
             raise
         try:
-            await asyncio.to_thread(self._write, voice, wav)
+            voice.version = await asyncio.to_thread(self._version_of, voice_id)
+            if self.shared is not None:
+                await self._publish(engine, self.shared, voice, clip)
+            else:
+                await asyncio.to_thread(self._write, voice, wav)
         except BaseException:
             self._voices.pop(voice_id, None)
             engine.remove_voice(voice_id)
@@ -190,12 +319,20 @@ class VoiceStore:
         return voice
 
     async def delete(self, voice_id: str) -> Voice:
+        await self._catch_up()
         voice = self.get(voice_id)
         if voice.builtin:
             raise VoiceError(409, "voice_id", f"{voice_id!r} is a built-in voice and cannot be deleted", "conflict")
         if voice.status == VoiceStatus.LOADING:
             raise VoiceError(409, "voice_id", f"voice {voice_id!r} is still being prepared", "voice_not_ready")
-        await asyncio.to_thread(self._unlink, voice_id)
+        if self.shared is not None:
+            try:
+                await self.shared.delete_voice(voice_id)
+            except SharedStateUnavailable:
+                raise VoiceError(503, "voice_id", "voices cannot be deleted now: the shared state is unavailable",
+                                 "shared_state_unavailable") from None
+        else:
+            await asyncio.to_thread(self._unlink, voice_id)
         voice.status = VoiceStatus.DELETING
         if voice.leases == 0:
             self._forget(voice)
@@ -204,13 +341,42 @@ class VoiceStore:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    async def _publish(self, engine: EngineLike, shared: SharedState, voice: Voice, clip: bytes) -> None:
+        """Put the voice (the clip as uploaded, and its conditioning) in the shared state. Raises VoiceError
+        409 when another replica created the same id first, 503 when the shared state is unavailable."""
+        conditioning = await asyncio.to_thread(engine.export_voice, voice.voice_id)
+        record = VoiceRecord(voice.voice_id, voice.version, voice.name, voice.created_at, voice.duration_s,
+                             voice.sample_rate_hz, self.weights_id)
+        try:
+            created = await shared.put_voice(VoiceData(record, clip, conditioning))
+        except SharedStateUnavailable:
+            raise VoiceError(503, "voice", "voices cannot be added now: the shared state is unavailable",
+                             code="shared_state_unavailable") from None
+        if not created:
+            raise VoiceError(409, "voice_id", f"voice {voice.voice_id!r} already exists", code="conflict")
+        voice.shared_version = record.version
+
+    async def _catch_up(self) -> None:
+        """Shared: read the index now, so that a change made on another replica a moment ago counts (the
+        periodic sync could be up to a period behind). Raises VoiceError 503 while it is unavailable."""
+        if self.shared is None:
+            return
+        try:
+            await self.shared.refresh()
+        except SharedStateUnavailable:
+            raise VoiceError(503, "voice", "voices cannot be changed now: the shared state is unavailable",
+                             code="shared_state_unavailable") from None
+        await self.sync()
+
     def _require_engine(self) -> EngineLike:
         if self._engine is None:
             raise VoiceError(503, "engine", "the model is still loading", code="not_ready")
         return self._engine
 
     def _forget(self, voice: Voice) -> None:
-        self._voices.pop(voice.voice_id, None)
+        if self._voices.get(voice.voice_id) is not voice:
+            return  # replaced under its id by a newer version (the engine holds that one now)
+        del self._voices[voice.voice_id]
         if self._engine is not None:
             self._engine.remove_voice(voice.voice_id)
 

@@ -7,11 +7,13 @@
 # companions with --no-deps, then exactly the libraries its model code imports.
 #   TORCH_SPEC   torch requirement (default torch==2.13.0; a CPU wheel of it is on our CI machines)
 #   PYTHON       interpreter for the venv (default python3)
+#   EXTRAS       the project's extras to install (default test; deploy/Dockerfile sets none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-stamp_key=$( (cat pyproject.toml scripts/install.sh; echo "$TORCH_SPEC") | sha1sum | cut -c1-12)
+EXTRAS=${EXTRAS-test}
+stamp_key=$( (cat pyproject.toml scripts/install.sh; echo "$TORCH_SPEC $EXTRAS") | sha1sum | cut -c1-12)
 stamp=.venv/.installed-$stamp_key
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 if [ -f "$stamp" ]; then exit 0; fi
@@ -26,7 +28,7 @@ pip install 'numpy<2' 'ml_dtypes<0.6' librosa==0.11.0 transformers==5.2.0 diffus
 if ! .venv/bin/python -c "import torchaudio" >/dev/null 2>&1; then
     rm -f .venv/lib/python3*/site-packages/torchaudio/lib/*.so
 fi
-pip install -e '.[test]'
+pip install -e ".${EXTRAS:+[$EXTRAS]}"
 # Riva TTS protos (riva.client.proto.*_pb2): the client pins websockets<16, which our stack is past; the
 # generated modules need only grpcio and protobuf (both in pyproject.toml), so no deps.
 pip install --no-deps nvidia-riva-client==2.28.0

@@ -19,6 +19,7 @@ OUTPUT_SAMPLE_RATE_HZ = 24_000  # S3Gen renders 24 kHz mono
 SAMPLES_PER_SPEECH_TOKEN = 960  # 25 speech tokens/s -> 50 mel frames/s -> 960 samples per token at 24 kHz
 HARD_MAX_NEW_TOKENS = 1000  # the reference's own cap (40 s of speech)
 MAX_SEGMENT_TEXT_TOKENS = 320  # text tokens a derived KV length leaves room for (the segmenter cuts at ~250 chars)
+CACHED_REASON = "cached"  # SegmentEvent.reason of a segment replayed from a cache instead of generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,16 @@ class EngineLike:
 
     def remove_voice(self, voice_id: str) -> None:
         """Forget a voice; segments already using it keep their own reference."""
+        raise NotImplementedError
+
+    def export_voice(self, voice_id: str) -> bytes:
+        """A voice's computed conditioning as bytes, for another process of the same weights (`import_voice`).
+        Raises EngineError for an unknown voice."""
+        raise NotImplementedError
+
+    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+        """Add (or replace) a voice from `export_voice`'s bytes, without running the voice encoders.
+        Raises EngineError on bytes it cannot use."""
         raise NotImplementedError
 
     def status(self) -> dict[str, object]:

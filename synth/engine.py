@@ -36,8 +36,8 @@ from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
 from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner, projections
 from synth.text import text_token_ids
-from synth.voices import Voice, VoiceRegistry, make_voice
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
+from synth.voices import Voice, VoiceRegistry, make_voice, voice_from_bytes, voice_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +169,23 @@ class Engine(EngineLike):
             voice = make_voice(self.bundle, voice_id, wav, sample_rate_hz)
         finally:
             self._release_caller_cpu()
+        self._register_voice(voice)
+
+    def remove_voice(self, voice_id: str) -> None:
+        self.voices.remove(voice_id)
+
+    def export_voice(self, voice_id: str) -> bytes:
+        return voice_to_bytes(self.voices.get(voice_id))
+
+    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+        self._register_voice(voice_from_bytes(voice_id, conditioning, self.device))
+
+    def _register_voice(self, voice: Voice) -> None:
+        """Serve `voice` from now on; its T3 prefix and vocoder prompt are prepared ahead of its first request."""
         self.voices.add(voice)
         self._inbox.put(_PrepareVoice(voice))
         if self.vocoder_worker is not None:
             self.vocoder_worker.prepare_voice(voice)  # off the decode thread and off the render thread
-
-    def remove_voice(self, voice_id: str) -> None:
-        self.voices.remove(voice_id)
 
     def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
         self._stats_listener = listener

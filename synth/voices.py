@@ -7,6 +7,7 @@ step, using the library's own S3 tokenizer, CAMPPlus x-vector, mel extractor and
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import threading
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 
 import librosa
 import numpy as np
+import safetensors.torch
 import torch
 
 from chatterbox.models.s3gen import S3GEN_SR
@@ -69,6 +71,55 @@ def conditioning_key(speaker_emb: torch.Tensor, prompt_speech_tokens: torch.Tens
     for name in sorted(s3gen_ref):
         add(f"s3gen.{name}", s3gen_ref[name])
     return digest.hexdigest()
+
+
+VOICE_BLOB_FORMAT = "synth-voice"
+VOICE_BLOB_VERSION = "1"  # bump when the layout changes: an old blob is refused, its clip recomputed
+SAFETENSORS_LEN_BYTES = 8  # a safetensors file opens with its JSON header's length (u64, little-endian)
+_S3GEN_PREFIX = "s3gen."
+
+
+def voice_to_bytes(voice: Voice) -> bytes:
+    """A voice's conditioning as bytes (safetensors: its tensors, plus JSON metadata for the rest), so a
+    second process can serve the voice without running the voice encoders again (`voice_from_bytes`)."""
+    tensors: dict[str, torch.Tensor] = {"speaker_emb": voice.speaker_emb.detach().to("cpu").contiguous()}
+    if voice.prompt_speech_tokens is not None:
+        tensors["prompt_speech_tokens"] = voice.prompt_speech_tokens.detach().to("cpu").contiguous()
+    plain: dict[str, Any] = {}
+    for name, value in voice.s3gen_ref.items():
+        if torch.is_tensor(value):
+            tensors[_S3GEN_PREFIX + name] = value.detach().to("cpu").contiguous()
+        else:
+            plain[name] = value
+    # one metadata entry: safetensors writes a metadata map in a per-process random order, and these bytes
+    # must be equal for equal voices (their hash is the voice's version across replicas)
+    header = {"format": VOICE_BLOB_FORMAT, "version": VOICE_BLOB_VERSION, "s3gen_plain": plain}
+    return bytes(safetensors.torch.save(tensors, metadata={VOICE_BLOB_FORMAT: json.dumps(header, sort_keys=True)}))
+
+
+def voice_from_bytes(voice_id: str, blob: bytes, device: torch.device) -> Voice:
+    """The inverse of `voice_to_bytes`. Raises EngineError on bytes it cannot read."""
+    try:
+        header_bytes = int.from_bytes(blob[:SAFETENSORS_LEN_BYTES], "little")
+        header = json.loads(blob[SAFETENSORS_LEN_BYTES:SAFETENSORS_LEN_BYTES + header_bytes])
+        metadata = json.loads((header.get("__metadata__") or {}).get(VOICE_BLOB_FORMAT, "{}"))
+        tensors = safetensors.torch.load(blob)
+    except Exception as exc:  # safetensors raises its own SafetensorError; json a ValueError
+        raise EngineError(f"unreadable voice blob: {exc}") from None
+    if metadata.get("format") != VOICE_BLOB_FORMAT or metadata.get("version") != VOICE_BLOB_VERSION:
+        raise EngineError(f"not a voice blob of format {VOICE_BLOB_FORMAT} v{VOICE_BLOB_VERSION}")
+    plain = metadata.get("s3gen_plain") or {}
+    speaker_emb = tensors.pop("speaker_emb", None)
+    if speaker_emb is None:
+        raise EngineError("a voice blob without its speaker embedding")
+    prompt_tokens = tensors.pop("prompt_speech_tokens", None)
+    s3gen_ref: dict[str, Any] = dict(plain)
+    for name, tensor in tensors.items():
+        if not name.startswith(_S3GEN_PREFIX):
+            raise EngineError(f"unexpected tensor {name!r} in a voice blob")
+        s3gen_ref[name[len(_S3GEN_PREFIX):]] = tensor.to(device)
+    return Voice(voice_id=voice_id, speaker_emb=speaker_emb.to(device),
+                 prompt_speech_tokens=None if prompt_tokens is None else prompt_tokens.to(device), s3gen_ref=s3gen_ref)
 
 
 def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device) -> Voice:

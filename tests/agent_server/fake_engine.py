@@ -94,6 +94,8 @@ class FakeEngine(EngineLike):
     add_voice_delay_s: float = 0.0
     random_weights: bool = True
     voices: set[str] = field(default_factory=lambda: {"default"})
+    # a voice's "conditioning" (export_voice / import_voice): a hash of its clip, so another clip differs
+    voice_blobs: dict[str, bytes] = field(default_factory=lambda: {"default": b"fake-voice:default"})
 
     submits: list[SegmentRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
@@ -164,10 +166,23 @@ class FakeEngine(EngineLike):
             raise EngineError(f"reference clip too short: need at least {MIN_VOICE_CLIP_S:g} s")
         if self.add_voice_delay_s:
             time.sleep(self.add_voice_delay_s)
+        self.voice_blobs[voice_id] = b"fake-voice:" + hashlib.sha256(np.asarray(wav, np.float32).tobytes()).digest()
         self.voices.add(voice_id)
 
     def remove_voice(self, voice_id: str) -> None:
         self.voices.discard(voice_id)
+        self.voice_blobs.pop(voice_id, None)
+
+    def export_voice(self, voice_id: str) -> bytes:
+        if voice_id not in self.voices:
+            raise EngineError(f"unknown voice {voice_id!r}")
+        return self.voice_blobs.get(voice_id, b"fake-voice:" + voice_id.encode())
+
+    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+        if not conditioning.startswith(b"fake-voice:"):
+            raise EngineError("not a fake voice blob")
+        self.voice_blobs[voice_id] = conditioning
+        self.voices.add(voice_id)
 
     def status(self) -> dict[str, object]:
         with self._lock:

@@ -14,9 +14,19 @@ from structlog.testing import capture_logs
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agent_server.auth import AUTH_OFF_WARNING, Auth, AuthConfigError, Denied, Principal, find_credential, fingerprint
+from agent_server.auth import (
+    AUTH_OFF_WARNING,
+    Auth,
+    AuthConfigError,
+    Denied,
+    Principal,
+    find_credential,
+    fingerprint,
+    key_hash,
+)
 from agent_server.cli import settings_from
 from agent_server.settings import Settings
+from agent_server.shared_state import LocalState
 
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import LiveServer, live_server
@@ -132,19 +142,58 @@ def test_tokens_sign_expire_and_follow_their_key() -> None:
 
 
 def test_per_key_limits() -> None:
-    auth = Auth(keys=[KEY_A, KEY_B], max_sessions_per_key=2, max_text_chars_per_minute_per_key=120)
+    clock = [10.0]
+    auth = Auth(keys=[KEY_A, KEY_B], max_sessions_per_key=2, max_text_chars_per_minute_per_key=120,
+                shared=LocalState(clock=lambda: clock[0]))
     a, b = auth.verify(KEY_A), auth.verify(KEY_B)
-    assert auth.acquire_session(a) is None and auth.acquire_session(a) is None
-    assert "too many sessions" in (auth.acquire_session(a) or "")
-    assert auth.acquire_session(b) is None
-    auth.release_session(a)
-    assert auth.acquire_session(a) is None
-    assert auth.charge_text(a, 100, now_s=10.0) is None
-    assert auth.charge_text(a, 30, now_s=10.0) is not None  # 20 left: refused whole
-    assert auth.charge_text(b, 120, now_s=10.0) is None  # each key has its own budget
-    assert auth.charge_text(a, 30, now_s=15.0) is None  # 5 s refill 2 chars/s
-    assert auth.charge_text(a, 121, now_s=1000.0) is not None  # never more than a minute's worth
-    assert auth.charge_text(None, 10**9) is None  # auth off: no accounting
+
+    async def scenario() -> None:
+        assert await auth.acquire_session(a, "s1") is None and await auth.acquire_session(a, "s2") is None
+        assert "too many sessions" in (await auth.acquire_session(a, "s3") or "")
+        assert await auth.acquire_session(b, "s4") is None
+        await auth.release_session(a, "s1")
+        assert await auth.sessions_of(a) == 1
+        assert await auth.acquire_session(a, "s5") is None
+        assert await auth.charge_text(a, 100) is None
+        assert await auth.charge_text(a, 30) is not None  # 20 left: refused whole
+        assert await auth.charge_text(b, 120) is None  # each key has its own budget
+        clock[0] = 15.0
+        assert await auth.charge_text(a, 30) is None  # 5 s refill 2 chars/s
+        clock[0] = 1000.0
+        assert await auth.charge_text(a, 121) is not None  # never more than a minute's worth
+        assert await auth.charge_text(None, 10**9) is None  # auth off: no accounting
+
+    run(scenario())
+
+
+def test_keys_are_kept_hashed_and_shared_keys_and_revocations_apply() -> None:
+    auth = Auth(keys=[KEY_A], token_secret=b"s3cret")
+    assert KEY_A not in repr(vars(auth)) and key_hash(KEY_A) in auth._key_hashes  # only the hash is kept
+    runtime_key = "k-runtime-added-1"
+    with pytest.raises(Denied):
+        auth.verify(runtime_key)
+
+    async def scenario() -> None:
+        await auth.shared.add_key(key_hash(runtime_key), fingerprint(runtime_key))
+        assert auth.verify(runtime_key) == Principal(fingerprint(runtime_key))  # a key added at run time
+        principal = auth.verify(KEY_A)
+        token, _ = auth.issue_token(principal)
+        other, _ = auth.issue_token(principal)
+        assert auth.verify(token).via_token
+        with pytest.raises(Denied) as err:
+            await auth.revoke_token(token, Principal(fingerprint(runtime_key)))  # not that key's token
+        assert err.value.status_code == 403
+        await auth.revoke_token(token, principal)
+        with pytest.raises(Denied) as err:
+            auth.verify(token)
+        assert err.value.code == "revoked_token"
+        assert auth.verify(other).key_id == principal.key_id  # only that token
+        await auth.shared.revoke_key(principal.key_id)  # a revoked key: refused, and its tokens with it
+        for credential in (KEY_A, other):
+            with pytest.raises(Denied):
+                auth.verify(credential)
+
+    run(scenario())
 
 
 # ---- a real server -------------------------------------------------------------------------------
@@ -255,7 +304,7 @@ def test_token_endpoint(server: LiveServer) -> None:
 def test_per_key_session_limit_answers_busy_in_the_protocol(server: LiveServer) -> None:
     async def wait_sessions(at_most: int) -> None:
         deadline_s = time.monotonic() + 5
-        while (usage := server.hub.auth.usage_of(Principal(fingerprint(KEY_A)))) and usage.sessions > at_most:
+        while await server.hub.auth.sessions_of(Principal(fingerprint(KEY_A))) > at_most:
             assert time.monotonic() < deadline_s
             await asyncio.sleep(0.02)
 

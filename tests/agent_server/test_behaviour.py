@@ -1,18 +1,22 @@
 """The behaviour table of docs/operations.md ("Every protocol, the same behaviour"): each row, asserted
 for every protocol, in-process over fake ASGI channels (tests/agent_server/fake_asgi.py).
 
-Rows: refused when full; refused while not serving; a text piece over the limit; a context over its
-limit; a message with no text; the key's text budget spent; the engine busy; a client that stops
-reading; the drain; metrics; logs.
+Rows: refused when full; refused while not serving; the key's session limit across replicas and with the
+shared state down (a real redis-server, tests/services.py); a text piece over the limit; a context over its
+limit; a message with no text; the key's text budget spent, or not checkable; the engine busy; a client that
+stops reading; the drain; metrics; logs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import structlog
 from starlette.applications import Starlette
@@ -33,12 +37,15 @@ from agent_server.settings import Settings
 from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.protocol_drivers import DRIVERS, WEBSOCKET_DRIVERS, Driver, speak, until
+from tests.services import RedisServer, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
 TEXT = "Sure, I can help with that right away. "
 LONG_TEXT = TEXT * 6  # ~9 s of fake audio
 KEY = "sk-behaviour-test-key"
+OTHER_KEY = "sk-behaviour-other-key"
+UNCHECKABLE = "cannot be checked now"  # auth.UNCHECKABLE: the shared state is down
 EMPTY_ANSWER = "the message carries no text"  # the core's one answer, whatever the protocol's shape
 
 
@@ -57,11 +64,15 @@ def of(events: list[ObservedEvent], kind: type, protocol: str) -> list[Any]:
     return [e for e in events if isinstance(e, kind) and e.protocol == protocol]
 
 
-async def hold_a_session(app: Starlette) -> FakeWebSocket:
-    holder = FakeWebSocket(app, "/v1/stream")
+async def hold_a_session(app: Starlette, headers: dict[str, str] | None = None) -> FakeWebSocket:
+    holder = FakeWebSocket(app, "/v1/stream", headers=headers)
     await holder.connect()
-    await holder.next_json()
+    assert (await holder.next_json())["type"] == "session_started"
     return holder
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
 
 
 def run(coro: Any) -> Any:
@@ -71,16 +82,38 @@ def run(coro: Any) -> Any:
 # ---- admission ---------------------------------------------------------------------------------------
 
 
-async def assert_session_refused(driver: Driver, app: Starlette, http_status: int, http_code: str) -> None:
-    """A new session of `driver` is refused: its protocol's busy then close 1013, or the HTTP error."""
+async def assert_session_refused(driver: Driver, app: Starlette, http_status: int, http_code: str,
+                                 headers: dict[str, str] | None = None) -> str:
+    """A new session of `driver` is refused: its protocol's busy then close 1013, or the HTTP error. The
+    refusal's text (the reason)."""
     if driver.http:
-        request = driver.request(app, TEXT)
+        request = driver.request(app, TEXT, headers)
         await request.done()
-        assert request.status == http_status and request.json()["error"]["code"] == http_code
-    else:
-        ws = await driver.connect(app)
-        assert await ws.wait_closed() == 1013
-        assert driver.is_session_refusal(ws.json_messages()[0]), ws.json_messages()
+        error = request.json()["error"]
+        assert request.status == http_status and error["code"] == http_code, (request.status, error)
+        return str(error["message"])
+    ws = await driver.connect(app, headers)
+    assert await ws.wait_closed() == 1013
+    refusal = ws.json_messages()[0]
+    assert driver.is_session_refusal(refusal), ws.json_messages()
+    return orjson.dumps(refusal).decode()
+
+
+async def assert_session_served(driver: Driver, app: Starlette, headers: dict[str, str] | None = None) -> None:
+    """A session of `driver` is admitted and speaks a whole turn."""
+    if driver.http:
+        request = driver.request(app, TEXT, headers)
+        await request.done()
+        await request.finished()
+        assert request.status == 200 and request.content, (request.status, request.content[:200])
+        return
+    ws = await driver.connect(app, headers)
+    got = await speak(driver, ws, "ok", TEXT)
+    assert not any(driver.is_busy(m) or driver.error_of(m) for m in got), got
+    assert any(isinstance(m, bytes) or '"audio":"' in m or '"data":"' in m for m in ws.log), got
+    if not ws.closed.is_set():
+        ws.disconnect()
+    await ws.finished()
 
 
 @pytest.mark.parametrize("driver", DRIVERS, ids=str)
@@ -115,6 +148,96 @@ def test_refused_while_not_serving(tmp_path: Path, driver: Driver) -> None:
 
     run(scenario())
     assert [e.scope for e in of(events, BusyRejected, driver.name)] == ["session"]
+
+
+# ---- the key's session limit in the shared state (Redis) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def replica_app(tmp_path: Path, redis: RedisServer, prefix: str, name: str, **settings: Any) -> Starlette:
+    """One replica of a fleet sharing `redis` under `prefix` (a fresh prefix per test: a fresh fleet)."""
+    app, _ = make_app(tmp_path / name, redis_url=redis.url, redis_prefix=prefix, api_keys=(KEY, OTHER_KEY),
+                      phrase_cache_mb=0, **settings)
+    return app
+
+
+async def until_shared(app: Starlette, available: bool) -> None:
+    hub = app.state.hub
+    async with asyncio.timeout(10):
+        while hub.shared.available != available:
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_the_key_session_limit_holds_across_replicas(tmp_path: Path, redis: RedisServer, driver: Driver) -> None:
+    """`--max-sessions-per-key` with `--redis-url`: the key's sessions on every replica count (leases in Redis).
+    A session of a key at its limit elsewhere is refused like a full server (busy + 1013, HTTP 429 `busy`);
+    once the other replica's session ends, its place is free here; another key is not affected."""
+    prefix = f"behaviour-{secrets.token_hex(4)}:"
+    app_a = replica_app(tmp_path, redis, prefix, "a", max_sessions_per_key=1)
+    app_b = replica_app(tmp_path, redis, prefix, "b", max_sessions_per_key=1)
+
+    async def scenario() -> None:
+        async with running(app_a) as hub_a, running(app_b) as hub_b:
+            holder = await hold_a_session(app_a, bearer(KEY))  # the key's one session, on replica A
+            reason = await assert_session_refused(driver, app_b, 429, "busy", bearer(KEY))
+            assert "API key" in reason, reason
+            assert not hub_b.sessions
+            await assert_session_served(driver, app_b, bearer(OTHER_KEY))
+            holder.disconnect()
+            await holder.finished()
+            assert not hub_a.sessions
+            principal = hub_a.auth.verify(KEY)
+            async with asyncio.timeout(5):  # A gives the lease back in the background
+                while await hub_b.auth.sessions_of(principal):
+                    await asyncio.sleep(0.01)
+            await assert_session_served(driver, app_b, bearer(KEY))
+            async with asyncio.timeout(5):
+                while await hub_b.auth.sessions_of(principal):
+                    await asyncio.sleep(0.01)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_with_the_shared_state_down_what_cannot_be_checked_is_refused(
+    tmp_path: Path, redis: RedisServer, driver: Driver
+) -> None:
+    """Redis down (docs/operations.md): a new session of a key with a session limit is refused (busy + 1013,
+    HTTP 429 `busy`), text of a key with a text budget is refused like a spent budget, both saying the limit
+    "cannot be checked now"; a key without limits is served; all of it is back once Redis is."""
+    prefix = f"behaviour-{secrets.token_hex(4)}:"
+    limited = replica_app(tmp_path, redis, prefix, "a", max_sessions_per_key=1)
+    budgeted = replica_app(tmp_path, redis, prefix, "b", max_text_chars_per_minute_per_key=1000)
+    unlimited = replica_app(tmp_path, redis, prefix, "c")
+
+    async def scenario() -> tuple[int | None, str, str]:
+        async with running(limited), running(budgeted), running(unlimited):
+            redis.stop()
+            try:
+                await until_shared(limited, False)
+                await until_shared(budgeted, False)
+                reason = await assert_session_refused(driver, limited, 429, "busy", bearer(KEY))
+                assert UNCHECKABLE in reason, reason
+                refused_text = await text_refused(driver, budgeted, "w" * 40, bearer(KEY), opener=None
+                                                  if driver.name in ("deepgram", "openai") else "Hi. ")
+                await assert_session_served(driver, unlimited, bearer(KEY))
+            finally:
+                redis.start()
+            await until_shared(limited, True)
+            await until_shared(budgeted, True)
+            await assert_session_served(driver, limited, bearer(KEY))
+            await assert_session_served(driver, budgeted, bearer(KEY))
+            return refused_text
+
+    status, code, message = run(scenario())
+    assert code == RATE[driver.name] and UNCHECKABLE in message, (code, message)
+    assert status == (429 if driver.http else None)
 
 
 # ---- limits ------------------------------------------------------------------------------------------

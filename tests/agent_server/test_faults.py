@@ -88,7 +88,9 @@ def test_non_reading_client_is_cut_and_others_keep_their_ttfa(tmp_path: Path) ->
     # 10x real time: the hog fills its socket in a fraction of a second; the others' TTFA is the
     # engine's first-chunk delay plus the server's own overhead.
     engine = FakeEngine(realtime_factor=0.1, first_chunk_delay_s=0.15, max_slots=8)
-    with live_server(engine, Settings(data_dir=tmp_path)) as server:  # default slow_client_stall_s (3 s)
+    # (no phrase cache: every round repeats the same seeded sentences, and the engine's TTFA is what is compared)
+    # (default slow_client_stall_s: 3 s)
+    with live_server(engine, Settings(data_dir=tmp_path, phrase_cache_mb=0)) as server:
         dropped: list[tuple[float, ObservedEvent]] = []
         server.hub.observers.subscribe(
             lambda e: dropped.append((time.monotonic(), e)) if isinstance(e, SlowClientDropped) else None

@@ -29,7 +29,8 @@ TEXTS = [
     "Okay. The store opens at ten and closes at six on weekdays.",
 ]
 LONG_TEXT = "Right, let me read the whole list to you slowly, one item after another, so nothing gets lost. " * 2
-ALLOWED_LABELS = {"protocol", "code", "reason", "scope", "le"}
+# backend: local|redis; result: hit_local|hit_remote|miss
+ALLOWED_LABELS = {"protocol", "code", "reason", "scope", "le", "backend", "result"}
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -102,7 +103,8 @@ def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
 
 def test_metrics_count_the_traffic(tmp_path: Path) -> None:
     engine = StatsFakeEngine(max_slots=4, realtime_factor=0.2)
-    settings = Settings(data_dir=tmp_path, max_sessions=2, max_contexts_per_session=1)
+    # (no phrase cache: a2 repeats b1's seeded text, and every second spoken must come from the engine here)
+    settings = Settings(data_dir=tmp_path, max_sessions=2, max_contexts_per_session=1, phrase_cache_mb=0)
     with metrics_server(engine, settings) as (server, _):
         mid: dict[str, Samples] = {}
 

@@ -25,7 +25,7 @@ from agent_server.session import DrainWatch, WireProtocol
 from tests.agent_server.fake_asgi import FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.protocol_drivers import DRIVERS, Driver
-from tests.agent_server.test_behaviour import TEXT, hold_a_session, make_app
+from tests.agent_server.test_behaviour import KEY, OTHER_KEY, TEXT, bearer, hold_a_session, make_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,23 +72,26 @@ def break_hook(monkeypatch: pytest.MonkeyPatch, cls: type[WireProtocol[Any]], ho
 def test_a_failure_in_any_hook_of_any_protocol_leaks_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: Driver, hook: str
 ) -> None:
-    """The hook raises; the session still leaves the hub, its opened/closed metrics balance, a close
-    frame (1011, or the refusal's 1013) or an HTTP error goes out, and the server serves the next one."""
+    """The hook raises; the session still leaves the hub, its key's session lease is given back (a limit of
+    one: the next session of the key is admitted), its opened/closed metrics balance, a close frame (1011, or
+    the refusal's 1013) or an HTTP error goes out, and the server serves the next one."""
     calls = break_hook(monkeypatch, PROTOCOL_CLASSES[driver.name], hook)
     engine = FakeEngine(first_chunk_delay_s=0.5 if hook == "tick" else 0.0)  # the tick comes before any audio
-    app, events = make_app(tmp_path, engine, max_sessions=1 if hook == "refused" else 256)
+    app, events = make_app(tmp_path, engine, max_sessions=1 if hook == "refused" else 256,
+                           api_keys=(KEY, OTHER_KEY), max_sessions_per_key=1)
 
     async def scenario() -> None:
         async with running(app) as hub:
-            holder = await hold_a_session(app) if hook == "refused" else None
+            principal = hub.auth.verify(KEY)
+            holder = await hold_a_session(app, bearer(OTHER_KEY)) if hook == "refused" else None
             if driver.http:
-                request = driver.request(app, TEXT if hook != "close" else None)
+                request = driver.request(app, TEXT if hook != "close" else None, bearer(KEY))
                 await request.done()
                 await request.finished()
                 assert request.status is not None and request.status >= 400, (request.status, request.content)
                 assert request.json()["error"]["message"]
             else:
-                ws = FakeWebSocket(app, driver.path, driver.query)
+                ws = FakeWebSocket(app, driver.path, driver.query, bearer(KEY))
                 await ws.connect()
                 if hook in ("message", "render"):
                     for message in driver.turn("f", TEXT):
@@ -109,9 +112,12 @@ def test_a_failure_in_any_hook_of_any_protocol_leaks_nothing(
                 holder.disconnect()
                 await holder.finished()
             assert not hub.sessions
-            if hook in ("open", "message", "render", "tick"):  # the server still serves
+            async with asyncio.timeout(5):  # the key's lease is given back (in the background)
+                while await hub.auth.sessions_of(principal):
+                    await asyncio.sleep(0.005)
+            if hook in ("open", "message", "render", "tick"):  # the server still serves, the key too
                 monkeypatch.undo()
-                ok = FakeWebSocket(app, "/v1/stream")
+                ok = FakeWebSocket(app, "/v1/stream", headers=bearer(KEY))
                 await ok.connect()
                 assert (await ok.next_json())["type"] == "session_started"
                 ok.disconnect()

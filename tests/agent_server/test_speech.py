@@ -286,7 +286,7 @@ def test_the_engine_hears_what_the_listener_holds() -> None:
     engine.chunk(0, 25)  # 1 s of audio = 50 frames of 20 ms
     frames = len(rec.of(AudioOut))
     for _ in range(frames):
-        stream.on_frame_sent(10.0)
+        stream.on_frame_sent(10.0, 20.0)  # 20 ms frames
     assert listener.buffered_s(10.0) == pytest.approx(1.0)  # all of it sent at once, none played yet
     assert listener.buffered_s(10.25) == pytest.approx(0.75)
     engine.event(0, EventKind.GENERATED)

@@ -1,0 +1,82 @@
+"""API keys in the shared state, for a fleet whose replicas read keys from Redis (`--redis-url`):
+
+    python -m agent_server.keys --redis-url redis://host:6379/0 add        # prints a new key, once
+    python -m agent_server.keys --redis-url ... add --key "$EXISTING_KEY"  # or registers one you made
+    python -m agent_server.keys --redis-url ... revoke k_0123456789ab      # a fingerprint (or the key)
+    python -m agent_server.keys --redis-url ... list
+
+Only a key's SHA-256 is stored. A key added or revoked here counts on every replica within one sync period
+(0.25 s); keys configured by environment or file keep working without Redis (docs/operations.md). A revoked
+key's tokens are refused too. (AGENT_SERVER_REDIS_URL and AGENT_SERVER_REDIS_PREFIX work as for the server.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+
+from agent_server.auth import AuthConfigError, check_key_format, fingerprint, key_hash
+from agent_server.logging import configure_logging
+from agent_server.shared_state import DEFAULT_PREFIX, RedisState, SharedStateUnavailable
+
+NEW_KEY_BYTES = 32
+KEY_PREFIX = "sk-"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m agent_server.keys", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis-url", default=os.environ.get("AGENT_SERVER_REDIS_URL"),
+                        help="the fleet's Redis (env AGENT_SERVER_REDIS_URL)")
+    parser.add_argument("--redis-prefix", default=os.environ.get("AGENT_SERVER_REDIS_PREFIX", DEFAULT_PREFIX))
+    commands = parser.add_subparsers(dest="command", required=True)
+    add = commands.add_parser("add", help="add a key (a new random one unless --key)")
+    add.add_argument("--key", help="register this key instead of making one (prefer the env var in scripts)")
+    revoke = commands.add_parser("revoke", help="revoke a key (and its tokens) on every replica")
+    revoke.add_argument("key", help="the key's fingerprint (k_...) or the key itself")
+    commands.add_parser("list", help="fingerprints of the keys added here, and of revoked keys")
+    return parser
+
+
+async def run(args: argparse.Namespace) -> int:
+    state = RedisState(args.redis_url, prefix=args.redis_prefix)
+    try:
+        await state.refresh()
+        if args.command == "add":
+            key = check_key_format(args.key) if args.key else KEY_PREFIX + secrets.token_urlsafe(NEW_KEY_BYTES)
+            await state.add_key(key_hash(key), fingerprint(key))
+            print(f"added {fingerprint(key)}" + ("" if args.key else f"\n{key}"))
+        elif args.command == "revoke":
+            key_id = args.key if args.key.startswith("k_") else fingerprint(args.key)
+            await state.revoke_key(key_id)
+            print(f"revoked {key_id}")
+        else:
+            for key_id in sorted(state.mirror.key_hashes.values()):
+                print(f"{key_id}{' (revoked)' if key_id in state.mirror.revoked_keys else ''}")
+            for key_id in sorted(state.mirror.revoked_keys - set(state.mirror.key_hashes.values())):
+                print(f"{key_id} (revoked; configured elsewhere)")
+    finally:
+        await state.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging("warning")  # log lines to stderr: stdout is the answer
+    if not args.redis_url:
+        parser.error("--redis-url (or AGENT_SERVER_REDIS_URL) is required: keys are kept in the fleet's Redis")
+    try:
+        sys.exit(asyncio.run(run(args)))
+    except AuthConfigError as exc:
+        parser.error(str(exc))
+    except SharedStateUnavailable as exc:
+        print(f"error: Redis is unavailable: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

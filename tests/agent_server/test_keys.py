@@ -1,0 +1,72 @@
+"""agent_server.keys: keys added and revoked in the shared state, seen by a replica's Auth (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_server.auth import Auth, Denied, fingerprint
+from agent_server.shared_state import RedisState
+
+from tests.services import RedisServer, redis_server
+
+pytestmark = pytest.mark.timeout(60)
+REPO = Path(__file__).resolve().parents[2]
+CLI_ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def keys_cli(redis: RedisServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "agent_server.keys", "--redis-url", redis.url, *args],
+                          check=False, capture_output=True, text=True, cwd=REPO, env=CLI_ENV)
+
+
+def test_a_key_added_and_revoked_from_the_command_line_counts_on_a_running_replica(redis: RedisServer) -> None:
+    added = keys_cli(redis, "add")
+    assert added.returncode == 0, added.stderr
+    line, key = added.stdout.split()[1], added.stdout.splitlines()[1]
+    assert line == fingerprint(key)
+    mine = keys_cli(redis, "add", "--key", "my-own-key-123")
+    assert mine.returncode == 0 and "my-own-key-123" not in mine.stdout  # a given key is never echoed
+
+    async def scenario() -> None:
+        shared = RedisState(redis.url, sync_period_s=0.05)
+        await shared.start()
+        auth = Auth(mode="on", shared=shared)  # no configured keys: the shared ones only
+        assert auth.verify(key).key_id == fingerprint(key)
+        token, _ = auth.issue_token(auth.verify(key))
+        assert await asyncio.to_thread(keys_cli, redis, "revoke", fingerprint(key)) is not None
+        deadline_s = time.monotonic() + 2
+        while True:  # within a sync period
+            try:
+                auth.verify(key)
+            except Denied:
+                break
+            assert time.monotonic() < deadline_s
+            await asyncio.sleep(0.02)
+        with pytest.raises(Denied):
+            auth.verify(token)
+        assert auth.verify("my-own-key-123").key_id == fingerprint("my-own-key-123")
+        await shared.stop()
+
+    asyncio.run(scenario())
+    listing = keys_cli(redis, "list").stdout.splitlines()
+    assert f"{fingerprint(key)} (revoked)" in listing and fingerprint("my-own-key-123") in listing
+    assert keys_cli(redis, "add", "--key", "has space").returncode == 2
+
+
+def test_without_redis_it_says_so() -> None:
+    result = subprocess.run([sys.executable, "-m", "agent_server.keys", "list"], check=False, capture_output=True,
+                            text=True, cwd=REPO, env=CLI_ENV)
+    assert result.returncode == 2 and "--redis-url" in result.stderr
