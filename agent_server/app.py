@@ -5,7 +5,8 @@
     app = create_app(settings=settings)   # settings.engine_factory, else synth.build_engine (lazy import)
 
 /healthz answers from the first moment; /readyz turns 200 once the model is loaded, warmed up and the
-stored voices are back.
+stored voices are back. With `Settings.grpc_port`, the lifespan also serves NVIDIA Riva's TTS gRPC API
+(agent_server/grpc_server.py): its calls are sessions of the same hub.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -29,6 +31,9 @@ from agent_server.session import websocket_route
 from agent_server.settings import Settings
 from agent_server.transport import SocketControlMiddleware
 from synth.api import EngineLike
+
+if TYPE_CHECKING:
+    from agent_server.grpc_server import GrpcServer
 
 NATIVE_PATH = "/v1/stream"
 
@@ -50,10 +55,14 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await hub.start()
+        grpc_server = await start_grpc(hub, settings) if settings.grpc_port else None
+        app.state.grpc = grpc_server
         try:
             yield
         finally:
             await hub.drain(settings.shutdown_grace_s)  # at once when the server already drained
+            if grpc_server is not None:
+                await grpc_server.stop()
             await hub.stop()
 
     routes: list[BaseRoute] = [
@@ -76,6 +85,16 @@ def create_app(
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
     metrics.install(app)
     return app
+
+
+async def start_grpc(hub: Hub, settings: Settings) -> GrpcServer:
+    """The gRPC server (imported only when a port is set: it loads grpcio and the Riva protos)."""
+    from agent_server.compat import riva_service
+    from agent_server.grpc_server import GrpcServer
+
+    server = GrpcServer(settings, lambda grpc_server: riva_service.add_to_server(grpc_server, hub))
+    await server.start()
+    return server
 
 
 def default_engine_factory(settings: Settings) -> EngineLike:

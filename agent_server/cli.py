@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", "log_level", "log level", choices=LOG_LEVELS)
     add("--data-dir", "data_dir", "where uploaded voices are kept")
     add("--metrics-port", "metrics_port", "also serve /metrics and /dashboard on this port (0: off)", type=int)
+    add("--grpc-port", "grpc_port", "also serve NVIDIA Riva's TTS gRPC API on this port (0: off)", type=int)
+    add("--encoder-threads", "encoder_threads", "threads encoding MP3/Opus/AAC/FLAC output for all sessions",
+        type=int)
     add("--shutdown-grace-s", "shutdown_grace_s", "on SIGTERM, how long in-flight speech may finish", type=float)
     add("--engine-factory", "engine_factory", "module:callable building the engine (tests and development)")
     add("--inactivity-timeout-s", "inactivity_timeout_s",

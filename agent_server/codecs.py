@@ -161,6 +161,11 @@ class StreamFormat:
         if self.container in ("raw", "wav"):
             _ = self.pcm_format  # OutputFormat checks frame_ms against the rate
 
+    @classmethod
+    def raw(cls, fmt: OutputFormat) -> StreamFormat:
+        """The raw stream of a PCM/G.711 `OutputFormat` (the native protocol's formats)."""
+        return cls("raw", fmt.encoding, fmt.sample_rate_hz, frame_ms=fmt.frame_ms)
+
     @property
     def is_compressed(self) -> bool:
         """Encoded by a codec library (CPU work worth moving off the event loop)."""
@@ -192,6 +197,20 @@ class StreamFormat:
                 return f"audio/pcm;rate={self.sample_rate_hz};encoding=float"
             return self.pcm_format.mime_type
         return MIME_TYPES[self.container]
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCounts:
+    """A `StreamEncoder`'s counters at one moment (what a stream reads of an encoder that runs on
+    another thread: a snapshot taken by that thread after each call)."""
+
+    samples_fed: int = 0
+    samples_resampled: int = 0
+    samples_out: int = 0
+
+    @classmethod
+    def of(cls, encoder: StreamEncoder) -> EncoderCounts:
+        return cls(encoder.samples_fed, encoder.samples_resampled, encoder.samples_out)
 
 
 class StreamEncoder(Protocol):

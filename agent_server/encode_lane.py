@@ -19,6 +19,9 @@ after it returns, and `close` (the encoder's) runs exactly once, after the item 
 finishes, never concurrently with it. A `work` that raises fails the lane the same way, then
 `on_error(exc)` runs on the loop.
 
+`InlineStage` has the same two verbs and runs each call at once on the caller's thread: what a context
+whose encoding is cheap (raw PCM, G.711, WAV) uses, so a stream drives either through one `EncodeStage`.
+
 Threads only (no asyncio here): the loop is reached through `post` alone.
 """
 
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 Post = Callable[..., object]  # loop.call_soon_threadsafe
@@ -45,6 +48,32 @@ class LaneFull(RuntimeError):
 class _Item:
     work: Work | None
     done: Done
+
+
+class EncodeStage(Protocol):
+    """Where a context's encoder calls run: `Lane` (a worker pool, results back on the loop in order)
+    or `InlineStage` (at once)."""
+
+    def submit(self, work: Work | None, done: Done) -> None: ...
+    def cancel(self) -> None: ...
+
+
+class InlineStage:
+    """Runs each call at once, on the caller's thread; `done` before `submit` returns. An exception of
+    `work` propagates to the caller. `cancel` runs `close` once; nothing runs after it."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self._close: Callable[[], None] | None = close
+
+    def submit(self, work: Work | None, done: Done) -> None:
+        if self._close is None:
+            return  # cancelled
+        done(None if work is None else work())
+
+    def cancel(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            close()
 
 
 class EncoderPool:
@@ -137,7 +166,7 @@ class Lane:
             return
         try:
             result = None if item.work is None else item.work()
-        except Exception as exc:  # noqa: BLE001 - any encoder failure fails its lane; the loop hears of it
+        except Exception as exc:
             with self._lock:
                 self._stopped = True
                 self._queue.clear()

@@ -1,10 +1,10 @@
 """Hub: the server's shared runtime, one per app (`app.state.hub`).
 
 It owns the engine (built and warmed up on a daemon thread so /healthz answers while the model loads),
-the voice store, the observers, the registry of open sessions of every protocol, the ticker (segmenter
-polls and the slow-client watchdog) and the shutdown drain; and, for running beside other replicas, the
-shared state (shared_state.py), the phrase cache and its pre-warm list (phrase_cache.py) and the HAProxy
-agent check (agent_check.py).
+the voice store, the observers, the encoder pool (compressed output formats, off the event loop), the
+registry of open sessions of every protocol, the ticker (segmenter polls and the slow-client watchdog) and
+the shutdown drain; and, for running beside other replicas, the shared state (shared_state.py), the phrase
+cache and its pre-warm list (phrase_cache.py) and the HAProxy agent check (agent_check.py).
 
 Sessions (agent_server/session.py, one per WebSocket or HTTP request of any protocol) come in through
 `await admit(session)` and leave through `remove(session)`; every context's stream comes from
@@ -29,6 +29,8 @@ import structlog
 from agent_server.agent_check import AgentCheckServer, Capacity, ReplicaState
 from agent_server.audio import OutputFormat
 from agent_server.auth import AUTH_OFF_WARNING, Auth, Principal
+from agent_server.codecs import StreamFormat
+from agent_server.encode_lane import EncoderPool
 from agent_server.errors import UNAVAILABLE, FieldError
 from agent_server.observers import Observers
 from agent_server.phrase_cache import (
@@ -73,7 +75,8 @@ RANDOM_WEIGHTS_WARNING = (
 
 EngineFactory = Callable[[Settings], EngineLike]
 SegmenterFactory = Callable[[], SegmenterLike]
-PREWARM_FORMAT = OutputFormat("pcm_s16le", OUTPUT_SAMPLE_RATE_HZ)  # what a pre-warm render is encoded to (unheard)
+# what a pre-warm render is encoded to (nobody hears it)
+PREWARM_FORMAT = StreamFormat.raw(OutputFormat("pcm_s16le", OUTPUT_SAMPLE_RATE_HZ))
 
 
 class ServerStatus(enum.IntEnum):
@@ -125,6 +128,7 @@ class Hub:
         self.shared = shared_state_from(settings)  # in this process, or Redis with --redis-url
         self.auth = Auth.from_settings(settings, self.shared)  # raises AuthConfigError (a ValueError)
         self.observers = Observers()
+        self.encoders = EncoderPool(settings.encoder_threads)  # threads start with the first compressed context
         self.voices = VoiceStore(
             settings.voices_dir, min_clip_s=settings.min_voice_clip_s, max_clip_s=settings.max_voice_clip_s,
             shared=self.shared,
@@ -191,6 +195,7 @@ class Hub:
         engine = self.engine or self._given_engine
         if engine is not None and engine.alive:
             await asyncio.to_thread(engine.stop)
+        await asyncio.to_thread(self.encoders.shutdown)
         log.info("server_stopped")
 
     async def drain(self, grace_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
@@ -302,7 +307,7 @@ class Hub:
 
         source = self.stream_source(engine, spec, voice, CachePolicy() if spec.cache else NO_CACHE)
         return SpeechStream(key, spec, engine=source, segmenter=self.make_segmenter(), post=self.post,
-                            emit=emit_then_release)
+                            emit=emit_then_release, encoder_pool=self.encoders)
 
     def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy,
                       *, pin: bool = False) -> CachedSource:

@@ -1,5 +1,13 @@
 """The native protocol (docs/protocol.md) on the session core: JSON control messages in (parsed by
-agent_server/protocol.py), JSON events and binary audio frames out."""
+agent_server/protocol.py), JSON events and binary audio frames out.
+
+Twilio output mode (a context opened with `"twilio": {"stream_sid"}`): its audio goes out as Twilio Media
+Streams messages a bridge forwards to Twilio untouched (`media`: base64 mu-law 8 kHz in 20 ms frames, with
+the caller's streamSid; a `mark` after each segment's audio), its events as usual. The bridge forwards
+Twilio's `mark` echoes back (each answered by a `twilio_mark` event: the caller heard that segment, or a
+clear dropped it) and sends `{"event": "clear", "streamSid"}` for a barge-in: the stream's contexts are
+cancelled and a `clear` goes out for Twilio to drop what it buffered. A `stop` ends the stream.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ from functools import partial
 from typing import ClassVar
 
 from agent_server import protocol as wire
+from agent_server.codecs import StreamFormat
+from agent_server.compat import twilio
 from agent_server.errors import FieldError
 from agent_server.hub import Refusal
 from agent_server.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
@@ -24,15 +34,19 @@ from agent_server.speech import (
     build_params,
 )
 
-NativeContext = Context[None]  # the native protocol keeps no state of its own per context
+NativeContext = Context[twilio.TwilioPlayout | None]  # the Twilio stream a context plays on, if any
+TWILIO_PASSIVE = (twilio.Event.CONNECTED, twilio.Event.START, twilio.Event.MEDIA, twilio.Event.DTMF)
 
 
-class NativeProtocol(WireProtocol[None]):
+class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
     name: ClassVar[str] = "native"
 
-    def __init__(self, session: Session[None]) -> None:
+    def __init__(self, session: Session[twilio.TwilioPlayout | None]) -> None:
         super().__init__(session)
         self._last_active_s = time.monotonic()  # the last moment a context was open
+        # Twilio streams this session plays on, by streamSid: a stream outlives its contexts (its marks
+        # come back after them), at most max_contexts_per_session streams are kept
+        self._twilio: dict[str, twilio.TwilioPlayout] = {}
 
     async def on_open(self) -> None:
         engine = self.session.hub.engine
@@ -73,6 +87,9 @@ class NativeProtocol(WireProtocol[None]):
             return
         if isinstance(parsed, wire.KeepAlive):
             return
+        if isinstance(parsed, wire.TwilioMessage):
+            self._on_twilio(parsed)
+            return
         if isinstance(parsed, wire.Open):
             await self._open(parsed, now_s)
             return
@@ -89,6 +106,8 @@ class NativeProtocol(WireProtocol[None]):
                 ctx.stream.flush(now_s)
             elif isinstance(parsed, wire.End):
                 ctx.stream.end(now_s)
+            elif ctx.state is not None:  # a Twilio context: a barge-in, and Twilio drops what it holds
+                self._clear(ctx.state)
             else:
                 ctx.stream.cancel()
         except StreamStateError as exc:
@@ -108,21 +127,74 @@ class NativeProtocol(WireProtocol[None]):
             error.context_id = cid
             session.reject(error)
             return
+        sid = message.twilio_stream_sid
         spec = StreamSpec(
             voice_id=message.voice,
             params=params,
-            output_format=message.output_format,
+            output_format=twilio.TWILIO_FORMAT if sid is not None else StreamFormat.raw(message.output_format),
             language=message.language,
             may_wait=session.settings.queue_when_full,
             max_audio_ahead_s=session.settings.max_audio_ahead_s,
             cache=message.cache,
         )
-        ctx = await session.open_context(cid, spec, None)
+        ctx = await session.open_context(cid, spec, None if sid is None else self._playout(sid))
         if ctx is not None and message.text:
             try:
                 await session.push_text(ctx, message.text, now_s)
             except StreamStateError as exc:  # ended (the server shutting down) while the key's budget was read
                 session.reject(FieldError("type", str(exc), "bad_state", context_id=cid))
+
+    # ---- Twilio output mode ----------------------------------------------------------------------
+
+    def _playout(self, stream_sid: str) -> twilio.TwilioPlayout:
+        playout = self._twilio.get(stream_sid)
+        if playout is None:
+            if len(self._twilio) >= self.session.settings.max_contexts_per_session:  # forget the oldest idle one
+                idle = next((sid for sid, p in self._twilio.items() if not self._contexts_on(p)), None)
+                if idle is not None:
+                    del self._twilio[idle]
+            playout = self._twilio[stream_sid] = twilio.TwilioPlayout(stream_sid)
+        return playout
+
+    def _on_twilio(self, message: wire.TwilioMessage) -> None:
+        session = self.session
+        try:
+            incoming = twilio.parse_incoming(message.body)
+        except FieldError as error:
+            session.reject(error)
+            return
+        if incoming.event in TWILIO_PASSIVE:
+            return  # the caller's side of the call (a bridge may forward everything): nothing to play
+        playout = self._twilio.get(incoming.stream_sid)
+        if playout is None:
+            session.reject(FieldError("streamSid", f"no context played on stream {incoming.stream_sid!r}",
+                                      "unknown_stream"))
+            return
+        if incoming.event == twilio.Event.MARK:
+            try:
+                played = playout.on_mark(incoming.mark_name)
+            except FieldError as error:
+                session.reject(error)
+                return
+            cid, _, index = incoming.mark_name.rpartition(":")
+            session.send(wire.encode(wire.TwilioMark(stream_sid=playout.stream_sid, name=incoming.mark_name,
+                                                     context_id=cid, segment_index=int(index), played=played)))
+        elif incoming.event == twilio.Event.CLEAR:
+            self._clear(playout)
+        else:  # stop: the call is over
+            for ctx in self._contexts_on(playout):
+                ctx.stream.cancel()
+            del self._twilio[playout.stream_sid]
+
+    def _clear(self, playout: twilio.TwilioPlayout) -> None:
+        """Barge-in on a Twilio stream: Twilio drops the audio it holds (the `clear` goes out first, ahead
+        of the contexts' ends), and the contexts stop: what of them is still queued is never sent."""
+        self.session.send(playout.clear())
+        for ctx in self._contexts_on(playout):
+            ctx.stream.cancel()
+
+    def _contexts_on(self, playout: twilio.TwilioPlayout) -> list[NativeContext]:
+        return [ctx for ctx in self.session.contexts.values() if ctx.state is playout]
 
     # ---- stream events -> wire -------------------------------------------------------------------
 
@@ -130,8 +202,12 @@ class NativeProtocol(WireProtocol[None]):
         session = self.session
         cid = ctx.context_id
         stream = ctx.stream
+        playout = ctx.state
         if isinstance(event, AudioOut):
-            code = wire.ENCODING_CODES[stream.spec.output_format.encoding]
+            if playout is not None:
+                session.send_audio(ctx, playout.media(event.payload), event.duration_ms)
+                return
+            code = wire.ENCODING_CODES[stream.spec.output_format.codec]
             header = wire.FrameHeader(ctx.number, event.seq, event.segment_index, code)
             session.send_audio(ctx, wire.encode_frame(header, event.payload), event.duration_ms)
         elif isinstance(event, SegmentStarted):
@@ -153,6 +229,8 @@ class NativeProtocol(WireProtocol[None]):
                 speech_tokens=event.speech_tokens,
                 alignment=wire.Alignment(list(event.text), event.char_start_ms, event.char_duration_ms),
             )), ctx)
+            if playout is not None:  # registered as pending only once it goes out (skipped if cancelled first)
+                session.send(partial(playout.segment_end, cid, event.index), ctx)
         elif isinstance(event, StreamStarted):
             fmt = stream.spec.output_format
             session.send(wire.encode(wire.ContextStarted(
@@ -160,7 +238,7 @@ class NativeProtocol(WireProtocol[None]):
                 stream_id=ctx.number,
                 voice=stream.spec.voice_id,
                 variant=session.variant,
-                output_format={"encoding": fmt.encoding, "sample_rate_hz": fmt.sample_rate_hz,
+                output_format={"encoding": fmt.codec, "sample_rate_hz": fmt.sample_rate_hz,
                                "frame_ms": fmt.frame_ms},
                 seed=stream.spec.params.seed,
             )))

@@ -2,7 +2,9 @@
 
 Client -> server: JSON text messages, one dataclass each (`Open`, `Text`, `Flush`, `End`, `Cancel`).
 `parse(raw)` returns one of them, or a `FieldError` naming the offending field; it never raises. Text
-limits are not the parser's: the session core applies one set for every protocol.
+limits are not the parser's: the session core applies one set for every protocol. A message with an
+`event` and no `type` is a Twilio Media Streams message a bridge forwards (`TwilioMessage`: the Twilio
+output mode, docs/protocol.md; compat/twilio.py parses it).
 
 Server -> client: JSON text events (`encode(event)`) and binary audio frames
 (`encode_frame(header, payload)`): a 12-byte little-endian header, then the audio bytes.
@@ -81,6 +83,7 @@ class Open:
     language: str | None = None
     text: str = ""  # optional first text piece
     cache: bool = True  # False: never served from, nor stored in, the phrase cache
+    twilio_stream_sid: str | None = None  # the Twilio output mode: the call's streamSid
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,14 @@ class KeepAlive:
     """Keeps an idle socket from the inactivity timeout; no context, no answer."""
 
 
-Message = Open | Text | Flush | End | Cancel | KeepAlive
+@dataclass(frozen=True, slots=True)
+class TwilioMessage:
+    """A Twilio Media Streams message (`mark`, `clear`, `stop`, ...), as a bridge forwards it."""
+
+    body: Mapping[str, Any]
+
+
+Message = Open | Text | Flush | End | Cancel | KeepAlive | TwilioMessage
 
 
 # sampling field name -> accepted Python type (bool is rejected separately: it is an int subclass)
@@ -126,7 +136,8 @@ SAMPLING_FIELDS: Mapping[str, type] = {
 
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
-        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache"}
+        {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache",
+         "twilio"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -135,6 +146,7 @@ MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "keepalive": frozenset({"type"}),
 }
 FORMAT_FIELDS = frozenset({"encoding", "sample_rate_hz", "frame_ms"})
+MAX_STREAM_SID_CHARS = 64
 
 
 def parse(raw: str | bytes) -> Message | FieldError:
@@ -148,6 +160,8 @@ def parse(raw: str | bytes) -> Message | FieldError:
     if not isinstance(obj, dict):
         return FieldError("message", "a message must be a JSON object")
     kind = obj.get("type")
+    if kind is None and "event" in obj:
+        return TwilioMessage(obj)
     context_id = obj.get("context_id") if isinstance(obj.get("context_id"), str) else None
     try:
         if not isinstance(kind, str):
@@ -219,7 +233,22 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         language=language.lower() if language else None,
         text=_optional_text(obj, "text") or "",
         cache=cache,
+        twilio_stream_sid=_twilio(obj),
     )
+
+
+def _twilio(obj: Mapping[str, Any]) -> str | None:
+    value = obj.get("twilio")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"stream_sid"}:
+        raise FieldError("twilio", 'must be {"stream_sid": "<the call\'s streamSid>"}')
+    sid = value["stream_sid"]
+    if not isinstance(sid, str) or not 1 <= len(sid) <= MAX_STREAM_SID_CHARS:
+        raise FieldError("twilio.stream_sid", f"must be a string of 1-{MAX_STREAM_SID_CHARS} characters")
+    if "output_format" in obj:
+        raise FieldError("output_format", "a Twilio context plays mu-law at 8 kHz in 20 ms frames: leave it out")
+    return sid
 
 
 def _output_format(value: object) -> OutputFormat:
@@ -374,7 +403,19 @@ class Error:
     code: str = "bad_request"
 
 
-Event = SessionStarted | ContextStarted | SegmentStarted | SegmentDone | ContextDone | Busy | Error
+@dataclass(frozen=True, slots=True)
+class TwilioMark:
+    """Twilio echoed a segment's mark: the caller heard that segment (`played`), or a clear dropped it."""
+
+    type: str = field(default="twilio_mark", init=False)
+    stream_sid: str
+    name: str  # "<context_id>:<segment_index>"
+    context_id: str
+    segment_index: int
+    played: bool
+
+
+Event = SessionStarted | ContextStarted | SegmentStarted | SegmentDone | ContextDone | Busy | Error | TwilioMark
 
 
 def encode(event: Event) -> str:

@@ -13,12 +13,13 @@ Three layers, one concern each:
   - one bounded outbox and its writer: output of a stream cancelled before it goes out is skipped;
   - the slow-client watchdog: the client is cut (1008) when it has taken none of the bytes it was given
     for `slow_client_stall_s`, measured where the bytes leave the machine (transport buffer + kernel
-    send queue), or when the outbox overflows;
+    send queue), or when the outbox overflows, or when a context's audio encoder falls behind
+    (`OutputOverflow`);
   - the drain (1001 after the last context), busy refusal at admission (1013), teardown;
   - metrics events (agent_server/observers.py) and structured logs.
 
-A protocol implements the hooks of `WireProtocol` (`on_open`, `on_message`, `render`, `render_error`,
-`on_refused`, `on_close`, `on_tick`) and calls the core's verbs: `send`, `send_audio`, `open_context`,
+A protocol implements the hooks of `WireProtocol` (`on_open`, `on_message`, `on_input_end`, `render`,
+`render_error`, `on_refused`, `on_close`, `on_tick`) and calls the core's verbs: `send`, `send_audio`, `open_context`,
 `push_text`, `reject`, `close`.
 """
 
@@ -55,10 +56,19 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.speech import Stream, StreamDone, StreamEvent, StreamSpec, StreamStateError, StreamStatus
+from agent_server.speech import (
+    OutputOverflow,
+    Stream,
+    StreamDone,
+    StreamEvent,
+    StreamSpec,
+    StreamStateError,
+    StreamStatus,
+)
 from agent_server.transport import (
     Disconnected,
     HttpTransport,
+    InputEnded,
     Outbound,
     Transport,
     TransportClosed,
@@ -175,6 +185,9 @@ class WireProtocol(Generic[S]):
     async def on_message(self, message: str | bytes, now_s: float) -> None:
         """One client message (an HTTP request's body is one message)."""
         raise NotImplementedError
+
+    async def on_input_end(self, now_s: float) -> None:
+        """The client sent its last message and waits for the answer (transports that can say so: gRPC)."""
 
     def render(self, ctx: Context[S], event: StreamEvent) -> None:
         """One event of a context's stream, in order; StreamDone last (then the context is gone)."""
@@ -416,7 +429,10 @@ class Session(Generic[S]):
             now_s = time.monotonic()
             self.last_input_s = now_s
             try:
-                await self.wire.on_message(message, now_s)
+                if isinstance(message, InputEnded):
+                    await self.wire.on_input_end(now_s)
+                else:
+                    await self.wire.on_message(message, now_s)
             except Exception:
                 self._hook_failed("message")
 
@@ -597,6 +613,9 @@ class Session(Generic[S]):
             task.cancel()
 
     def _on_stream_event(self, ctx: Context[S], stream: Stream, event: StreamEvent) -> None:
+        if isinstance(event, OutputOverflow):  # the encoders cannot keep up with this session's audio
+            self._drop_slow_client(event.detail)
+            return
         done = isinstance(event, StreamDone)
         if isinstance(event, StreamDone):  # its bookkeeping runs once what was queued for it went out
             self._finished.append(partial(self._context_finished, ctx, event))

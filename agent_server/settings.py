@@ -51,7 +51,13 @@ class Settings:
     # Serve /metrics and /dashboard on this port too, from their own thread and event loop, so a flood of
     # WebSocket sessions cannot starve a scrape (0: only on the main port).
     metrics_port: int = 0
+    # Serve NVIDIA Riva's TTS gRPC API (`SynthesizeOnline`, `Synthesize`) on this port too, with the same
+    # auth, limits and metrics (0: off). TLS with the same certificate as the HTTP port when one is set.
+    grpc_port: int = 0
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight speech may finish for this long, then close 1001
+    # Threads that encode compressed output formats (MP3, Opus, AAC, FLAC) for every context, off the event
+    # loop (agent_server/encode_lane.py). PCM, G.711 and WAV are encoded inline and need none.
+    encoder_threads: int = 2
 
     # ---- protocol limits ----
     max_contexts_per_session: int = 8  # contexts open at once on one socket
@@ -122,6 +128,8 @@ class Settings:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 < self.port < 65536):
             raise ValueError("port must be in 1..65535")
+        if not (0 <= self.grpc_port < 65536):
+            raise ValueError("grpc_port must be in 0..65535 (0: off)")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
         if not 1.0 <= self.inactivity_timeout_s <= MAX_INACTIVITY_TIMEOUT_S:
@@ -143,7 +151,7 @@ class Settings:
             raise ValueError("agent_check_port must be in 0..65535 (0: off)")
         if self.phrase_cache_mb < 0 or self.phrase_cache_ttl_s <= 0:
             raise ValueError("phrase_cache_mb must be >= 0 and phrase_cache_ttl_s > 0")
-        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items"):
+        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items", "encoder_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -189,6 +197,8 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "data_dir": ("AGENT_SERVER_DATA_DIR",),
     "engine_factory": ("AGENT_SERVER_ENGINE_FACTORY",),
     "metrics_port": ("AGENT_SERVER_METRICS_PORT",),
+    "grpc_port": ("AGENT_SERVER_GRPC_PORT",),
+    "encoder_threads": ("AGENT_SERVER_ENCODER_THREADS",),
     "shutdown_grace_s": ("AGENT_SERVER_SHUTDOWN_GRACE_S",),
     "inactivity_timeout_s": ("AGENT_SERVER_INACTIVITY_TIMEOUT_S",),
     "handshake_timeout_s": ("AGENT_SERVER_HANDSHAKE_TIMEOUT_S",),

@@ -20,6 +20,14 @@ segment overlaps the vocoder tail of the current one; audio that arrives for a s
 come is held until every earlier segment has played. One encoder per context keeps the output stream
 continuous across segments (a frame may straddle two segments).
 
+Encoding: the spec's `output_format` (agent_server/codecs.py) picks the encoder. Raw PCM, G.711 and WAV
+encode inline; a compressed format (MP3, Opus, AAC, FLAC) with an `EncoderPool` encodes off the event
+loop on the context's `Lane` (agent_server/encode_lane.py), its results coming back in order. Everything
+that must follow audio (SegmentStarted, SegmentDone, the completing StreamDone) goes through the same
+stage behind that audio, and the stream reads the encoder only through the counters each call returns,
+so both stages give the same events in the same order. A lane that overflows (the encoders cannot keep
+up) emits `OutputOverflow`: the session treats it as a slow client.
+
 `Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one.
 A stream submits its segments to a `SegmentTarget` (submit/cancel): the engine itself, or the phrase
 cache in front of it (phrase_cache.CachedSource, which the hub puts there), which answers a hit through the
@@ -35,13 +43,15 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from agent_server.audio import AudioEncoder, OutputFormat
+from agent_server.codecs import EncoderCounts, StreamEncoder, StreamFormat, make_encoder
+from agent_server.encode_lane import EncoderPool, EncodeStage, InlineStage, LaneFull
 from agent_server.errors import FieldError
 from synth.api import (
     CACHED_REASON,
@@ -64,6 +74,7 @@ SEED_MODULUS = 2**63
 CHAR_WEIGHT_SPACE = 0.5
 CHAR_WEIGHT_PUNCT = 1.5
 CHAR_WEIGHT_OTHER = 1.0
+MAX_PENDING_ENCODES = 256  # encoder calls one context may have queued on its lane (beyond: OutputOverflow)
 
 
 # ---- what a stream is opened with ---------------------------------------------------------------
@@ -73,7 +84,7 @@ CHAR_WEIGHT_OTHER = 1.0
 class StreamSpec:
     voice_id: str
     params: SamplingParams  # seed: the context's seed (segment i uses seed + i), or None
-    output_format: OutputFormat
+    output_format: StreamFormat
     language: str | None = None
     # False: the first segment is refused (BUSY) when the engine has no free slot, instead of queueing.
     may_wait: bool = True
@@ -147,8 +158,8 @@ class SegmentStarted:
 class AudioOut:
     segment_index: int
     seq: int  # 0, 1, 2 ... per stream
-    payload: bytes  # one encoded frame of `output_format`
-    duration_ms: float  # the audio the frame holds
+    payload: bytes  # the next bytes of the `output_format` stream (raw formats: one frame)
+    duration_ms: float  # the audio the piece holds (compressed: the audio encoded since the last piece)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +184,15 @@ class StreamDone:
         return self.status.reason
 
 
-StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone
+@dataclass(frozen=True, slots=True)
+class OutputOverflow:
+    """The context's encoder lane is full: its audio cannot be encoded as fast as it comes. Not for
+    protocols: the session core cuts the session as it cuts a slow client."""
+
+    detail: str
+
+
+StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone | OutputOverflow
 Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
@@ -296,6 +315,7 @@ class SpeechStream:
         segmenter: SegmenterLike,
         post: Post,
         emit: Emit,
+        encoder_pool: EncoderPool | None = None,
     ) -> None:
         self.key = key  # unique among the server's live streams; engine request ids are f"{key}/{index}"
         self.spec = spec
@@ -309,7 +329,12 @@ class SpeechStream:
         self._segmenter = segmenter
         self._post = post
         self._emit = emit
-        self._encoder = AudioEncoder(spec.output_format)
+        self._encoder: StreamEncoder = make_encoder(spec.output_format)
+        self._stage: EncodeStage = self._make_stage(encoder_pool)
+        self._counts = EncoderCounts()  # the encoder's counters after the last call whose output came back
+        self._uncounted_samples = 0  # output-rate samples encoded but in no AudioOut yet (a codec's delay)
+        self._finish_queued = False
+        self._completing = False  # the stream's end is queued behind its last audio
         self._rate_hz = spec.output_format.sample_rate_hz
         self._padding_out_samples = 0  # silence the encoder added to complete frames (drain)
         self._segments: list[SegmentState] = []
@@ -360,8 +385,7 @@ class SpeechStream:
         self.sent_ms += audio_ms
         if self.times.first_frame_sent_s is None:
             self.times.first_frame_sent_s = now_s
-        sent_s = self.output_ms / 1000.0 * self.frames_sent / max(1, self.frames_out)  # frames are of equal length
-        self._listener.report(sent_s, self.times.first_frame_sent_s)
+        self._listener.report(self.sent_ms / 1000.0, self.times.first_frame_sent_s)
         if self._waiting_for_backlog and self._backlog_s() <= self.spec.max_audio_ahead_s:
             self._submit_ready()
 
@@ -369,8 +393,8 @@ class SpeechStream:
 
     @property
     def output_ms(self) -> float:
-        """Audio in the frames emitted so far (speech plus the silence of idle gaps between segments)."""
-        return self._encoder.samples_out * 1000.0 / self._rate_hz
+        """Audio encoded so far (speech plus the silence of idle gaps between segments)."""
+        return self._counts.samples_out * 1000.0 / self._rate_hz
 
     @property
     def segment_count(self) -> int:
@@ -495,7 +519,11 @@ class SpeechStream:
     # ---- audio out -----------------------------------------------------------------------------
 
     def _announce(self, seg: SegmentState) -> None:
+        """The segment's first audio is next: SegmentStarted goes out behind the audio before it."""
         seg.announced = True
+        self._behind_audio(partial(self._segment_started, seg))
+
+    def _segment_started(self, seg: SegmentState) -> None:
         seg.audio_offset_ms = self._timeline_ms()
         self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms,
                                         seg.cached))
@@ -503,12 +531,59 @@ class SpeechStream:
     def _play(self, seg: SegmentState, pcm: NDArray[Any]) -> None:
         if not seg.announced:
             self._announce(seg)
-        self._send_frames(seg.index, self._encoder.push(pcm))
+        self._encode(seg.index, partial(self._encoder.push, pcm))
 
-    def _send_frames(self, segment_index: int, frames: list[bytes]) -> None:
-        for payload in frames:
-            self._emit(self, AudioOut(segment_index, self.frames_out, payload, self._frame_ms(payload)))
+    # ---- the encode stage: every encoder call and everything behind one --------------------------------
+
+    def _make_stage(self, pool: EncoderPool | None) -> EncodeStage:
+        if pool is None or not self.spec.output_format.is_compressed:
+            return InlineStage(close=self._encoder.close)
+        return pool.lane(self._post, max_pending=MAX_PENDING_ENCODES, close=self._encoder.close,
+                         on_error=self._encoder_failed)
+
+    def _encode(self, segment_index: int, call: Callable[[], list[bytes]], *, drained: bool = False) -> None:
+        encoder = self._encoder
+
+        def work() -> tuple[list[bytes], EncoderCounts]:  # on the stage's thread
+            return call(), EncoderCounts.of(encoder)
+
+        self._submit_stage(work, partial(self._encoded, segment_index, drained))
+
+    def _behind_audio(self, then: Callable[[], None]) -> None:
+        """Run `then` once everything queued on the stage before it has come back."""
+        self._submit_stage(None, lambda _result: then())
+
+    def _submit_stage(self, work: Callable[[], object] | None, done: Callable[[Any], None]) -> None:
+        try:
+            self._stage.submit(work, done)
+        except LaneFull as exc:
+            detail = f"the audio encoder fell behind: {exc}"
+            log.warning("encoder_behind", key=self.key, detail=str(exc))
+            self._emit(self, OutputOverflow(detail))
+            self._terminate(StreamStatus.SHUTDOWN, detail)  # if the session did not cancel it already
+
+    def _encoded(self, segment_index: int, drained: bool, result: tuple[list[bytes], EncoderCounts]) -> None:
+        if self.status.done:
+            return  # nothing of a finished stream goes out
+        frames, counts = result
+        self._uncounted_samples += counts.samples_out - self._counts.samples_out
+        self._counts = counts
+        if drained:
+            self._padding_out_samples = counts.samples_out - counts.samples_resampled
+        if not frames:
+            return
+        total_ms = self._uncounted_samples * 1000.0 / self._rate_hz
+        self._uncounted_samples = 0
+        total_bytes = sum(len(payload) for payload in frames)
+        for payload in frames:  # equal frames get equal shares: exact for fixed PCM frames
+            self._emit(self, AudioOut(segment_index, self.frames_out, payload, total_ms * len(payload) / total_bytes))
             self.frames_out += 1
+
+    def _encoder_failed(self, exc: Exception) -> None:
+        log.error("encoder_failed", key=self.key, error=repr(exc))
+        self._terminate(StreamStatus.FAILED, f"server error: the audio encoder failed ({type(exc).__name__})")
+
+    # ---- segments out --------------------------------------------------------------------------
 
     def _advance(self) -> None:
         """Play on: finish every leading DONE segment and start the next one's held audio."""
@@ -525,7 +600,7 @@ class SpeechStream:
                 self._announce(seg)
             self._playing += 1
             self._release_tail(seg.index)
-            self._emit(self, self._segment_done(seg))
+            self._behind_audio(partial(self._segment_done, seg))
         self._maybe_complete()
 
     def _release_tail(self, segment_index: int) -> None:
@@ -536,40 +611,41 @@ class SpeechStream:
             if following.held or following.status == SegmentStatus.DONE:
                 return  # the next segment's audio pushes it out
         elif self.status == StreamStatus.ENDED:
-            self._send_frames(segment_index, self._encoder.finish())  # the very end
+            self._finish_queued = True
+            self._encode(segment_index, self._encoder.finish)  # the very end
             return
-        self._send_frames(segment_index, self._encoder.drain())
-        self._padding_out_samples = self._encoder.samples_out - self._encoder.samples_resampled
+        self._encode(segment_index, self._encoder.drain, drained=True)
 
     def _timeline_ms(self) -> float:
         """Where the next sample pushed into the encoder will sit in the stream's output, in ms."""
         return (
-            self._encoder.samples_fed / SAMPLES_PER_MS_24K + self._padding_out_samples * 1000.0 / self._rate_hz
+            self._counts.samples_fed / SAMPLES_PER_MS_24K + self._padding_out_samples * 1000.0 / self._rate_hz
         )
 
-    def _segment_done(self, seg: SegmentState) -> SegmentDone:
+    def _segment_done(self, seg: SegmentState) -> None:
         audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K
         starts, durations = char_alignment(seg.text, seg.audio_offset_ms, audio_ms)
-        return SegmentDone(
+        self._emit(self, SegmentDone(
             seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations
-        )
+        ))
 
     def _maybe_complete(self) -> None:
-        if self.status != StreamStatus.ENDED or self._playing < len(self._segments):
+        if self.status != StreamStatus.ENDED or self._playing < len(self._segments) or self._completing:
             return
-        if not self._encoder.finished:
-            self._send_frames(max(0, len(self._segments) - 1), self._encoder.finish())
-        self.status = StreamStatus.COMPLETED
-        self._emit(self, StreamDone(StreamStatus.COMPLETED))
+        self._completing = True
+        if not self._finish_queued:
+            self._finish_queued = True
+            self._encode(max(0, len(self._segments) - 1), self._encoder.finish)
+        self._behind_audio(self._complete)
 
-    def _frame_ms(self, payload: bytes) -> float:
-        return self.spec.output_format.samples_to_ms(len(payload) // self.spec.output_format.bytes_per_sample)
+    def _complete(self) -> None:
+        if self.status == StreamStatus.ENDED:  # not cancelled while the last audio was encoded
+            self.status = StreamStatus.COMPLETED
+            self._emit(self, StreamDone(StreamStatus.COMPLETED))
 
     def _backlog_s(self) -> float:
-        """Audio emitted but not yet taken by the socket (frames are of equal length but the last)."""
-        if self.frames_out == 0:
-            return 0.0
-        return (self.frames_out - self.frames_sent) * self.output_ms / self.frames_out / 1000.0
+        """Audio encoded but not yet taken by the socket."""
+        return max(0.0, self.output_ms - self.sent_ms) / 1000.0
 
     # ---- the end -------------------------------------------------------------------------------
 
@@ -577,6 +653,7 @@ class SpeechStream:
         if self.status.done:
             return
         self.status = status
+        self._stage.cancel()  # drops queued encoder calls; the encoder is closed once
         for seg in self._segments:
             if SegmentStatus.SUBMITTED <= seg.status < SegmentStatus.DONE:
                 self._engine.cancel(seg.request_id)

@@ -51,7 +51,7 @@ class SegmentTimes:
 
     @property
     def duration_ms(self) -> tuple[int, ...]:
-        return tuple(end - start for start, end in zip(self.start_ms, self.end_ms))
+        return tuple(end - start for start, end in zip(self.start_ms, self.end_ms, strict=False))
 
     def relative_to(self, origin_ms: float) -> SegmentTimes:
         """The same times counted from `origin_ms` (e.g. the start of the message that carries them)."""
@@ -94,7 +94,7 @@ class ContextAlignment:
             )
         origin = self.lead_ms + (audio_offset_ms if segment_relative else 0.0)
         starts = [round(origin + s) for s in char_start_ms]
-        ends = [round(origin + s + d) for s, d in zip(char_start_ms, char_duration_ms)]
+        ends = [round(origin + s + d) for s, d in zip(char_start_ms, char_duration_ms, strict=False)]
         words = tuple(
             WordTime(m.group(), starts[m.start()], ends[m.end() - 1]) for m in _WORD.finditer(text)
         )

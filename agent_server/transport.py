@@ -6,6 +6,8 @@ writer (`send`, `close`) over one ASGI connection, plus what flow control needs 
 - `HttpTransport`: one HTTP request; its body is the one message `receive()` returns (then it waits for
   the client to go), `send(Head)` starts the response, each later `send()` is a chunk of its body and
   `close()` ends it (with a plain error response when none was started).
+- `agent_server.grpc_server.GrpcTransport`: one gRPC call; each request is a message, the end of the
+  client's requests is `InputEnded`.
 
 `SocketControlMiddleware` reaches the server's transport under ASGI: it bounds the kernel send buffer,
 lets a session drop a connection that cannot take a close, and reads how many bytes are still waiting to
@@ -25,7 +27,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 import orjson
-from starlette.datastructures import QueryParams
+from starlette.datastructures import Headers, QueryParams
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_server.auth import Principal, principal_of
@@ -58,6 +60,11 @@ class Disconnected:
     code: int
 
 
+@dataclass(frozen=True, slots=True)
+class InputEnded:
+    """The client sent its last message and still takes the answer (a gRPC call's half-close)."""
+
+
 class TransportClosed(Exception):
     """A send or close on a connection that is gone."""
 
@@ -71,8 +78,10 @@ class Transport(Protocol):
     def query(self) -> Mapping[str, str]: ...
     @property
     def path_params(self) -> Mapping[str, str]: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...  # the request's (names case-insensitive)
     async def accept(self) -> None: ...
-    async def receive(self) -> str | bytes | Disconnected: ...
+    async def receive(self) -> str | bytes | Disconnected | InputEnded: ...
     async def send(self, data: Outbound) -> None: ...
     async def close(self, code: int, reason: str) -> None: ...
     def abort(self) -> None: ...
@@ -100,6 +109,7 @@ class _AsgiConnection:
         self.principal = principal_of(scope)
         self.query: Mapping[str, str] = QueryParams(scope.get("query_string", b""))
         self.path_params: Mapping[str, str] = scope.get("path_params") or {}
+        self.headers: Mapping[str, str] = Headers(scope=scope)
         self._abort: Callable[[], None] | None = scope.get(TRANSPORT_ABORT_KEY)
         self._unsent: Callable[[], int] | None = scope.get(TRANSPORT_UNSENT_KEY)
 

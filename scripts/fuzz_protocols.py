@@ -32,7 +32,17 @@ except ImportError:
     atheris = None
 
 from agent_server import protocol as wire  # noqa: E402
-from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech  # noqa: E402
+from agent_server.compat import (  # noqa: E402
+    cartesia,
+    cartesia_http,
+    deepgram,
+    deepgram_http,
+    elevenlabs,
+    elevenlabs_http,
+    jambonz,
+    openai_speech,
+    twilio,
+)
 from agent_server.errors import FieldError  # noqa: E402
 
 VARIANTS = ("english", "turbo", "multilingual")
@@ -53,7 +63,8 @@ def native(data: bytes, variant: str) -> str:
         assert isinstance(result.field, str) and isinstance(result.message, str)
         wire.encode(wire.error_event(result))  # the error event must encode too
         return ERROR
-    assert isinstance(result, (wire.Open, wire.Text, wire.Flush, wire.End, wire.Cancel, wire.KeepAlive)), result
+    kinds = (wire.Open, wire.Text, wire.Flush, wire.End, wire.Cancel, wire.KeepAlive, wire.TwilioMessage)
+    assert isinstance(result, kinds), result
     return PARSED
 
 
@@ -91,6 +102,55 @@ def openai_body(data: bytes, variant: str) -> str:
     return PARSED
 
 
+def _json_body(data: bytes) -> object:
+    """The decoded JSON of an HTTP body; FieldError where the endpoint answers "the body must be JSON"."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise FieldError("body", "the body must be JSON") from None
+
+
+def _query_and_body(data: bytes) -> tuple[dict[str, str], object]:
+    """An HTTP request's query (the input up to its first newline) and JSON body (the rest)."""
+    query, _, body = data.partition(b"\n")
+    return _query(query), _json_body(body)
+
+
+def elevenlabs_http_request(data: bytes, variant: str) -> str:
+    query, body = _query_and_body(data)
+    elevenlabs_http.parse_request("v", query, body, variant, streamed=True, timestamps=bool(data[:1] == b"t"))
+    return PARSED
+
+
+def cartesia_http_request(data: bytes, variant: str) -> str:
+    cartesia_http.parse_request(_json_body(data), variant, sse=bool(data[:1] == b"{"))
+    return PARSED
+
+
+def deepgram_http_request(data: bytes, variant: str) -> str:
+    query, body = _query_and_body(data)
+    deepgram_http.parse_request(query, body, variant)
+    return PARSED
+
+
+def jambonz_http_request(data: bytes, variant: str) -> str:
+    accept, _, body = data.partition(b"\n")  # the Accept header, then the body
+    jambonz.parse_http(_json_body(body), _text(accept) or None)
+    return PARSED
+
+
+def jambonz_stream(data: bytes, variant: str) -> str:
+    query, _, message = data.partition(b"\n")
+    jambonz.parse_query(_query(query))
+    jambonz.parse_message(message if message[:1] == b"\x00" else _text(message))
+    return PARSED
+
+
+def twilio_message(data: bytes, variant: str) -> str:
+    twilio.parse_incoming(_text(data))
+    return PARSED
+
+
 TARGETS: dict[str, Callable[[bytes, str], str]] = {
     "native": native,
     "elevenlabs_message": elevenlabs_message,
@@ -99,6 +159,12 @@ TARGETS: dict[str, Callable[[bytes, str], str]] = {
     "deepgram_message": deepgram_message,
     "deepgram_query": deepgram_query,
     "openai_body": openai_body,
+    "elevenlabs_http": elevenlabs_http_request,
+    "cartesia_http": cartesia_http_request,
+    "deepgram_http": deepgram_http_request,
+    "jambonz_http": jambonz_http_request,
+    "jambonz_stream": jambonz_stream,
+    "twilio": twilio_message,
 }
 TARGET_LIST = list(TARGETS.values())
 COUNTS: Counter[str] = Counter()

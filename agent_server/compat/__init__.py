@@ -1,23 +1,48 @@
-"""Drop-in endpoints for the clients voice agents already use (ElevenLabs, Cartesia, Deepgram, OpenAI).
+"""Drop-in endpoints for the clients voice agents and telephony platforms already use: ElevenLabs,
+Cartesia, Deepgram and OpenAI (WebSocket and HTTP), jambonz (HTTP and WebSocket) and, on the gRPC port,
+NVIDIA Riva (compat/riva_service.py).
 
 Each module is its vendor's wire format only: a `WireProtocol` on the session core
-(agent_server/session.py), which every protocol shares with the native one; `docs/compatibility.md`
-lists every field and the base-URL settings.
+(agent_server/session.py), which every protocol shares with the native one (the HTTP ones through
+compat/http_speech.py); `docs/compatibility.md` lists every field and the base-URL settings.
 """
 
 from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
-from agent_server.compat import cartesia, deepgram, elevenlabs, openai_speech
+from agent_server.compat import (
+    cartesia,
+    cartesia_http,
+    deepgram,
+    deepgram_http,
+    elevenlabs,
+    elevenlabs_http,
+    jambonz,
+    openai_speech,
+)
 from agent_server.session import http_route, websocket_route
+
+ELEVENLABS_TTS = "/v1/text-to-speech/{voice_id}"
+JAMBONZ_HTTP_PATH = "/v1/jambonz/tts"
+JAMBONZ_STREAM_PATH = "/v1/jambonz/stream"
 
 
 def routes() -> list[BaseRoute]:
     return [
-        websocket_route("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.ElevenLabsProtocol),
-        websocket_route("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.MultiStreamProtocol),
+        websocket_route(ELEVENLABS_TTS + "/stream-input", elevenlabs.ElevenLabsProtocol),
+        websocket_route(ELEVENLABS_TTS + "/multi-stream-input", elevenlabs.MultiStreamProtocol),
+        http_route(ELEVENLABS_TTS, elevenlabs_http.ElevenLabsHttpProtocol),
+        http_route(ELEVENLABS_TTS + "/stream", elevenlabs_http.ElevenLabsStreamProtocol),
+        http_route(ELEVENLABS_TTS + "/with-timestamps", elevenlabs_http.ElevenLabsWithTimestampsProtocol),
+        http_route(ELEVENLABS_TTS + "/stream/with-timestamps", elevenlabs_http.ElevenLabsStreamWithTimestampsProtocol),
         websocket_route("/tts/websocket", cartesia.CartesiaProtocol),
+        http_route("/tts/bytes", cartesia_http.CartesiaBytesProtocol),
+        http_route("/tts/sse", cartesia_http.CartesiaSseProtocol),
+        # one path, two routes: Starlette matches a WebSocket handshake and a POST by the request's type
         websocket_route("/v1/speak", deepgram.DeepgramProtocol),
+        http_route("/v1/speak", deepgram_http.DeepgramSpeakProtocol),
         http_route("/v1/audio/speech", openai_speech.OpenAISpeechProtocol),
+        http_route(JAMBONZ_HTTP_PATH, jambonz.JambonzHttpProtocol),
+        websocket_route(JAMBONZ_STREAM_PATH, jambonz.JambonzStreamProtocol),
     ]

@@ -1,12 +1,14 @@
 """Cartesia `/tts/websocket`: the wire format, on the session core.
 
 - in: generation requests {"context_id", "model_id", "transcript", "voice": {"mode": "id", "id"} | {"id"} | "id",
-  "output_format": {"container": "raw", "encoding", "sample_rate"}, "continue", "flush", "add_timestamps",
+  "output_format": {"container": "raw" | "wav" | "mp3", "encoding", "sample_rate", "bit_rate"}
+  (compat/formats.cartesia_format; raw PCM16 at 24 kHz when absent), "continue", "flush", "add_timestamps",
   "language", "seed" (our extension), ...}; {"context_id", "cancel": true}.
   The first request of a context opens it (its voice, format, language and seed hold for the context);
   "continue": false ends its input; "flush": true speaks what it has and answers "flush_done".
 - out: {"type": "chunk", "data": base64, ...}, {"type": "timestamps", "word_timestamps": {"words", "start",
-  "end"}} (seconds from the context's start), {"type": "flush_done", "flush_id"}, {"type": "done"},
+  "end"}} (seconds from the start of the context's audio, MP3's encoder delay included), {"type": "flush_done",
+  "flush_id"}, {"type": "done"},
   {"type": "error", "title", "message", "status_code", "done": true}.
 - a request without `transcript` (and without `flush` or `cancel`) is refused: "the message carries no text".
 - auth: `X-API-Key` / `Authorization` header or `api_key` / `access_token` query: checked by
@@ -16,33 +18,30 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import orjson
 
-from agent_server.audio import OutputFormat
+from agent_server.codecs import StreamFormat
 from agent_server.compat.common import (
+    PieceJoiner,
     b64,
     check_model,
     load_object,
     make_spec,
     parse_seed,
+    place_segment,
     resolve_language,
     resolve_voice,
-    segment_words,
 )
+from agent_server.compat.formats import CARTESIA_DEFAULT, cartesia_format
 from agent_server.errors import RATE_LIMITED, FieldError, empty_message
 from agent_server.hub import Refusal
 from agent_server.session import Context, WireProtocol
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
+from agent_server.timestamps import ContextAlignment, SegmentTimes, seconds
 
-ENCODINGS: Mapping[str, str] = {
-    "pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_s16le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"
-}
-PCM16_SCALE = 32768.0
 STATUS_PARTIAL = 206
 STATUS_OK = 200
 MAX_CONTEXT_ID_CHARS = 256
@@ -84,8 +83,7 @@ class Request:
     cancel: bool = False
     model_id: str | None = None
     voice_id: str | None = None
-    encoding: str = "pcm_s16le"  # Cartesia's name
-    sample_rate_hz: int = 24_000
+    output: StreamFormat = CARTESIA_DEFAULT
     add_timestamps: bool = False
     language: str | None = None
     seed: int | None = None
@@ -104,48 +102,26 @@ def parse_request(raw: str | bytes) -> Request:
     for name in ("continue", "flush", "add_timestamps"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
             raise FieldError(name, f"{name} must be a boolean")
-    encoding, rate = _output_format(obj.get("output_format"))
     return Request(
         context_id=cid,
         transcript=transcript,
         continue_=bool(obj.get("continue")),
         flush=bool(obj.get("flush")),
         model_id=obj.get("model_id") if isinstance(obj.get("model_id"), str) else None,
-        voice_id=_voice_id(obj.get("voice")),
-        encoding=encoding,
-        sample_rate_hz=rate,
+        voice_id=voice_id(obj.get("voice")),
+        output=cartesia_format(obj.get("output_format"), required=False),
         add_timestamps=bool(obj.get("add_timestamps")),
         language=obj.get("language") if isinstance(obj.get("language"), str) else None,
         seed=parse_seed("seed", obj.get("seed")),
     )
 
 
-def _voice_id(voice: object) -> str | None:
+def voice_id(voice: object) -> str | None:
     if voice is None or isinstance(voice, str):
         return voice
     if isinstance(voice, dict) and isinstance(voice.get("id"), str):
         return str(voice["id"])
     raise FieldError("voice", 'voice must be {"mode": "id", "id": "..."} or a voice id')
-
-
-def _output_format(value: object) -> tuple[str, int]:
-    if value is None:
-        return "pcm_s16le", 24_000
-    if not isinstance(value, dict):
-        raise FieldError("output_format", "output_format must be an object")
-    if value.get("container", "raw") != "raw":
-        raise FieldError("output_format.container", f"container {value.get('container')!r} is not served; use raw")
-    encoding = value.get("encoding", "pcm_s16le")
-    if not isinstance(encoding, str) or encoding not in ENCODINGS:  # a list or object is not hashable
-        raise FieldError("output_format.encoding", f"encoding {encoding!r} is not served ({', '.join(ENCODINGS)})")
-    rate = value.get("sample_rate", 24_000)
-    if not isinstance(rate, int) or isinstance(rate, bool):
-        raise FieldError("output_format.sample_rate", "sample_rate must be an integer")
-    try:
-        OutputFormat(ENCODINGS[encoding], rate)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise FieldError("output_format.sample_rate", str(exc)) from None
-    return encoding, rate
 
 
 def _context_id_of(raw: str | bytes) -> str | None:
@@ -179,6 +155,8 @@ class ContextState:
     """What Cartesia keeps per context, on the session's Context."""
 
     request: Request  # the opening request: its format, timestamps flag, ...
+    alignment: ContextAlignment  # the context's segments on its audio timeline
+    pieces: PieceJoiner = field(default_factory=PieceJoiner)
     flush_id: int = 0  # flushes so far
     pending_flushes: deque[tuple[int, int]] = field(default_factory=deque)  # (flush_id, last segment index)
     segments_done: int = 0
@@ -236,17 +214,18 @@ class CartesiaProtocol(WireProtocol[ContextState]):
         session = self.session
         variant = session.variant
         check_model("model_id", request.model_id, variant)
-        fmt = OutputFormat(ENCODINGS[request.encoding], request.sample_rate_hz)  # type: ignore[arg-type]
+        fmt = request.output
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id), output_format=fmt,
                          seed=request.seed, language=resolve_language("language", request.language, variant))
-        return await session.open_context(request.context_id, spec, ContextState(request))
+        state = ContextState(request, ContextAlignment(lead_ms=fmt.lead_ms))
+        return await session.open_context(request.context_id, spec, state)
 
     async def _apply(self, ctx: CartesiaContext, request: Request, now_s: float) -> None:
         stream = ctx.stream
         state = ctx.state
         if stream.status != StreamStatus.OPEN:
             raise StreamStateError("ended")
-        if request.transcript and not await self.session.push_text(ctx, request.transcript, now_s):
+        if request.transcript and not await self.session.push_text(ctx, state.pieces.join(request.transcript), now_s):
             return
         if request.flush:
             stream.flush(now_s)
@@ -271,20 +250,17 @@ class CartesiaProtocol(WireProtocol[ContextState]):
         state = ctx.state
         cid = ctx.context_id
         if isinstance(event, AudioOut):
-            payload = event.payload
-            if state.request.encoding == "pcm_f32le":
-                payload = (np.frombuffer(payload, dtype="<i2").astype("<f4") / PCM16_SCALE).tobytes()
-            body: dict[str, Any] = {"type": "chunk", "context_id": cid, "data": b64(payload), "done": False,
+            body: dict[str, Any] = {"type": "chunk", "context_id": cid, "data": b64(event.payload), "done": False,
                                     "status_code": STATUS_PARTIAL, "step_time": 0.0}
             if state.flush_id:
                 body["flush_id"] = state.flush_id
             session.send_audio(ctx, orjson.dumps(body).decode(), event.duration_ms)
         elif isinstance(event, SegmentDone):
             state.segments_done = event.index + 1
+            seg = place_segment(state.alignment, event)
             if state.request.add_timestamps:
-                words, starts, ends = segment_words(event)
                 body = {"type": "timestamps", "context_id": cid, "done": False, "status_code": STATUS_PARTIAL,
-                        "word_timestamps": {"words": words, "start": starts, "end": ends}}
+                        "word_timestamps": word_timestamps(seg)}
                 session.send(orjson.dumps(body).decode(), ctx)
             self._flushes_done(ctx)
         elif isinstance(event, StreamDone):
@@ -298,3 +274,9 @@ class CartesiaProtocol(WireProtocol[ContextState]):
             elif event.status in (StreamStatus.FAILED, StreamStatus.SHUTDOWN):
                 session.send(error_event(event.detail or "generation failed", cid, 500, "Generation failed"))
             # CANCELLED: the client asked; nothing more is sent for the context
+
+
+def word_timestamps(seg: SegmentTimes) -> dict[str, list[Any]]:
+    """Cartesia's `word_timestamps` of one segment: seconds from the start of the context's audio."""
+    return {"words": [w.word for w in seg.words], "start": seconds([w.start_ms for w in seg.words]),
+            "end": seconds([w.end_ms for w in seg.words])}

@@ -1,4 +1,5 @@
-"""Cartesia text to speech over HTTP: `POST /tts/bytes` and `POST /tts/sse`. Pure.
+"""Cartesia text to speech over HTTP: `POST /tts/bytes` and `POST /tts/sse`, on the HTTP speech base
+(compat/http_speech.py).
 
 - `/tts/bytes` (`client.tts.generate`, `tts.bytes`): the audio in `output_format`, streamed as it is made.
 - `/tts/sse` (`tts.generate_sse`, `tts.sse`): server-sent events, each `event: <type>` + `data: <json>`:
@@ -11,31 +12,41 @@ Body fields: the WebSocket's generation-request fields (`compat.cartesia.REQUEST
 less the streaming-only ones (`continue`, `flush`, `cancel`, `max_buffer_delay_ms`), plus the HTTP-only
 `locale`, `normalization` and `save`; `/tts/bytes` takes no timestamp fields. `output_format` is required
 (`formats.cartesia_format`: raw, wav or mp3), as is `transcript`; `language` and `locale` are one field
-spelled two ways (both given is refused, as the API does). Errors: 400 with the `error` event's fields.
+spelled two ways (both given is refused, as the API does). Errors before any audio: the HTTP status (400 for
+a bad request) with the `error` event's fields; after audio started (SSE), an `error` event ends the stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS
-from agent_server.compat.cartesia import _voice_id as parse_voice
+from agent_server.compat.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS, word_timestamps
+from agent_server.compat.cartesia import voice_id as parse_voice
 from agent_server.compat.common import (
-    CompatError,
     b64,
     check_model,
     load_object,
+    make_spec,
     parse_seed,
+    place_segment,
     resolve_language,
+    resolve_voice,
 )
 from agent_server.compat.formats import cartesia_format
-from agent_server.timestamps import SegmentTimes, seconds
+from agent_server.compat.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
+from agent_server.errors import FieldError, empty_message
+from agent_server.session import Context
+from agent_server.speech import AudioOut, SegmentDone
+from agent_server.timestamps import ContextAlignment, SegmentTimes
+from agent_server.transport import Head
 
-STATUS_BAD_REQUEST = 400
+SSE_MEDIA_TYPE = "text/event-stream"
+TITLES = {400: "Invalid request", 413: "Request too large", 429: "Too many requests", 500: "Internal error",
+          503: "Service unavailable"}
 STATUS_PARTIAL = 206
 STATUS_OK = 200
 WEBSOCKET_ONLY_FIELDS = frozenset({"continue", "flush", "cancel", "max_buffer_delay_ms"})
@@ -59,28 +70,30 @@ class TtsRequest:
 
 
 def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
-    """Raises CompatError; `error_body` renders it."""
+    """Raises FieldError; `error_body` renders it."""
     obj = load_object(body, SSE_FIELDS if sse else BYTES_FIELDS, what="body")
     transcript = obj.get("transcript")
-    if not isinstance(transcript, str) or not transcript.strip():
-        raise CompatError("transcript", "transcript is required and must be a non-empty string")
+    if transcript is not None and not isinstance(transcript, str):
+        raise FieldError("transcript", "transcript must be a string")
+    if transcript is None or not transcript.strip():
+        raise empty_message(field="transcript")
     model_id = obj.get("model_id")
     if model_id is not None and not isinstance(model_id, str):
-        raise CompatError("model_id", "model_id must be a string")
+        raise FieldError("model_id", "model_id must be a string")
     check_model("model_id", model_id, variant)
     for name in ("add_timestamps", "add_phoneme_timestamps", "use_normalized_timestamps", "save"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
-            raise CompatError(name, f"{name} must be a boolean")
+            raise FieldError(name, f"{name} must be a boolean")
     language, locale = obj.get("language"), obj.get("locale")
     if language is not None and locale is not None:
-        raise CompatError("locale", "set language or locale, not both")
+        raise FieldError("locale", "set language or locale, not both")
     field = "locale" if locale is not None else "language"
     spoken = locale if locale is not None else language
     if spoken is not None and not isinstance(spoken, str):
-        raise CompatError(field, f"{field} must be a string")
+        raise FieldError(field, f"{field} must be a string")
     context_id = obj.get("context_id")
     if context_id is not None and (not isinstance(context_id, str) or not 0 < len(context_id) <= MAX_CONTEXT_ID_CHARS):
-        raise CompatError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
+        raise FieldError("context_id", f"context_id must be a string of 1..{MAX_CONTEXT_ID_CHARS} characters")
     return TtsRequest(
         transcript=transcript,
         model_id=model_id,
@@ -94,8 +107,8 @@ def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
     )
 
 
-def error_body(exc: CompatError, request_id: str) -> tuple[int, dict[str, Any]]:
-    return STATUS_BAD_REQUEST, _error(STATUS_BAD_REQUEST, "Invalid request", exc.message, "invalid_request", request_id)
+def error_body(exc: FieldError, request_id: str) -> tuple[int, dict[str, Any]]:
+    return STATUS_BAD_REQUEST, _error(STATUS_BAD_REQUEST, TITLES[STATUS_BAD_REQUEST], exc.message, exc.code, request_id)
 
 
 def status_body(status_code: int, title: str, message: str, error_code: str, request_id: str) -> dict[str, Any]:
@@ -117,10 +130,8 @@ def chunk_event(audio: bytes, context_id: str | None, step_time_ms: float = 0.0)
 
 
 def timestamps_event(seg: SegmentTimes, context_id: str | None) -> bytes:
-    words = {"words": [w.word for w in seg.words], "start": seconds([w.start_ms for w in seg.words]),
-             "end": seconds([w.end_ms for w in seg.words])}
-    return _event({"type": "timestamps", "word_timestamps": words, "done": False, "status_code": STATUS_PARTIAL,
-                   "context_id": context_id})
+    return _event({"type": "timestamps", "word_timestamps": word_timestamps(seg), "done": False,
+                   "status_code": STATUS_PARTIAL, "context_id": context_id})
 
 
 def done_event(context_id: str | None) -> bytes:
@@ -136,3 +147,62 @@ def error_event(status_code: int, title: str, message: str, error_code: str, req
 
 def _event(body: dict[str, Any]) -> bytes:
     return b"event: " + str(body["type"]).encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+
+# ---- the protocol --------------------------------------------------------------------------------
+
+
+
+@dataclass(slots=True)
+class HttpState:
+    request: TtsRequest
+    alignment: ContextAlignment
+
+
+HttpContext = Context[HttpState]
+
+
+class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
+    """`POST /tts/bytes`; `CartesiaSseProtocol` is `/tts/sse`."""
+
+    name: ClassVar[str] = "cartesia_http"
+    sse: ClassVar[bool] = False
+
+    def parse(self, body: bytes) -> Speech[HttpState]:
+        session = self.session
+        request = parse_request(body, session.variant, sse=self.sse)
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
+                         output_format=request.output, seed=request.seed, language=request.language)
+        return Speech(spec, request.transcript, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
+
+    def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
+        return status, orjson.dumps(status_body(status, TITLES.get(status, "Error"), message, code,
+                                                self.session.session_id))
+
+    def head(self, ctx: HttpContext) -> Head:
+        request = ctx.state.request
+        media_type = SSE_MEDIA_TYPE if request.sse else request.output.mime_type
+        return Head(200, media_type, (("x-request-id", self.session.session_id),))
+
+    def render_audio(self, ctx: HttpContext, event: AudioOut) -> None:
+        payload = chunk_event(event.payload, ctx.state.request.context_id) if self.sse else event.payload
+        self.session.send_audio(ctx, payload, event.duration_ms)
+
+    def render_segment(self, ctx: HttpContext, event: SegmentDone) -> None:
+        state = ctx.state
+        seg = place_segment(state.alignment, event)
+        if self.sse and state.request.add_timestamps:
+            self.session.send(timestamps_event(seg, state.request.context_id), ctx)
+
+    def render_completed(self, ctx: HttpContext) -> None:
+        if self.sse:
+            self.session.send(done_event(ctx.state.request.context_id))
+
+    def render_failed(self, ctx: HttpContext, status: int, code: str, message: str) -> None:
+        if self.sse:
+            self.session.send(error_event(status, TITLES.get(status, "Error"), message, code,
+                                          self.session.session_id, ctx.state.request.context_id))
+
+
+class CartesiaSseProtocol(CartesiaBytesProtocol):
+    sse: ClassVar[bool] = True

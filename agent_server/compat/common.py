@@ -12,10 +12,11 @@ from typing import Any
 
 import orjson
 
-from agent_server.audio import OutputFormat
+from agent_server.codecs import StreamFormat
 from agent_server.errors import FieldError
 from agent_server.hub import Hub
 from agent_server.speech import SegmentDone, StreamSpec, build_params
+from agent_server.timestamps import ContextAlignment, SegmentTimes
 
 SEED_LIMIT = 2**63
 DEFAULT_VOICE = "default"
@@ -31,7 +32,6 @@ OUR_MODELS: Mapping[str, str] = {
     "chatterbox-multilingual": "multilingual",
 }
 _LANGUAGE = re.compile(r"^([A-Za-z]{2,3})(?:[-_][A-Za-z0-9]+)*$")
-_WORD = re.compile(r"\S+")
 
 
 def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *, what: str = "message",
@@ -42,9 +42,9 @@ def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *
         try:
             raw = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise FieldError(what, f"{what}s must be JSON objects") from None
+            raise FieldError(what, f"the {what} must be a JSON object") from None
     if not isinstance(raw, dict):
-        raise FieldError(what, f"{what}s must be JSON objects")
+        raise FieldError(what, f"the {what} must be a JSON object")
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise FieldError(unknown[0], unknown_message.format(name=unknown[0]))
@@ -112,7 +112,8 @@ def parse_decimal(raw: str | None) -> int | None:
 
 
 def make_spec(
-    hub: Hub, *, voice_id: str, output_format: OutputFormat, seed: int | None, language: str | None
+    hub: Hub, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
+    max_audio_ahead_s: float | None = None,
 ) -> StreamSpec:
     params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
     settings = hub.settings
@@ -122,7 +123,8 @@ def make_spec(
         output_format=output_format,
         language=language,
         may_wait=settings.queue_when_full,
-        max_audio_ahead_s=settings.max_audio_ahead_s,
+        # None: the server's; a client that takes the whole answer at once (a unary call) passes math.inf
+        max_audio_ahead_s=settings.max_audio_ahead_s if max_audio_ahead_s is None else max_audio_ahead_s,
     )
 
 
@@ -142,38 +144,31 @@ def query_flag(params: Mapping[str, str], name: str, default: bool = False) -> b
     raise FieldError(name, f"{name} must be true or false (got {raw!r})")
 
 
-@dataclass(frozen=True, slots=True)
-class CharTimes:
-    """Per-character timing of one segment, relative to the segment's start (ms)."""
-
-    chars: list[str]
-    start_ms: list[int]
-    duration_ms: list[int]
+BREAK_PUNCTUATION = frozenset(".!?;:,")
 
 
-def segment_char_times(done: SegmentDone, trailing_space: bool) -> CharTimes:
-    """The segment's approximate alignment, made relative to its own start. With `trailing_space`, a
-    zero-length space ends it, so a client gluing segments together sees a word boundary."""
-    offset_ms = round(done.audio_offset_ms)
-    chars = list(done.text)
-    starts = [s - offset_ms for s in done.char_start_ms]
-    durations = list(done.char_duration_ms)
-    if trailing_space and chars and not chars[-1].isspace():
-        end_ms = starts[-1] + durations[-1]
-        chars.append(" ")
-        starts.append(end_ms)
-        durations.append(0)
-    return CharTimes(chars, starts, durations)
+@dataclass(slots=True)
+class PieceJoiner:
+    """Joins the text pieces of one context the way they were meant to be read. Some clients send each
+    sentence as a piece with its spaces stripped (Pipecat: "with that." then "Your flight"); glued, the
+    segmenter would see "that.Your", one run-on word. A piece that starts with a letter or digit right after
+    a piece that ended on punctuation gets a space, unless both sides are digits ("3." + "5" is 3.5)."""
+
+    tail: str = ""  # the last two characters of the text so far
+
+    def join(self, piece: str) -> str:
+        if not piece:
+            return piece
+        tail = self.tail
+        if (tail and tail[-1] in BREAK_PUNCTUATION and piece[0].isalnum()
+                and not (len(tail) == 2 and tail[0].isdigit() and piece[0].isdigit())):
+            piece = " " + piece
+        self.tail = (tail + piece)[-2:]
+        return piece
 
 
-def segment_words(done: SegmentDone) -> tuple[list[str], list[float], list[float]]:
-    """Words of a segment with absolute start and end times (seconds from the stream's start)."""
-    words: list[str] = []
-    starts_s: list[float] = []
-    ends_s: list[float] = []
-    for match in _WORD.finditer(done.text):
-        first, last = match.start(), match.end() - 1
-        words.append(match.group())
-        starts_s.append(done.char_start_ms[first] / 1000.0)
-        ends_s.append((done.char_start_ms[last] + done.char_duration_ms[last]) / 1000.0)
-    return words, starts_s, ends_s
+def place_segment(alignment: ContextAlignment, done: SegmentDone) -> SegmentTimes:
+    """Put a finished segment's alignment (its times are from the start of the context's audio) on the
+    context's timeline, where the client's decoder plays it (`ContextAlignment.lead_ms`)."""
+    return alignment.add(done.text, done.char_start_ms, done.char_duration_ms, done.audio_offset_ms, done.audio_ms,
+                         segment_relative=False)

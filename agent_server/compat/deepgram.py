@@ -1,8 +1,8 @@
 """Deepgram `/v1/speak` WebSocket (Aura): the wire format, on the session core.
 
-- query: model (aura-*), encoding (linear16 | mulaw | alaw), sample_rate, container (none), seed (our
-  extension), mip_opt_out / bit_rate / speed / tag (accepted, ignored); auth `Authorization: Token ...`
-  (or Bearer), checked by auth.AuthMiddleware when auth is on.
+- query: model (aura-*), encoding (linear16 | mulaw | alaw), sample_rate, container (none)
+  (compat/formats.deepgram_format), seed (our extension), mip_opt_out / bit_rate / speed / tag (accepted,
+  ignored); auth `Authorization: Token ...` (or Bearer), checked by auth.AuthMiddleware when auth is on.
 - in: {"type": "Speak", "text"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Close"}.
 - a Speak without text gets a `Warning` (`INVALID_MESSAGE`), as does any message it cannot read.
 - out: {"type": "Metadata"} on connect, binary audio, {"type": "Flushed", "sequence_id"} once the audio
@@ -23,8 +23,9 @@ from typing import ClassVar
 
 import orjson
 
-from agent_server.audio import OutputFormat
-from agent_server.compat.common import check_model, is_decimal, make_spec, parse_seed, resolve_voice
+from agent_server.codecs import StreamFormat
+from agent_server.compat.common import PieceJoiner, check_model, make_spec, parse_seed, resolve_voice
+from agent_server.compat.formats import deepgram_format
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
 from agent_server.hub import Refusal
 from agent_server.session import (
@@ -37,8 +38,6 @@ from agent_server.session import (
 )
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 
-ENCODINGS: Mapping[str, str] = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
-DEFAULT_RATES_HZ: Mapping[str, int] = {"linear16": 24_000, "mulaw": 8_000, "alaw": 8_000}
 DEFAULT_MODEL = "aura-asteria-en"
 MODEL_VERSION = "chatterbox"
 CONTEXT_ID = "speak"
@@ -47,26 +46,14 @@ CONTEXT_ID = "speak"
 @dataclass(frozen=True, slots=True)
 class Query:
     model: str
-    output_format: OutputFormat
+    output_format: StreamFormat
     seed: int | None
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
     model = params.get("model") or DEFAULT_MODEL
     check_model("model", model, variant)
-    encoding = params.get("encoding") or "linear16"
-    if encoding not in ENCODINGS:
-        raise FieldError("encoding", f"encoding {encoding!r} is not served: use linear16, mulaw or alaw")
-    container = params.get("container") or "none"
-    if container != "none":
-        raise FieldError("container", "only container=none is served on the WebSocket")
-    rate_raw = params.get("sample_rate") or str(DEFAULT_RATES_HZ[encoding])
-    if not is_decimal(rate_raw):
-        raise FieldError("sample_rate", f"sample_rate must be an integer (got {rate_raw!r})")
-    try:
-        fmt = OutputFormat(ENCODINGS[encoding], int(rate_raw))  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise FieldError("sample_rate", str(exc)) from None
+    fmt = deepgram_format(params, rest=False)
     return Query(model, fmt, parse_seed("seed", params.get("seed")))
 
 
@@ -94,15 +81,15 @@ WARNING_CODES: Mapping[str, str] = {
     RATE_LIMITED: "RATE_LIMITED",
 }
 ALL_SEGMENTS = 1 << 62
-DeepgramContext = Context[None]
+DeepgramContext = Context[PieceJoiner]  # the context's text, as pieces come
 
 
-class DeepgramProtocol(WireProtocol[None]):
+class DeepgramProtocol(WireProtocol[PieceJoiner]):
     """One socket is one audio stream; the flush and clear counters span the streams a Clear separates."""
 
     name: ClassVar[str] = "deepgram"
 
-    def __init__(self, session: Session[None]) -> None:
+    def __init__(self, session: Session[PieceJoiner]) -> None:
         super().__init__(session)
         self.query: Query | None = None
         self._request_id = str(uuid.uuid4())
@@ -161,7 +148,7 @@ class DeepgramProtocol(WireProtocol[None]):
                 if ctx is None:
                     return
             try:
-                await session.push_text(ctx, text, now_s)
+                await session.push_text(ctx, None if text is None else ctx.state.join(text), now_s)
             except StreamStateError as exc:
                 session.reject(FieldError("text", str(exc), "bad_state"))
         elif kind == "Flush":
@@ -198,7 +185,7 @@ class DeepgramProtocol(WireProtocol[None]):
         except FieldError as error:
             session.reject(error)
             return None
-        ctx = await session.open_context(CONTEXT_ID, spec, None)
+        ctx = await session.open_context(CONTEXT_ID, spec, PieceJoiner())
         if ctx is not None:
             self._segments_done = 0
         return ctx

@@ -1,25 +1,33 @@
-"""Deepgram text to speech over HTTP: `POST /v1/speak` (`speak.v1.audio.generate`). Pure.
+"""Deepgram text to speech over HTTP: `POST /v1/speak` (`speak.v1.audio.generate`), on the HTTP speech base
+(compat/http_speech.py). The same path serves Deepgram's WebSocket (compat/deepgram.py): Starlette routes
+a WebSocket handshake and a POST to each by the request's type.
 
-Body `{"text"}` (at most 2000 characters, Deepgram's limit). Query: `model` (also the voice, as on the
+Body `{"text"}` (held to the server's text limit, `max_text_piece_chars`). Query: `model` (also the voice, as on the
 WebSocket), `encoding` / `container` / `sample_rate` / `bit_rate` (`formats.deepgram_format`; default
 linear16 in a WAV container at 24 kHz), `seed` (our extension), `mip_opt_out`, `tag`, `speed` (accepted,
 ignored). `callback` / `callback_method` are refused: this server answers in the response, it does not
-call out. The response streams the audio; headers `content-type`, `dg-request-id`, `dg-model-name`,
-`dg-char-count`. Errors: `{"err_code", "err_msg", "request_id"}` (400 for a bad request).
+call out. The response streams the audio as it is encoded; headers `content-type`, `dg-request-id`,
+`dg-model-name`, `dg-char-count`. Errors: `{"err_code", "err_msg", "request_id"}` with the status
+compat/http_speech.py chooses (400 for a bad request).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import CompatError, check_model, load_object, parse_seed
-from agent_server.compat.deepgram import DEFAULT_MODEL, MAX_SPEAK_CHARS
+from agent_server.compat.common import check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.compat.deepgram import DEFAULT_MODEL
 from agent_server.compat.formats import deepgram_format
+from agent_server.compat.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
+from agent_server.errors import BAD_REQUEST, FieldError, empty_message
+from agent_server.session import Context
+from agent_server.transport import Head
 
-STATUS_BAD_REQUEST = 400
 QUERY_FIELDS = frozenset(
     {"model", "encoding", "container", "sample_rate", "bit_rate", "seed", "mip_opt_out", "tag", "speed",
      "callback", "callback_method"}
@@ -37,23 +45,26 @@ class SpeakRequest:
 
 
 def parse_request(query: Mapping[str, str], body: object, variant: str) -> SpeakRequest:
-    """Raises CompatError; `error_body` renders it."""
+    """Raises FieldError; `error_body` renders it."""
     for name in REFUSED_QUERY:
         if query.get(name):
-            raise CompatError(name, f"{name} is not served: the audio comes back in the response")
+            raise FieldError(name, f"{name} is not served: the audio comes back in the response")
     model = query.get("model") or DEFAULT_MODEL
     check_model("model", model, variant)
     output = deepgram_format(query, rest=True)
     obj = load_object(body, BODY_FIELDS, what="body")
     text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
-        raise CompatError("text", "text is required and must be a non-empty string")
-    if len(text) > MAX_SPEAK_CHARS:
-        raise CompatError("text", f"text is longer than {MAX_SPEAK_CHARS} characters")
+    if text is not None and not isinstance(text, str):
+        raise FieldError("text", "text must be a string")
+    if text is None or not text.strip():
+        raise empty_message()
     return SpeakRequest(text=text, model=model, seed=parse_seed("seed", query.get("seed")), output=output)
 
 
-def error_body(exc: CompatError, request_id: str) -> tuple[int, dict[str, Any]]:
+def error_body(exc: FieldError, request_id: str) -> tuple[int, dict[str, Any]]:
+    """A refused request (400): a parameter at fault is named in the message."""
+    if exc.code != BAD_REQUEST:
+        return STATUS_BAD_REQUEST, status_body(exc.code.upper(), exc.message, request_id)
     code = "INVALID_QUERY_PARAMETER" if exc.field in QUERY_FIELDS else "INVALID_REQUEST_BODY"
     return STATUS_BAD_REQUEST, status_body(code, f"{exc.field}: {exc.message}", request_id)
 
@@ -70,3 +81,31 @@ def response_headers(request: SpeakRequest, request_id: str) -> dict[str, str]:
         "dg-model-name": request.model,
         "dg-char-count": str(len(request.text)),
     }
+
+
+# ---- the protocol --------------------------------------------------------------------------------
+
+SpeakContext = Context[SpeakRequest]
+
+
+class DeepgramSpeakProtocol(HttpSpeechProtocol[SpeakRequest]):
+    name: ClassVar[str] = "deepgram_http"
+
+    def parse(self, body: bytes) -> Speech[SpeakRequest]:
+        session = self.session
+        request = parse_request(session.transport.query, body, session.variant)
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.model),
+                         output_format=request.output, seed=request.seed, language=None)
+        return Speech(spec, request.text, request)
+
+    def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
+        if status == STATUS_BAD_REQUEST:
+            status, body = error_body(FieldError(field or "", message, code), self.session.session_id)
+        else:
+            body = status_body(code.upper(), message, self.session.session_id)
+        return status, orjson.dumps(body)
+
+    def head(self, ctx: SpeakContext) -> Head:
+        headers = response_headers(ctx.state, self.session.session_id)
+        media_type = headers.pop("content-type")
+        return Head(200, media_type, tuple(headers.items()))

@@ -2,7 +2,8 @@
 `multi-stream-input` (many contexts per socket): the wire format, on the session core.
 
 Wire (what the SDKs, Pipecat and LiveKit send and expect):
-- query: model_id, output_format (pcm_8000..pcm_48000, ulaw_8000, alaw_8000), language_code,
+- query: model_id, output_format (compat/formats.elevenlabs_format: every name of the SDK, mp3_44100_128 by
+  default, as the vendor's; MP3 and Opus encoded off the event loop), language_code,
   inactivity_timeout (s, default 20, at most 180), seed, sync_alignment, auto_mode, ... (see
   docs/compatibility.md for every field);
 - in: {"text": " ", "voice_settings", "generation_config", "xi_api_key"} to initialise, then
@@ -13,32 +14,40 @@ Wire (what the SDKs, Pipecat and LiveKit send and expect):
   then {"isFinal": true}; errors {"message", "error", "code"}; stream-input closes with 1000;
 - a message with neither text nor an action (`{}`, `{"text": null}`) is an `invalid_message` error.
 
-Alignment: after each segment's audio comes an audio-less message whose alignment covers that segment,
-its times relative to the segment's start (ElevenLabs: relative to the chunk), ending with a space.
+Alignment: after each segment's audio comes an audio-less message whose alignment covers that segment
+(ending with a zero-length space, a word boundary for clients that glue messages together):
+- `alignment`: times relative to the message, as ElevenLabs documents them ("relative to the returned
+  chunk"): counted from where the previous message's alignment ended, so a client that adds up each
+  message's span (Pipecat) lands every character at its time in the context, gaps between segments
+  included (`timestamps.ContextAlignment.chained`);
+- `normalizedAlignment`: the same characters (our text is not normalised) with times from the start of
+  the context's audio (LiveKit reads this one by default and takes the times as they come).
+Both include MP3's encoder delay (`codecs.StreamFormat.lead_ms`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import orjson
 
-from agent_server.audio import PCM_SAMPLE_RATES_HZ, OutputFormat
+from agent_server.codecs import StreamFormat
 from agent_server.compat.common import (
+    PieceJoiner,
     b64,
     check_model,
-    is_decimal,
     load_object,
     make_spec,
     parse_decimal,
     parse_seed,
+    place_segment,
     query_flag,
     resolve_language,
     resolve_voice,
-    segment_char_times,
 )
+from agent_server.compat.formats import elevenlabs_format
 from agent_server.errors import (
     BUSY,
     CONTEXT_TEXT_LIMIT,
@@ -60,6 +69,7 @@ from agent_server.session import (
     WireProtocol,
 )
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
+from agent_server.timestamps import ContextAlignment, SegmentTimes
 
 DEFAULT_INACTIVITY_TIMEOUT_S = 20
 MAX_INACTIVITY_TIMEOUT_S = 180
@@ -105,33 +115,12 @@ MESSAGE_FIELDS = frozenset(
 @dataclass(frozen=True, slots=True)
 class Query:
     model_id: str | None
-    output_format: OutputFormat
+    output_format: StreamFormat
     language_code: str | None
     inactivity_timeout_s: float
     seed: int | None
     sync_alignment: bool
     auto_mode: bool
-
-
-def parse_output_format(value: str | None) -> OutputFormat:
-    """pcm_<rate> (PCM16), ulaw_8000, alaw_8000. mp3/opus need an encoder this server does not carry."""
-    if not value:
-        raise FieldError(
-            "output_format",
-            "output_format is required here: pcm_8000..pcm_48000, ulaw_8000 or alaw_8000 (mp3 is not served)",
-        )
-    kind, _, rate = value.partition("_")
-    encodings = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw"}
-    if kind not in encodings or not is_decimal(rate):
-        raise FieldError(
-            "output_format", f"unsupported output_format {value!r}: use pcm_8000..pcm_48000, ulaw_8000 or alaw_8000"
-        )
-    try:
-        return OutputFormat(encodings[kind], int(rate))  # type: ignore[arg-type]
-    except ValueError as exc:
-        allowed = ", ".join(f"pcm_{r}" for r in PCM_SAMPLE_RATES_HZ)
-        raise FieldError("output_format",
-                         f"unsupported output_format {value!r} ({allowed}, ulaw_8000, alaw_8000)") from exc
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
@@ -143,7 +132,7 @@ def parse_query(params: Mapping[str, str], variant: str) -> Query:
         raise FieldError("inactivity_timeout", f"inactivity_timeout must be 1..{MAX_INACTIVITY_TIMEOUT_S} seconds")
     return Query(
         model_id=params.get("model_id"),
-        output_format=parse_output_format(params.get("output_format")),
+        output_format=elevenlabs_format(params.get("output_format")),
         language_code=resolve_language("language_code", params.get("language_code"), variant),
         inactivity_timeout_s=float(timeout_s),
         seed=parse_seed("seed", params.get("seed")),
@@ -213,6 +202,8 @@ class ContextInput:
     """What ElevenLabs keeps per context (multi-stream-input's bookkeeping), on the session's Context."""
 
     last_input_s: float
+    alignment: ContextAlignment  # the context's segments on its audio timeline
+    pieces: PieceJoiner = field(default_factory=PieceJoiner)
     unflushed: bool = False  # text arrived since the last flush
     closing: bool = False  # close_context / close_socket seen: no more input
 
@@ -313,7 +304,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
                 ctx.state.closing = True
                 stream.end(now_s)
             return  # multi-stream-input: a keep-alive
-        if text and await self.session.push_text(ctx, text, now_s) and text.strip():
+        if text and await self.session.push_text(ctx, ctx.state.pieces.join(text), now_s) and text.strip():
             ctx.state.unflushed = True
         if message.flush and stream.status == StreamStatus.OPEN:
             stream.flush(now_s)
@@ -331,7 +322,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             error.context_id = cid
             session.reject(error)
             return None
-        return await session.open_context(cid, spec, ContextInput(last_input_s=now_s))
+        state = ContextInput(last_input_s=now_s, alignment=ContextAlignment(lead_ms=query.output_format.lead_ms))
+        return await session.open_context(cid, spec, state)
 
     def _close_context(self, cid: str, now_s: float) -> None:
         """Graceful when every piece of text was flushed (the turn is complete: speak it, then isFinal);
@@ -378,16 +370,17 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
 
     def render(self, ctx: ElevenLabsContext, event: StreamEvent) -> None:
         if isinstance(event, AudioOut):
-            self.session.send_audio(ctx, self._audio_json(ctx, b64(event.payload), None), event.duration_ms)
+            self.session.send_audio(ctx, self._audio_json(ctx, b64(event.payload), None, None), event.duration_ms)
         elif isinstance(event, SegmentDone):
-            times = segment_char_times(event, trailing_space=True)
-            alignment = {"chars": times.chars, "charStartTimesMs": times.start_ms, "charDurationsMs": times.duration_ms}
-            self.session.send(self._audio_json(ctx, "", alignment), ctx)
+            aligned = ctx.state.alignment
+            seg = place_segment(aligned, event)
+            self.session.send(self._audio_json(ctx, "", _alignment(aligned.chained(seg)), _alignment(seg)), ctx)
         elif isinstance(event, StreamDone):
             self._render_done(ctx, event)
 
-    def _audio_json(self, ctx: ElevenLabsContext, audio: str, alignment: dict[str, Any] | None) -> str:
-        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": alignment,
+    def _audio_json(self, ctx: ElevenLabsContext, audio: str, alignment: dict[str, Any] | None,
+                    normalized: dict[str, Any] | None) -> str:
+        body: dict[str, Any] = {"audio": audio, "isFinal": None, "normalizedAlignment": normalized,
                                 "alignment": alignment}
         if self.multi:
             body["contextId"] = ctx.context_id
@@ -414,3 +407,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
 
 class MultiStreamProtocol(ElevenLabsProtocol):
     multi: ClassVar[bool] = True
+
+
+def _alignment(seg: SegmentTimes) -> dict[str, Any]:
+    return {"chars": list(seg.chars), "charStartTimesMs": list(seg.start_ms), "charDurationsMs": list(seg.duration_ms)}

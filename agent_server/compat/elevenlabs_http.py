@@ -1,4 +1,4 @@
-"""ElevenLabs text to speech over HTTP: request parsing, error bodies, response bodies. Pure.
+"""ElevenLabs text to speech over HTTP: the wire format, on the HTTP speech base (compat/http_speech.py).
 
 Routes (`POST`, JSON body), as the `elevenlabs` SDK calls them:
 - `/v1/text-to-speech/{voice_id}` (`text_to_speech.convert`): the audio, streamed as it is made;
@@ -14,30 +14,44 @@ Query: `output_format` (`formats.elevenlabs_format`, default `mp3_44100_128`), `
 `previous_request_ids`, `next_request_ids`, `use_pvc_as_ivc`, `apply_text_normalization`,
 `apply_language_text_normalization`, `audio_effects` (type-checked, ignored); anything else is refused.
 
-Alignment times are seconds from the start of the request's audio (what Pipecat's HTTP service reads).
-Errors: request validation is 422 `{"detail": [{"loc": ["body"|"query", field], "msg", "type"}]}` (the
-SDK's `UnprocessableEntityError`); other failures `{"detail": {"status", "message"}}` with their status.
+Bodies: `/v1/text-to-speech/{voice_id}` and `/stream`: the audio bytes in `output_format`, as they are
+encoded. `/with-timestamps`: one JSON object, written as the audio comes (`{"audio_base64": "` first, the
+base64 text piece by piece, the alignment of the whole request at the end). `/stream/with-timestamps`: one
+line per piece of audio (`alignment` null), and after each segment's audio a line with `audio_base64` ""
+carrying that segment's alignment.
+
+Alignment times are seconds from the start of the request's audio (what Pipecat's HTTP service reads), MP3's
+encoder delay included (`codecs.StreamFormat.lead_ms`); `normalized_alignment` is the same (our text is
+not normalised). Errors: a bad request is 422 `{"detail": [{"loc": ["body"|"query", field], "msg", "type"}]}`
+(the SDK's `UnprocessableEntityError`); other failures `{"detail": {"status", "message"}}` with their status.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import orjson
 
 from agent_server.codecs import StreamFormat
 from agent_server.compat.common import (
-    CompatError,
     b64,
     check_model,
     load_object,
+    make_spec,
     parse_seed,
+    place_segment,
     resolve_language,
+    resolve_voice,
 )
 from agent_server.compat.formats import elevenlabs_format
-from agent_server.timestamps import seconds
+from agent_server.compat.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, Speech
+from agent_server.errors import FieldError, empty_message
+from agent_server.session import Context
+from agent_server.speech import AudioOut, SegmentDone
+from agent_server.timestamps import ContextAlignment, seconds
+from agent_server.transport import Head
 
 STATUS_UNPROCESSABLE = 422
 QUERY_FIELDS = frozenset({"output_format", "enable_logging", "optimize_streaming_latency"})
@@ -90,19 +104,22 @@ class SpeechRequest:
 def parse_request(
     voice_id: str, query: Mapping[str, str], body: object, variant: str, *, streamed: bool, timestamps: bool
 ) -> SpeechRequest:
-    """Raises CompatError; `error_body` renders it."""
+    """Raises FieldError; `error_body` renders it."""
     output = elevenlabs_format(query.get("output_format"))
     obj = load_object(body, BODY_FIELDS, what="body", unknown_message="extra field {name!r} is not permitted")
     text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
-        raise CompatError("text", "text is required and must be a non-empty string")
+    if text is not None and not isinstance(text, str):
+        raise FieldError("text", "text must be a string")
+    if text is None or not text.strip():
+        raise empty_message()
     for name, kinds in _OPTIONAL_TYPES.items():
         value = obj.get(name)
         if value is not None and not isinstance(value, kinds):
-            raise CompatError(name, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}")
+            raise FieldError(name, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}")
     normalization = obj.get("apply_text_normalization")
     if normalization is not None and normalization not in TEXT_NORMALIZATION:
-        raise CompatError("apply_text_normalization", f"apply_text_normalization must be one of {', '.join(TEXT_NORMALIZATION)}")
+        served = ", ".join(TEXT_NORMALIZATION)
+        raise FieldError("apply_text_normalization", f"apply_text_normalization must be one of {served}")
     model_id = obj.get("model_id")
     check_model("model_id", model_id, variant)
     return SpeechRequest(
@@ -117,10 +134,11 @@ def parse_request(
     )
 
 
-def error_body(exc: CompatError) -> tuple[int, dict[str, Any]]:
+def error_body(exc: FieldError) -> tuple[int, dict[str, Any]]:
     """A refused request: 422 with FastAPI's validation shape, as ElevenLabs answers."""
     where = "query" if exc.field in QUERY_FIELDS else "body"
-    return STATUS_UNPROCESSABLE, {"detail": [{"loc": [where, exc.field], "msg": exc.message, "type": "value_error"}]}
+    detail = {"loc": [where, exc.field], "msg": exc.message, "type": exc.code}
+    return STATUS_UNPROCESSABLE, {"detail": [detail]}
 
 
 def status_body(status: str, message: str) -> dict[str, Any]:
@@ -136,20 +154,107 @@ def alignment(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[in
     }
 
 
-def with_timestamps_body(audio: bytes, chars: Sequence[str], start_ms: Sequence[int],
-                         end_ms: Sequence[int]) -> dict[str, Any]:
-    """`/with-timestamps`: all the audio and the whole request's alignment (our text is not normalised,
-    so `normalized_alignment` is the same)."""
-    aligned = alignment(chars, start_ms, end_ms)
-    return {"audio_base64": b64(audio), "alignment": aligned, "normalized_alignment": aligned}
+WITH_TIMESTAMPS_OPEN = b'{"audio_base64":"'
+
+
+def with_timestamps_close(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[int]) -> bytes:
+    """`/with-timestamps`: what ends the object after the audio's base64 text: the whole request's
+    alignment (our text is not normalised, so `normalized_alignment` is the same)."""
+    aligned = orjson.dumps(alignment(chars, start_ms, end_ms))
+    return b'","alignment":' + aligned + b',"normalized_alignment":' + aligned + b"}"
 
 
 def stream_line(audio: bytes, aligned: dict[str, Any] | None) -> bytes:
-    """One line of `/stream/with-timestamps`: a piece of audio, with the alignment of the characters it
-    completes (None when it completes none)."""
+    """One line of `/stream/with-timestamps`: a piece of audio, or ("") the alignment of a segment."""
     body = {"audio_base64": b64(audio), "alignment": aligned, "normalized_alignment": aligned}
     return orjson.dumps(body) + b"\n"
 
 
 def media_type(request: SpeechRequest) -> str:
     return "application/json" if request.timestamps else request.output.mime_type
+
+
+# ---- the protocol --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class HttpState:
+    request: SpeechRequest
+    alignment: ContextAlignment
+    audio_b64: Base64Stream = field(default_factory=Base64Stream)  # /with-timestamps: the audio as it comes
+    opened: bool = False  # /with-timestamps: the object's opening went out
+
+
+HttpContext = Context[HttpState]
+
+
+class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
+    """`POST /v1/text-to-speech/{voice_id}`; the subclasses below are its other three routes."""
+
+    name: ClassVar[str] = "elevenlabs_http"
+    streamed: ClassVar[bool] = False
+    timestamps: ClassVar[bool] = False
+
+    def parse(self, body: bytes) -> Speech[HttpState]:
+        session = self.session
+        transport = session.transport
+        request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body, session.variant,
+                                streamed=self.streamed, timestamps=self.timestamps)
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
+                         output_format=request.output, seed=request.seed, language=request.language)
+        return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
+
+    def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
+        if status == STATUS_BAD_REQUEST:
+            status, body = error_body(FieldError(field or "body", message, code))
+        else:
+            body = status_body(code, message)
+        return status, orjson.dumps(body)
+
+    def head(self, ctx: HttpContext) -> Head:
+        return Head(200, media_type(ctx.state.request), (("request-id", self.session.session_id),))
+
+    def render_audio(self, ctx: HttpContext, event: AudioOut) -> None:
+        state = ctx.state
+        if not state.request.timestamps:
+            self.session.send_audio(ctx, event.payload, event.duration_ms)
+        elif state.request.streamed:
+            self.session.send_audio(ctx, stream_line(event.payload, None), event.duration_ms)
+        else:
+            self.session.send_audio(ctx, self._opening(state) + state.audio_b64.push(event.payload), event.duration_ms)
+
+    def render_segment(self, ctx: HttpContext, event: SegmentDone) -> None:
+        state = ctx.state
+        seg = place_segment(state.alignment, event)
+        if state.request.timestamps and state.request.streamed:
+            self.session.send(stream_line(b"", alignment(seg.chars, seg.start_ms, seg.end_ms)), ctx)
+
+    def render_completed(self, ctx: HttpContext) -> None:
+        state = ctx.state
+        if state.request.timestamps and not state.request.streamed:
+            aligned = state.alignment
+            chars, start_ms, end_ms = aligned.chars, aligned.start_ms, aligned.end_ms
+            if chars and chars[-1].isspace() and not state.request.text[-1:].isspace():
+                del chars[-1], start_ms[-1], end_ms[-1]  # the zero-length space that ended the last segment
+            self.session.send(self._opening(state) + state.audio_b64.finish()
+                              + with_timestamps_close(chars, start_ms, end_ms))
+
+    @staticmethod
+    def _opening(state: HttpState) -> bytes:
+        if state.opened:
+            return b""
+        state.opened = True
+        return WITH_TIMESTAMPS_OPEN
+
+
+class ElevenLabsStreamProtocol(ElevenLabsHttpProtocol):
+    streamed: ClassVar[bool] = True
+
+
+class ElevenLabsWithTimestampsProtocol(ElevenLabsHttpProtocol):
+    timestamps: ClassVar[bool] = True
+
+
+class ElevenLabsStreamWithTimestampsProtocol(ElevenLabsHttpProtocol):
+    streamed: ClassVar[bool] = True
+    timestamps: ClassVar[bool] = True

@@ -1,14 +1,15 @@
 """Every vendor's audio format names -> `codecs.StreamFormat`. Pure: no sockets, no awaits.
 
 One parser per vendor field set, used by that vendor's WebSocket and HTTP endpoints alike. Each raises
-`CompatError(field, message)`; the vendor's module renders it in the vendor's error shape.
+`FieldError(field, message)`; the vendor's module renders it in the vendor's error shape.
 
-| vendor | field(s) | default |
-|---|---|---|
-| OpenAI | `response_format`: mp3, opus, aac, flac, wav, pcm (24 kHz) | mp3 |
-| ElevenLabs | `output_format`: mp3_<rate>_<kbps>, opus_48000_<kbps>, pcm_<rate>, wav_<rate>, ulaw_8000, alaw_8000 | mp3_44100_128 (HTTP and SDKs) |
-| Cartesia | `output_format`: {container: raw|wav|mp3, encoding, sample_rate, bit_rate} | raw pcm_s16le 24 kHz (WebSocket) |
-| Deepgram | `encoding`, `container`, `sample_rate`, `bit_rate` query parameters | REST: linear16 in wav, 24 kHz; WebSocket: linear16, 24 kHz, no container |
+- OpenAI `response_format`: mp3, opus, aac, flac, wav, pcm (all 24 kHz); default mp3.
+- ElevenLabs `output_format`: mp3_<rate>_<kbps>, opus_48000_<kbps>, pcm_<rate>, wav_<rate>, ulaw_8000,
+  alaw_8000; default mp3_44100_128 (HTTP, WebSocket and the SDKs).
+- Cartesia `output_format`: {container: raw | wav | mp3, encoding, sample_rate, bit_rate}; required over
+  HTTP, raw pcm_s16le at 24 kHz when the WebSocket leaves it out.
+- Deepgram `encoding`, `container`, `sample_rate`, `bit_rate` query parameters; REST: linear16 in WAV at
+  24 kHz; WebSocket: linear16 at 24 kHz, no container (linear16, mulaw, alaw only).
 
 Where a vendor documents a bit rate our codec cannot reach at that sample rate (Cartesia mp3 at 8 kHz and
 192 kbit/s, Deepgram Opus at 4 kbit/s), the nearest one it can is used (`codecs.clamp_bitrate_bps`).
@@ -20,7 +21,8 @@ import re
 from collections.abc import Mapping
 
 from agent_server.codecs import Codec, Container, StreamFormat, clamp_bitrate_bps
-from agent_server.compat.common import CompatError
+from agent_server.compat.common import is_decimal
+from agent_server.errors import FieldError
 
 BITS_PER_KBIT = 1_000
 
@@ -43,7 +45,7 @@ def openai_format(response_format: object) -> StreamFormat:
     """OpenAI `response_format` (absent: mp3, the SDK's and the API's default)."""
     name = OPENAI_DEFAULT_FORMAT if response_format is None else response_format
     if not isinstance(name, str) or name not in OPENAI_FORMATS:
-        raise CompatError("response_format", f"response_format must be one of {', '.join(OPENAI_FORMATS)}")
+        raise FieldError("response_format", f"response_format must be one of {', '.join(OPENAI_FORMATS)}")
     container, codec, bitrate_bps = OPENAI_FORMATS[name]
     return StreamFormat(container, codec, OPENAI_SAMPLE_RATE_HZ, bitrate_bps)
 
@@ -66,14 +68,14 @@ def elevenlabs_formats() -> list[str]:
     names = sorted(ELEVENLABS_MP3_FORMATS)
     names += [f"opus_{ELEVENLABS_OPUS_RATE_HZ}_{kbps}" for kbps in ELEVENLABS_OPUS_KBPS]
     names += [f"{kind}_{rate}" for kind in ("pcm", "wav") for rate in ELEVENLABS_PCM_RATES_HZ]
-    return names + [f"ulaw_{ELEVENLABS_G711_RATE_HZ}", f"alaw_{ELEVENLABS_G711_RATE_HZ}"]
+    return [*names, f"ulaw_{ELEVENLABS_G711_RATE_HZ}", f"alaw_{ELEVENLABS_G711_RATE_HZ}"]
 
 
 def elevenlabs_format(value: str | None, default: str | None = ELEVENLABS_DEFAULT_FORMAT) -> StreamFormat:
     """ElevenLabs `output_format` (absent: `default`; None there makes the field required)."""
     name = value or default
     if not name:
-        raise CompatError("output_format", "output_format is required")
+        raise FieldError("output_format", "output_format is required")
     match = _ELEVENLABS.match(name)
     if match is None:
         raise _elevenlabs_unknown(name)
@@ -98,8 +100,9 @@ def elevenlabs_format(value: str | None, default: str | None = ELEVENLABS_DEFAUL
     return StreamFormat("raw", "mulaw" if kind == "ulaw" else "alaw", rate)
 
 
-def _elevenlabs_unknown(name: str) -> CompatError:
-    return CompatError("output_format", f"unsupported output_format {name!r}: use one of {', '.join(elevenlabs_formats())}")
+def _elevenlabs_unknown(name: str) -> FieldError:
+    served = ", ".join(elevenlabs_formats())
+    return FieldError("output_format", f"unsupported output_format {name!r}: use one of {served}")
 
 
 # ---- Cartesia ----------------------------------------------------------------------------------------
@@ -121,36 +124,37 @@ def cartesia_format(value: object, *, required: bool) -> StreamFormat:
     endpoints require it, as the API does."""
     if value is None:
         if required:
-            raise CompatError("output_format", "output_format is required")
+            raise FieldError("output_format", "output_format is required")
         return CARTESIA_DEFAULT
     if not isinstance(value, dict):
-        raise CompatError("output_format", "output_format must be an object")
+        raise FieldError("output_format", "output_format must be an object")
     unknown = sorted(set(value) - CARTESIA_FORMAT_FIELDS)
     if unknown:
-        raise CompatError(f"output_format.{unknown[0]}", f"unknown field output_format.{unknown[0]}")
+        raise FieldError(f"output_format.{unknown[0]}", f"unknown field output_format.{unknown[0]}")
     container = value.get("container", "raw")
     rate = value.get("sample_rate", CARTESIA_DEFAULT.sample_rate_hz)
     if isinstance(rate, bool) or not isinstance(rate, int) or rate not in CARTESIA_SAMPLE_RATES_HZ:
         allowed = ", ".join(str(r) for r in CARTESIA_SAMPLE_RATES_HZ)
-        raise CompatError("output_format.sample_rate", f"sample_rate must be one of {allowed} (got {rate!r})")
+        raise FieldError("output_format.sample_rate", f"sample_rate must be one of {allowed} (got {rate!r})")
     if container == "mp3":
         bit_rate = value.get("bit_rate")
         if bit_rate not in CARTESIA_MP3_BITRATES_BPS or isinstance(bit_rate, bool):
             allowed = ", ".join(str(b) for b in CARTESIA_MP3_BITRATES_BPS)
-            raise CompatError("output_format.bit_rate", f"an mp3 output_format needs bit_rate, one of {allowed}")
+            raise FieldError("output_format.bit_rate", f"an mp3 output_format needs bit_rate, one of {allowed}")
         return StreamFormat("mp3", "mp3", rate, clamp_bitrate_bps("mp3", rate, int(bit_rate)))
     if container not in ("raw", "wav"):
-        raise CompatError("output_format.container", f"container must be raw, wav or mp3 (got {container!r})")
+        raise FieldError("output_format.container", f"container must be raw, wav or mp3 (got {container!r})")
     if value.get("bit_rate") is not None:
-        raise CompatError("output_format.bit_rate", f"bit_rate is for mp3 only, not {container}")
+        raise FieldError("output_format.bit_rate", f"bit_rate is for mp3 only, not {container}")
     encoding = value.get("encoding", "pcm_s16le")
     if not isinstance(encoding, str) or encoding not in CARTESIA_ENCODINGS:
-        raise CompatError("output_format.encoding", f"encoding must be one of {', '.join(CARTESIA_ENCODINGS)} (got {encoding!r})")
+        served = ", ".join(CARTESIA_ENCODINGS)
+        raise FieldError("output_format.encoding", f"encoding must be one of {served} (got {encoding!r})")
     codec = CARTESIA_ENCODINGS[encoding]
     try:
         return StreamFormat(container, codec, rate)
     except ValueError as exc:  # mu-law / A-law at a rate other than 8 kHz
-        raise CompatError("output_format.sample_rate", str(exc).split(": ", 1)[-1]) from None
+        raise FieldError("output_format.sample_rate", str(exc).split(": ", 1)[-1]) from None
 
 
 # ---- Deepgram ----------------------------------------------------------------------------------------
@@ -182,28 +186,30 @@ def deepgram_format(params: Mapping[str, str], *, rest: bool) -> StreamFormat:
     linear16 in a WAV container; the WebSocket to raw linear16 and takes linear16/mulaw/alaw only."""
     encoding = params.get("encoding") or "linear16"
     if encoding not in DEEPGRAM_ENCODINGS:
-        raise CompatError("encoding", f"encoding must be one of {', '.join(DEEPGRAM_ENCODINGS)} (got {encoding!r})")
+        raise FieldError("encoding", f"encoding must be one of {', '.join(DEEPGRAM_ENCODINGS)} (got {encoding!r})")
     if not rest and encoding not in DEEPGRAM_STREAMING_ENCODINGS:
-        raise CompatError("encoding", f"the WebSocket serves {', '.join(DEEPGRAM_STREAMING_ENCODINGS)} (got {encoding!r})")
+        served = ", ".join(DEEPGRAM_STREAMING_ENCODINGS)
+        raise FieldError("encoding", f"the WebSocket serves {served} (got {encoding!r})")
     default_container, containers, rates, bitrates = DEEPGRAM_ENCODINGS[encoding]
     if not rest:
         default_container, containers = "none", ("none",)
     container = params.get("container") or default_container
     if container not in containers:
-        raise CompatError("container", f"{encoding} comes in container {' or '.join(containers)} (got {container!r})")
+        raise FieldError("container", f"{encoding} comes in container {' or '.join(containers)} (got {container!r})")
     rate = _positive_int(params, "sample_rate", rates[0])
     if rate not in rates:
-        raise CompatError("sample_rate", f"{encoding} is served at {', '.join(str(r) for r in sorted(rates))} Hz (got {rate})")
+        served = ", ".join(str(r) for r in sorted(rates))
+        raise FieldError("sample_rate", f"{encoding} is served at {served} Hz (got {rate})")
     bitrate_bps: int | None = None
     raw_bitrate = params.get("bit_rate")
     if bitrates is None:
         if raw_bitrate:
-            raise CompatError("bit_rate", f"bit_rate does not apply to {encoding}")
+            raise FieldError("bit_rate", f"bit_rate does not apply to {encoding}")
     else:
         default_bps, low_bps, high_bps = bitrates
         bitrate_bps = _positive_int(params, "bit_rate", default_bps)
         if not low_bps <= bitrate_bps <= high_bps:
-            raise CompatError("bit_rate", f"bit_rate for {encoding} is {low_bps}..{high_bps} (got {bitrate_bps})")
+            raise FieldError("bit_rate", f"bit_rate for {encoding} is {low_bps}..{high_bps} (got {bitrate_bps})")
     out_container, codec = DEEPGRAM_CODECS[encoding]
     if out_container == "raw" and container == "wav":
         out_container = "wav"
@@ -215,6 +221,6 @@ def _positive_int(params: Mapping[str, str], name: str, default: int) -> int:
     if raw is None or raw == "":
         return default
     value = raw.removesuffix(".0")  # the SDK sends floats (24000.0)
-    if not value.isdigit() or int(value) <= 0:
-        raise CompatError(name, f"{name} must be a positive integer (got {raw!r})")
+    if not is_decimal(value) or int(value) <= 0:
+        raise FieldError(name, f"{name} must be a positive integer (got {raw!r})")
     return int(value)

@@ -1,4 +1,4 @@
-"""jambonz custom TTS vendor API: the HTTP form and the streaming WebSocket form. Pure wire format.
+"""jambonz custom TTS vendor API: the HTTP form and the streaming WebSocket form, on the session core.
 
 A jambonz application names this server as a custom speech vendor (portal: a TTS HTTP URL and/or a
 streaming WebSocket URL, and an API key sent as `Authorization: Bearer <key>`).
@@ -15,7 +15,9 @@ server answers `{"type": "connect", "data": {"sample_rate": N, "base64_encoding"
 sends `{"type": "stream", "text"}` pieces, `{"type": "flush"}` (speak what was sent) and
 `{"type": "stop"}` (stop: drop what is not yet played and end the connection), and may send
 `{"type": "keepalive"}`; audio goes back as binary frames of PCM16 LE mono at N Hz. Errors:
-`{"type": "error", "error": message}`.
+`{"type": "error", "error": message}`. One context per connection, opened by the first `stream`: text goes
+into it until `stop` (a barge-in: the context is cancelled, the engine slot freed, the connection closed
+with 1000); a context that ended on its own (busy, failed) is replaced by the next `stream`.
 """
 
 from __future__ import annotations
@@ -23,13 +25,26 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from xml.etree import ElementTree
 
 import orjson
 
 from agent_server.codecs import CODEC_SAMPLE_RATES_HZ, StreamFormat
-from agent_server.compat.common import CompatError, load_object
+from agent_server.compat.common import (
+    PieceJoiner,
+    is_decimal,
+    load_object,
+    make_spec,
+    resolve_language,
+    resolve_voice,
+)
+from agent_server.compat.http_speech import HttpSpeechProtocol, Speech
+from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
+from agent_server.hub import Refusal
+from agent_server.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, SessionState, WireProtocol
+from agent_server.speech import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
+from agent_server.transport import Head
 
 STATUS_BAD_REQUEST = 400
 HTTP_BODY_FIELDS = frozenset({"text", "type", "language", "voice"})
@@ -57,16 +72,18 @@ class SynthRequest:
 
 
 def parse_http(body: object, accept: str | None) -> SynthRequest:
-    """Raises CompatError; `http_error_body` renders it."""
+    """Raises FieldError; `http_error_body` renders it."""
     obj = load_object(body, HTTP_BODY_FIELDS, what="body")
     text, kind = obj.get("text"), obj.get("type", "text")
-    if not isinstance(text, str) or not text.strip():
-        raise CompatError("text", "text is required and must be a non-empty string")
+    if text is not None and not isinstance(text, str):
+        raise FieldError("text", "text must be a string")
+    if text is None or not text.strip():
+        raise empty_message()
     if kind not in ("text", "ssml"):
-        raise CompatError("type", 'type must be "text" or "ssml"')
+        raise FieldError("type", 'type must be "text" or "ssml"')
     for name in ("language", "voice"):
         if obj.get(name) is not None and not isinstance(obj[name], str):
-            raise CompatError(name, f"{name} must be a string")
+            raise FieldError(name, f"{name} must be a string")
     spoken = ssml_text(text) if kind == "ssml" else text
     output, content_type = http_format(accept)
     return SynthRequest(spoken, obj.get("language"), obj.get("voice"), output, content_type)
@@ -84,18 +101,18 @@ def http_format(accept: str | None) -> tuple[StreamFormat, str]:
         if media == L16_TYPE:
             rate = _rate_param(params)
             return StreamFormat("raw", "pcm_s16le", rate), f"{L16_TYPE};rate={rate}"
-    raise CompatError("accept", f"Accept must name audio/mpeg, audio/wav or audio/l16;rate=N (got {accept!r})")
+    raise FieldError("accept", f"Accept must name audio/mpeg, audio/wav or audio/l16;rate=N (got {accept!r})")
 
 
 def _rate_param(params: list[str]) -> int:
     for param in params:
         key, _, value = param.partition("=")
         if key.strip().lower() == "rate":
-            if value.strip().isdigit() and int(value) in PCM_SAMPLE_RATES_HZ:
+            if is_decimal(value.strip()) and int(value) in PCM_SAMPLE_RATES_HZ:
                 return int(value)
             break
     allowed = ", ".join(str(r) for r in PCM_SAMPLE_RATES_HZ)
-    raise CompatError("accept", f"audio/l16 needs rate= one of {allowed}")
+    raise FieldError("accept", f"audio/l16 needs rate= one of {allowed}")
 
 
 def ssml_text(ssml: str) -> str:
@@ -103,15 +120,16 @@ def ssml_text(ssml: str) -> str:
     try:
         root = ElementTree.fromstring(ssml)
     except ElementTree.ParseError as exc:
-        raise CompatError("text", f"the SSML is not well-formed: {exc}") from None
+        raise FieldError("text", f"the SSML is not well-formed: {exc}") from None
     spoken = " ".join(" ".join(root.itertext()).split())
     if not spoken:
-        raise CompatError("text", "the SSML speaks no text")
+        raise FieldError("text", "the SSML speaks no text")
     return spoken
 
 
-def http_error_body(message: str) -> dict[str, Any]:
-    return {"error": message}
+def http_error_body(message: str, code: str = BAD_REQUEST) -> dict[str, Any]:
+    """jambonz reads `error`; `code` is ours (busy, not_ready, text_too_long, ...)."""
+    return {"error": message, "code": code}
 
 
 # ---- WebSocket -----------------------------------------------------------------------------------
@@ -126,9 +144,9 @@ class StreamQuery:
 
 def parse_query(params: Mapping[str, str]) -> StreamQuery:
     raw = params.get("sampleRate") or str(DEFAULT_STREAM_RATE_HZ)
-    if not raw.isdigit() or int(raw) not in PCM_SAMPLE_RATES_HZ:
+    if not is_decimal(raw) or int(raw) not in PCM_SAMPLE_RATES_HZ:
         allowed = ", ".join(str(r) for r in PCM_SAMPLE_RATES_HZ)
-        raise CompatError("sampleRate", f"sampleRate must be one of {allowed} (got {raw!r})")
+        raise FieldError("sampleRate", f"sampleRate must be one of {allowed} (got {raw!r})")
     return StreamQuery(params.get("voice") or None, params.get("language") or None,
                        StreamFormat("raw", "pcm_s16le", int(raw)))
 
@@ -151,24 +169,135 @@ class Message:
 
 
 def parse_message(raw: str | bytes) -> Message:
-    """Raises CompatError; `error_message` renders it (the connection stays open)."""
+    """Raises FieldError; `error_message` renders it (the connection stays open)."""
     if isinstance(raw, bytes):
-        raise CompatError("message", "jambonz sends JSON text frames; binary frames are not taken")
+        raise FieldError("message", "jambonz sends JSON text frames; binary frames are not taken")
     obj = load_object(raw, MESSAGE_FIELDS)
     kind = obj.get("type")
     if kind not in Kind.__members__.values():
-        raise CompatError("type", f"type must be one of {', '.join(k.value for k in Kind)} (got {kind!r})")
-    text = obj.get("text", "")
-    if kind == Kind.STREAM and not isinstance(text, str):
-        raise CompatError("text", "text must be a string")
-    if kind != Kind.STREAM and obj.get("text") is not None:
-        raise CompatError("text", f"a {kind} message carries no text")
-    return Message(Kind(str(kind)), text if kind == Kind.STREAM else "")
+        raise FieldError("type", f"type must be one of {', '.join(k.value for k in Kind)} (got {kind!r})")
+    text = obj.get("text")
+    if kind != Kind.STREAM:
+        if text is not None:
+            raise FieldError("text", f"a {kind} message carries no text")
+        return Message(Kind(str(kind)))
+    if text is None:
+        raise empty_message()
+    if not isinstance(text, str):
+        raise FieldError("text", "text must be a string")
+    return Message(Kind.STREAM, text)
 
 
-def error_message(message: str) -> str:
-    return _json({"type": "error", "error": message})
+def error_message(message: str, code: str = BAD_REQUEST) -> str:
+    """An error (the connection stays open). `code` is ours (busy, rate_limited, text_too_long, ...): jambonz
+    reads `error`."""
+    return _json({"type": "error", "error": message, "code": code})
 
 
 def _json(body: Mapping[str, object]) -> str:
     return orjson.dumps(body).decode()
+
+
+# ---- the protocols -------------------------------------------------------------------------------
+
+JambonzHttpContext = Context[SynthRequest]
+
+
+class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
+    name: ClassVar[str] = "jambonz_http"
+
+    def parse(self, body: bytes) -> Speech[SynthRequest]:
+        session = self.session
+        request = parse_http(body, session.transport.headers.get("accept"))
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice), output_format=request.output,
+                         seed=None, language=resolve_language("language", request.language, session.variant))
+        return Speech(spec, request.text, request)
+
+    def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
+        return status, orjson.dumps(http_error_body(_described(field, message, code), code))
+
+    def head(self, ctx: JambonzHttpContext) -> Head:
+        return Head(200, ctx.state.content_type)
+
+
+STREAM_CONTEXT_ID = "stream"
+JambonzContext = Context[PieceJoiner]  # the context's text, as pieces come
+
+
+class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
+    name: ClassVar[str] = "jambonz"
+
+    def __init__(self, session: Session[PieceJoiner]) -> None:
+        super().__init__(session)
+        self.query: StreamQuery | None = None
+
+    async def on_open(self) -> None:
+        session = self.session
+        try:
+            self.query = parse_query(session.transport.query)
+            resolve_language("language", self.query.language, session.variant)
+        except FieldError as error:
+            self.query = None
+            session.send(error_message(f"{error.field}: {error.message}", error.code))
+            session.close(CLOSE_POLICY, error.message)
+            return
+        session.send(connect_message(self.query))
+
+    def on_refused(self, refusal: Refusal) -> None:
+        self.session.send(error_message(refusal.reason, BUSY))
+
+    def render_error(self, error: FieldError) -> None:
+        code = BUSY if error.busy else error.code
+        self.session.send(error_message(_described(error.field, error.message, code), code))
+
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        session = self.session
+        if self.query is None:
+            return
+        try:
+            parsed = parse_message(message)
+        except FieldError as error:
+            session.reject(error)
+            return
+        ctx = session.contexts.get(STREAM_CONTEXT_ID)
+        if parsed.kind == Kind.STOP:  # barge-in: what is not played yet is dropped; the connection ends
+            if ctx is not None:
+                ctx.stream.cancel()
+            session.close(CLOSE_NORMAL, "stop")
+        elif parsed.kind == Kind.FLUSH:
+            if ctx is not None and ctx.stream.status == StreamStatus.OPEN:
+                ctx.stream.flush(now_s)
+        elif parsed.kind == Kind.STREAM:
+            if ctx is None:
+                ctx = await self._open(self.query)
+                if ctx is None:
+                    return
+            try:
+                await session.push_text(ctx, ctx.state.join(parsed.text), now_s)
+            except StreamStateError as exc:
+                session.reject(FieldError("type", str(exc), "bad_state"))
+
+    async def _open(self, query: StreamQuery) -> JambonzContext | None:
+        session = self.session
+        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.voice), output_format=query.output,
+                         seed=None, language=resolve_language("language", query.language, session.variant))
+        return await session.open_context(STREAM_CONTEXT_ID, spec, PieceJoiner())
+
+    def on_tick(self, now_s: float) -> None:
+        """The drain: a jambonz context has no end of its own (it lives until `stop`), so the input ends
+        here; what was sent is spoken, then the session closes (1001) as every protocol's does."""
+        ctx = self.session.contexts.get(STREAM_CONTEXT_ID)
+        if self.session.state == SessionState.DRAINING and ctx is not None and ctx.stream.status == StreamStatus.OPEN:
+            ctx.stream.end(now_s)
+
+    def render(self, ctx: JambonzContext, event: StreamEvent) -> None:
+        if isinstance(event, AudioOut):
+            self.session.send_audio(ctx, event.payload, event.duration_ms)
+        elif isinstance(event, StreamDone) and event.status in (StreamStatus.BUSY, StreamStatus.FAILED):
+            code = BUSY if event.status == StreamStatus.BUSY else "generation_failed"
+            self.session.send(error_message(event.detail or event.reason, code))
+
+
+def _described(field: str | None, message: str, code: str) -> str:
+    """A bad request names its field; the core's own refusals (limits, busy) say it all."""
+    return f"{field}: {message}" if field and code == BAD_REQUEST else message

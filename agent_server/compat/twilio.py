@@ -10,7 +10,8 @@ stream's `streamSid`), `mark` (a name) and `clear` (drop all buffered audio: bar
 per 20 ms mu-law frame (the encoder is `StreamFormat("raw", "mulaw", 8000, frame_ms=20)`), a `mark` after
 each segment (`<context>:<segment>`), and tracks which marks Twilio has echoed, i.e. which segments the
 caller has heard. A `clear` from the bridge is a barge-in: the context is cancelled and a `clear` goes to
-Twilio so that it drops what it buffered.
+Twilio so that it drops what it buffered. The native protocol's Twilio output mode (agent_server/native.py,
+docs/protocol.md) puts these on the session core.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import CompatError, b64, load_object
+from agent_server.compat.common import b64, load_object
+from agent_server.errors import FieldError
 
 TWILIO_FORMAT = StreamFormat("raw", "mulaw", 8_000, frame_ms=20)  # what Twilio plays: 20 ms = 160 bytes
 TWILIO_ENCODING = "audio/x-mulaw"
@@ -59,41 +61,41 @@ class Incoming:
     digit: str = ""
 
 
-def parse_incoming(raw: str | bytes) -> Incoming:
-    """Raises CompatError (field named) for what is not a well-formed Media Streams message."""
+def parse_incoming(raw: str | bytes | Mapping[str, Any]) -> Incoming:
+    """Raises FieldError (field named) for what is not a well-formed Media Streams message."""
     obj = load_object(raw, EVENT_FIELDS)
     name = obj.get("event")
     if name not in Event.__members__.values():
-        raise CompatError("event", f"event must be one of {', '.join(e.value for e in Event)} (got {name!r})")
+        raise FieldError("event", f"event must be one of {', '.join(e.value for e in Event)} (got {name!r})")
     event = Event(str(name))
     if event == Event.CONNECTED:
         return Incoming(event)
     sid = obj.get("streamSid")
     if not isinstance(sid, str) or not sid:
-        raise CompatError("streamSid", f"a {event} message carries its streamSid")
+        raise FieldError("streamSid", f"a {event} message carries its streamSid")
     if event == Event.START:
         start = _object(obj, "start")
         media_format = start.get("mediaFormat") or {}
         if not isinstance(media_format, dict) or media_format.get("encoding", TWILIO_ENCODING) != TWILIO_ENCODING \
                 or media_format.get("sampleRate", TWILIO_SAMPLE_RATE_HZ) != TWILIO_SAMPLE_RATE_HZ:
-            raise CompatError("start.mediaFormat", f"only {TWILIO_ENCODING} at {TWILIO_SAMPLE_RATE_HZ} Hz is played")
+            raise FieldError("start.mediaFormat", f"only {TWILIO_ENCODING} at {TWILIO_SAMPLE_RATE_HZ} Hz is played")
         params = start.get("customParameters") or {}
         if not isinstance(params, dict) or not all(isinstance(v, str) for v in params.values()):
-            raise CompatError("start.customParameters", "customParameters must map names to strings")
+            raise FieldError("start.customParameters", "customParameters must map names to strings")
         call_sid = start.get("callSid", "")
         return Incoming(event, sid, call_sid if isinstance(call_sid, str) else "", params)
     if event == Event.MEDIA:
         payload = _object(obj, "media").get("payload")
         if not isinstance(payload, str):
-            raise CompatError("media.payload", "media.payload must be base64 text")
+            raise FieldError("media.payload", "media.payload must be base64 text")
         try:
             return Incoming(event, sid, payload=base64.b64decode(payload, validate=True))
         except binascii.Error:
-            raise CompatError("media.payload", "media.payload is not valid base64") from None
+            raise FieldError("media.payload", "media.payload is not valid base64") from None
     if event == Event.MARK:
         mark = _object(obj, "mark").get("name")
         if not isinstance(mark, str) or not mark:
-            raise CompatError("mark.name", "mark.name must be a non-empty string")
+            raise FieldError("mark.name", "mark.name must be a non-empty string")
         return Incoming(event, sid, mark_name=mark)
     if event == Event.DTMF:
         digit = _object(obj, "dtmf").get("digit")
@@ -104,7 +106,7 @@ def parse_incoming(raw: str | bytes) -> Incoming:
 def _object(obj: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     value = obj.get(name)
     if not isinstance(value, dict):
-        raise CompatError(name, f"{name} must be an object")
+        raise FieldError(name, f"{name} must be an object")
     return value
 
 
@@ -133,15 +135,11 @@ class TwilioPlayout:
 
     stream_sid: str
     pending_marks: deque[str] = field(default_factory=deque)  # sent, not yet echoed, in order
-    played_marks: list[str] = field(default_factory=list)  # echoed after playing
-    cleared_marks: list[str] = field(default_factory=list)  # echoed because a clear dropped their audio
-    frames_sent: int = 0
     dropped_pending: int = 0  # marks pending when a clear went out: their echoes are for dropped audio
 
-    def media(self, frames: list[bytes]) -> list[str]:
-        """One `media` message per encoded 20 ms frame, in order."""
-        self.frames_sent += len(frames)
-        return [media_message(self.stream_sid, frame) for frame in frames if frame]
+    def media(self, frame: bytes) -> str:
+        """The `media` message of one encoded 20 ms frame."""
+        return media_message(self.stream_sid, frame)
 
     def segment_end(self, context_id: str, segment_index: int) -> str:
         name = f"{context_id}:{segment_index}"
@@ -157,14 +155,12 @@ class TwilioPlayout:
 
     def on_mark(self, name: str) -> bool:
         """An echo from Twilio. True when it says its segment was played (not dropped by a clear).
-        Raises CompatError for a mark this stream never sent, or out of order."""
+        Raises FieldError for a mark this stream never sent, or out of order."""
         if not self.pending_marks or self.pending_marks[0] != name:
             expected = self.pending_marks[0] if self.pending_marks else "none"
-            raise CompatError("mark.name", f"mark {name!r} was not the next pending mark (expected {expected})")
+            raise FieldError("mark.name", f"mark {name!r} was not the next pending mark (expected {expected})")
         self.pending_marks.popleft()
         if self.dropped_pending:
             self.dropped_pending -= 1
-            self.cleared_marks.append(name)
             return False
-        self.played_marks.append(name)
         return True

@@ -184,8 +184,8 @@ class FakeWebSocket(_FakeClient):
 
 class FakeHttpRequest(_FakeClient):
     def __init__(self, app: Starlette, path: str, body: bytes | object, headers: dict[str, str] | None = None,
-                 method: str = "POST") -> None:
-        super().__init__(app, "http", path, "", {"content-type": "application/json", **(headers or {})})
+                 method: str = "POST", query: str = "") -> None:
+        super().__init__(app, "http", path, query, {"content-type": "application/json", **(headers or {})})
         self.scope["method"] = method
         self.body = body if isinstance(body, bytes) else orjson.dumps(body)
         self.status: int | None = None

@@ -19,11 +19,13 @@ Json = dict[str, Any]
 @dataclass(frozen=True)
 class Driver:
     name: str  # the protocol's label in metrics and logs
+    column: str  # its column in docs/operations.md's behaviour table
     path: str
     query: str = ""
     http: bool = False
     multi: bool = False  # several contexts per session
     greeting: str | None = None  # the "type" of the first message of a session
+    bad_request_status: int = 400  # HTTP: a refused request's status (ElevenLabs answers 422)
 
     def __str__(self) -> str:
         return self.id
@@ -45,12 +47,30 @@ class Driver:
         return ws
 
     def request(self, app: Starlette, text: str | None, headers: dict[str, str] | None = None) -> FakeHttpRequest:
-        body: Json = {"model": "tts-1", "voice": "alloy", "response_format": "pcm"}
-        if text is not None:
-            body["input"] = text
-        request = FakeHttpRequest(app, self.path, body, headers)
+        """One HTTP request of a turn (`text` None: a body without any)."""
+        field, body = HTTP_BODIES[self.name]
+        body = dict(body) | ({} if text is None else {field: text})
+        request = FakeHttpRequest(app, self.path, body, HTTP_HEADERS.get(self.name, {}) | (headers or {}),
+                                  query=self.query)
         request.start()
         return request
+
+    def http_error(self, request: FakeHttpRequest) -> tuple[str, str]:
+        """(the error code, lower case; the message) of an HTTP error response, in the vendor's shape."""
+        body = request.json()
+        if self.name == "openai":
+            code, message = body["error"]["code"], body["error"]["message"]
+        elif self.name == "elevenlabs_http":
+            detail = body["detail"]
+            code, message = (detail[0]["type"], detail[0]["msg"]) if isinstance(detail, list) else (
+                detail["status"], detail["message"])
+        elif self.name == "cartesia_http":
+            code, message = body["error_code"], body["message"]
+        elif self.name == "deepgram_http":
+            code, message = body["err_code"], body["err_msg"]
+        else:  # jambonz
+            code, message = body["code"], body["error"]
+        return str(code).lower(), str(message)
 
     # ---- client messages -------------------------------------------------------------------------
 
@@ -77,6 +97,8 @@ class Driver:
             return [body]
         if self.name == "deepgram":
             return [{"type": "Speak", **({} if text is None else {"text": text})}]
+        if self.name == "jambonz":
+            return [{"type": "stream", **({} if text is None else {"text": text})}]
         raise AssertionError(self.name)
 
     def end(self, cid: str) -> list[Json]:
@@ -90,6 +112,8 @@ class Driver:
             return [{"context_id": cid, "transcript": "", "continue": False}]
         if self.name == "deepgram":
             return [{"type": "Close"}]
+        if self.name == "jambonz":
+            return [{"type": "flush"}]  # jambonz has no end of turn: the context lives until `stop`
         raise AssertionError(self.name)
 
     # ---- what the server says --------------------------------------------------------------------
@@ -119,6 +143,8 @@ class Driver:
         if self.name == "deepgram":
             warning = message.get("type") == "Warning" and message.get("code") == "BUSY"
             return message.get("err_code") == "BUSY" or warning
+        if self.name == "jambonz":
+            return message.get("type") == "error" and message.get("code") == "busy"
         return False
 
     def error_of(self, message: Json) -> tuple[str, str] | None:
@@ -133,16 +159,38 @@ class Driver:
             return message["code"], message["description"]
         if self.name == "deepgram" and message.get("type") == "Error":
             return message["err_code"], message["description"]
+        if self.name == "jambonz" and message.get("type") == "error":
+            return message["code"], message["error"]
         return None
 
 
+# HTTP: (the body field that carries the text, the rest of a minimal body) and headers
+HTTP_BODIES: dict[str, tuple[str, Json]] = {
+    "openai": ("input", {"model": "tts-1", "voice": "alloy", "response_format": "pcm"}),
+    "elevenlabs_http": ("text", {"model_id": "eleven_flash_v2_5"}),
+    "cartesia_http": ("transcript", {"model_id": "sonic-2", "voice": {"mode": "id", "id": "v"},
+                                     "output_format": {"container": "raw", "encoding": "pcm_s16le",
+                                                       "sample_rate": 16_000}}),
+    "deepgram_http": ("text", {}),
+    "jambonz_http": ("text", {"type": "text", "language": "en-US", "voice": "v"}),
+}
+HTTP_HEADERS: dict[str, dict[str, str]] = {"jambonz_http": {"accept": "audio/l16;rate=16000"}}
+
 DRIVERS = [
-    Driver("native", "/v1/stream", multi=True, greeting="session_started"),
-    Driver("elevenlabs", "/v1/text-to-speech/v1/stream-input", "output_format=pcm_16000"),
-    Driver("elevenlabs", "/v1/text-to-speech/v1/multi-stream-input", "output_format=pcm_16000", multi=True),
-    Driver("cartesia", "/tts/websocket", multi=True),
-    Driver("deepgram", "/v1/speak", greeting="Metadata"),
-    Driver("openai", "/v1/audio/speech", http=True),
+    Driver("native", "native", "/v1/stream", multi=True, greeting="session_started"),
+    Driver("elevenlabs", "ElevenLabs stream-input", "/v1/text-to-speech/v1/stream-input", "output_format=pcm_16000"),
+    Driver("elevenlabs", "ElevenLabs multi-stream-input", "/v1/text-to-speech/v1/multi-stream-input",
+           "output_format=pcm_16000", multi=True),
+    Driver("cartesia", "Cartesia", "/tts/websocket", multi=True),
+    Driver("deepgram", "Deepgram", "/v1/speak", greeting="Metadata"),
+    Driver("jambonz", "jambonz", "/v1/jambonz/stream", "sampleRate=16000", greeting="connect"),
+    Driver("openai", "OpenAI HTTP", "/v1/audio/speech", http=True),
+    Driver("elevenlabs_http", "ElevenLabs HTTP", "/v1/text-to-speech/v1/stream", "output_format=pcm_16000",
+           http=True, bad_request_status=422),
+    Driver("cartesia_http", "Cartesia HTTP", "/tts/bytes", http=True),
+    Driver("deepgram_http", "Deepgram HTTP", "/v1/speak", "encoding=linear16&container=none&sample_rate=16000",
+           http=True),
+    Driver("jambonz_http", "jambonz HTTP", "/v1/jambonz/tts", http=True),
 ]
 WEBSOCKET_DRIVERS = [d for d in DRIVERS if not d.http]
 

@@ -6,6 +6,7 @@ skip-on-cancel and what a cancelled context reports, and the slow-client watchdo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,18 @@ import pytest
 
 from agent_server import protocol as wire
 from agent_server.compat.cartesia import CartesiaProtocol
+from agent_server.compat.cartesia_http import CartesiaBytesProtocol
 from agent_server.compat.deepgram import DeepgramProtocol
+from agent_server.compat.deepgram_http import DeepgramSpeakProtocol
 from agent_server.compat.elevenlabs import ElevenLabsProtocol
+from agent_server.compat.elevenlabs_http import ElevenLabsHttpProtocol
+from agent_server.compat.jambonz import JambonzHttpProtocol, JambonzStreamProtocol
 from agent_server.compat.openai_speech import OpenAISpeechProtocol
 from agent_server.native import NativeProtocol
-from agent_server.observers import SessionClosed, SessionOpened
+from agent_server.observers import SessionClosed, SessionOpened, SlowClientDropped
 from agent_server.session import DrainWatch, WireProtocol
 
-from tests.agent_server.fake_asgi import FakeWebSocket, running
+from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.protocol_drivers import DRIVERS, Driver
 from tests.agent_server.test_behaviour import KEY, OTHER_KEY, TEXT, bearer, hold_a_session, make_app
@@ -34,7 +39,12 @@ PROTOCOL_CLASSES: dict[str, type[WireProtocol[Any]]] = {
     "elevenlabs": ElevenLabsProtocol,  # MultiStreamProtocol inherits every hook
     "cartesia": CartesiaProtocol,
     "deepgram": DeepgramProtocol,
+    "jambonz": JambonzStreamProtocol,
     "openai": OpenAISpeechProtocol,
+    "elevenlabs_http": ElevenLabsHttpProtocol,  # the /stream route's class inherits every hook
+    "cartesia_http": CartesiaBytesProtocol,
+    "deepgram_http": DeepgramSpeakProtocol,
+    "jambonz_http": JambonzHttpProtocol,
 }
 HOOKS = ("open", "message", "render", "close", "refused", "tick")
 HOOK_METHODS = {"open": "on_open", "message": "on_message", "render": "render", "close": "on_close",
@@ -89,7 +99,11 @@ def test_a_failure_in_any_hook_of_any_protocol_leaks_nothing(
                 await request.done()
                 await request.finished()
                 assert request.status is not None and request.status >= 400, (request.status, request.content)
-                assert request.json()["error"]["message"]
+                try:
+                    said = driver.http_error(request)[1]  # the vendor's own error shape
+                except (KeyError, TypeError):  # its last words failed: the transport's plain error instead
+                    said = request.json()["error"]["message"]
+                assert said
             else:
                 ws = FakeWebSocket(app, driver.path, driver.query, bearer(KEY))
                 await ws.connect()
@@ -261,3 +275,34 @@ def test_an_off_loop_encoding_stage_keeps_frame_order(tmp_path: Path) -> None:
     seqs, done = run(scenario())
     assert len(seqs) > 4 and seqs == list(range(len(seqs)))  # awaited in queue order, not completion order
     assert done["frames"] == len(seqs) and done["reason"] == "completed"
+
+
+# ---- the encoders falling behind -----------------------------------------------------------------------
+
+
+def test_encoders_that_fall_behind_cut_the_session_as_a_slow_client(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context's encoder lane full (its compressed audio cannot be encoded as fast as it comes): the
+    session is cut as a slow client would be, the engine's work cancelled, nothing leaks."""
+    monkeypatch.setattr("agent_server.speech.MAX_PENDING_ENCODES", 2)
+    engine = FakeEngine(first_chunk_tokens=2, chunk_schedule_tokens=(2,))
+    app, events = make_app(tmp_path, engine, encoder_threads=1)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            gate = threading.Event()
+            hub.encoders.lane(hub.post, max_pending=1, close=lambda: None,
+                              on_error=lambda e: None).submit(gate.wait, lambda _: None)  # its one thread, stuck
+            request = FakeHttpRequest(app, "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": TEXT})
+            request.start()  # mp3, the SDK's default
+            await request.finished()
+            gate.set()
+            assert request.status == 400 and request.json()["error"]["message"] == "slow client: audio not read"
+            assert not hub.sessions
+
+    run(scenario())
+    dropped = [e for e in events if isinstance(e, SlowClientDropped)]
+    assert [e.protocol for e in dropped] == ["openai"]
+    assert engine.cancels
+    closed = [e for e in events if isinstance(e, SessionClosed)]
+    assert [(e.protocol, e.code) for e in closed] == [("openai", 1008)]

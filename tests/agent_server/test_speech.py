@@ -6,6 +6,8 @@ The stream is driven by hand through a `ManualEngine` whose sinks the test calls
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,10 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent_server.audio import OutputFormat
+from agent_server.codecs import StreamEncoder, StreamFormat, make_encoder
+from agent_server.encode_lane import EncoderPool, Lane
 from agent_server.segmenter import Segmenter
 from agent_server.speech import (
     AudioOut,
+    OutputOverflow,
     SegmentDone,
     SegmentStarted,
     SpeechStream,
@@ -44,7 +48,7 @@ from tests.agent_server.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
-PCM24 = OutputFormat.parse("pcm_s16le", 24000, 20)
+PCM24 = StreamFormat("raw", "pcm_s16le", 24_000, frame_ms=20)
 
 
 @dataclass
@@ -95,7 +99,7 @@ def sync_post(fn: Any, *args: Any) -> None:
 
 
 def make_stream(
-    engine: EngineLike, *, seed: int | None = None, max_ahead_s: float = 20.0, fmt: OutputFormat = PCM24
+    engine: EngineLike, *, seed: int | None = None, max_ahead_s: float = 20.0, fmt: StreamFormat = PCM24
 ) -> tuple[SpeechStream, Recorder]:
     recorder = Recorder()
     spec = StreamSpec(
@@ -284,10 +288,166 @@ def test_the_engine_hears_what_the_listener_holds() -> None:
     listener = engine.submitted[0].listener
     assert listener is not None and listener.buffered_s(0.0) is None  # nothing sent yet
     engine.chunk(0, 25)  # 1 s of audio = 50 frames of 20 ms
-    frames = len(rec.of(AudioOut))
-    for _ in range(frames):
-        stream.on_frame_sent(10.0, 20.0)  # 20 ms frames
+    for frame in rec.of(AudioOut):
+        stream.on_frame_sent(10.0, frame.duration_ms)
     assert listener.buffered_s(10.0) == pytest.approx(1.0)  # all of it sent at once, none played yet
     assert listener.buffered_s(10.25) == pytest.approx(0.75)
     engine.event(0, EventKind.GENERATED)
     assert engine.submitted[1].listener is listener  # the next segment sees the same listener
+
+
+# ---- the encode stage: compressed formats on the encoder pool ------------------------------------------
+
+MP3 = StreamFormat("mp3", "mp3", 24_000, 64_000)
+LANE_TEXT = "Well hello there, this is the first sentence. And this is the second one. "
+
+
+async def play_script(engine: ManualEngine, stream: SpeechStream) -> None:
+    """Every segment: chunks, the next one's first chunk held while this one plays, the ends. Engine
+    outputs reach the stream through its `post`; a yield lets posted ones run."""
+    stream.push_text(LANE_TEXT, 0.0)
+    stream.end(0.01)
+    await asyncio.sleep(0)
+    index = 0
+    while index < len(engine.submitted):
+        engine.chunk(index, 12 + index, 0.1 + 0.1 * index)
+        engine.event(index, EventKind.GENERATED)
+        await asyncio.sleep(0)
+        if index + 1 < len(engine.submitted):
+            engine.chunk(index + 1, 5, 0.05)  # held: this segment is still playing
+        engine.chunk(index, 3, 0.2)
+        engine.event(index, EventKind.DONE)
+        await asyncio.sleep(0)
+        index += 1
+
+
+class EndRecorder(Recorder):
+    """A Recorder whose `ended` is set at the stream's StreamDone (create it on the running loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def __call__(self, stream: Stream, event: StreamEvent) -> None:
+        super().__call__(stream, event)
+        if isinstance(event, StreamDone):
+            self.ended.set()
+
+
+def pool_stream(engine: ManualEngine, pool: EncoderPool, emit: Recorder) -> SpeechStream:
+    """An MP3 stream encoding on `pool`, its results coming back on the running loop."""
+    spec = StreamSpec(voice_id="default", params=SamplingParams(), output_format=MP3)
+    stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(),
+                          post=asyncio.get_running_loop().call_soon_threadsafe, emit=emit, encoder_pool=pool)
+    stream.open()
+    return stream
+
+
+def stuck_pool() -> tuple[EncoderPool, threading.Event, Lane]:
+    """A pool of one thread, kept busy until the event is set (by a lane of its own, also returned)."""
+    pool = EncoderPool(workers=1)
+    gate = threading.Event()
+    blocker = pool.lane(asyncio.get_running_loop().call_soon_threadsafe, max_pending=4, close=lambda: None,
+                        on_error=lambda e: None)
+    blocker.submit(gate.wait, lambda _: None)
+    return pool, gate, blocker
+
+
+def without_audio(events: list[StreamEvent]) -> list[StreamEvent]:
+    return [e for e in events if not isinstance(e, AudioOut)]
+
+
+def test_a_compressed_stream_on_the_pool_gives_what_encoding_inline_gives() -> None:
+    """The lane only moves the encoder calls off the loop: the same events, in the same order, with the same
+    timeline (segment offsets, alignment), and the same bytes as the same encoder called inline."""
+    engine = ManualEngine()
+    inline, inline_rec = make_stream(engine, fmt=MP3)
+    asyncio.run(play_script(engine, inline))
+    assert len(engine.submitted) == 3
+    assert isinstance(inline_rec.events[-1], StreamDone) and inline_rec.events[-1].status == StreamStatus.COMPLETED
+
+    async def on_the_pool() -> Recorder:
+        pool = EncoderPool(workers=2)
+        recorder = EndRecorder()
+        lane_engine = ManualEngine()
+        await play_script(lane_engine, pool_stream(lane_engine, pool, recorder))
+        await asyncio.wait_for(recorder.ended.wait(), 10)
+        pool.shutdown()
+        return recorder
+
+    lane_rec = asyncio.run(on_the_pool())
+    assert without_audio(lane_rec.events) == without_audio(inline_rec.events)
+    assert [type(e).__name__ for e in lane_rec.events][-2:] == ["SegmentDone", "StreamDone"]
+    lane_bytes = b"".join(e.payload for e in lane_rec.of(AudioOut))
+    assert lane_bytes == b"".join(e.payload for e in inline_rec.of(AudioOut)) and lane_bytes
+    audio_ms = sum(e.duration_ms for e in lane_rec.of(AudioOut))
+    assert audio_ms == pytest.approx(sum(e.duration_ms for e in inline_rec.of(AudioOut)))
+    assert audio_ms >= (15 + 5 + 16 + 5 + 17) * 40.0  # every token's 40 ms, counted once
+
+
+def test_cancel_cancels_the_lane_and_closes_the_encoder_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    closes: list[str] = []
+
+    def counted_encoder(fmt: StreamFormat) -> StreamEncoder:
+        encoder = make_encoder(fmt)
+        close = encoder.close
+
+        def counted_close() -> None:
+            closes.append("close")
+            close()
+
+        encoder.close = counted_close  # type: ignore[method-assign]
+        return encoder
+
+    monkeypatch.setattr("agent_server.speech.make_encoder", counted_encoder)
+
+    async def main() -> tuple[Recorder, ManualEngine]:
+        pool, gate, blocker = stuck_pool()  # the stream's encoder calls queue behind the blocker
+        engine = ManualEngine()
+        recorder = Recorder()
+        stream = pool_stream(engine, pool, recorder)
+        stream.push_text(LANE_TEXT, 0.0)
+        stream.flush(0.0)
+        engine.chunk(0, 12)
+        engine.chunk(0, 12)
+        await asyncio.sleep(0)  # the chunks reach the stream: their encoder calls queue behind the blocker
+        assert not recorder.of(AudioOut) and not recorder.of(SegmentStarted)
+        assert stream.cancel()
+        gate.set()
+        marker = asyncio.Event()
+        blocker.submit(None, lambda _: marker.set())  # delivered after anything the stream's lane could still do
+        await asyncio.wait_for(marker.wait(), 10)
+        pool.shutdown()  # (waits for the lane's close, which runs on the worker)
+        return recorder, engine
+
+    rec, engine = asyncio.run(main())
+    assert engine.cancelled == [engine.submitted[0].request_id]
+    assert not rec.of(AudioOut)  # nothing encoded after the cancel reached the client
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].status == StreamStatus.CANCELLED
+    assert closes == ["close"]
+
+
+def test_a_full_lane_is_an_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoders cannot keep up: the stream says `OutputOverflow` (the session cuts it as a slow client)
+    and ends; the engine's work is cancelled."""
+    monkeypatch.setattr("agent_server.speech.MAX_PENDING_ENCODES", 3)
+
+    async def main() -> tuple[Recorder, ManualEngine]:
+        pool, gate, _ = stuck_pool()
+        engine = ManualEngine()
+        recorder = EndRecorder()
+        stream = pool_stream(engine, pool, recorder)
+        stream.push_text(LANE_TEXT, 0.0)
+        stream.flush(0.0)
+        for _ in range(5):  # each chunk is an encoder call (the first also its SegmentStarted): the lane fills
+            engine.chunk(0, 2)
+        await asyncio.wait_for(recorder.ended.wait(), 10)
+        gate.set()
+        pool.shutdown()
+        return recorder, engine
+
+    rec, engine = asyncio.run(main())
+    overflows = rec.of(OutputOverflow)
+    assert len(overflows) == 1 and "fell behind" in overflows[0].detail
+    assert isinstance(rec.events[-1], StreamDone) and rec.events[-1].status == StreamStatus.SHUTDOWN
+    assert engine.cancelled == [engine.submitted[0].request_id]

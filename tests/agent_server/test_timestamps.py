@@ -67,7 +67,7 @@ def test_context_relative_input_gives_the_same_timeline() -> None:
 
 
 def test_mismatched_alignment_is_refused() -> None:
-    with pytest.raises(ValueError, match="^alignment:"):
+    with pytest.raises(ValueError, match=r"^alignment:"):
         ContextAlignment().add("abc", [0, 1], [1, 1], 0.0, 3.0, segment_relative=True)
 
 
@@ -148,4 +148,5 @@ def test_pipecat_cartesia_consumer_reads_word_timestamps() -> None:
 def test_relative_to_shifts_everything() -> None:
     seg = SegmentTimes(0, ("a", " "), (100, 150), (150, 150), (WordTime("a", 100, 150),), 90.0, 160.0)
     moved = seg.relative_to(90.0)
-    assert (moved.start_ms, moved.end_ms, moved.words, moved.audio_start_ms) == ((10, 60), (60, 60), (WordTime("a", 10, 60),), 0.0)
+    expected = ((10, 60), (60, 60), (WordTime("a", 10, 60),), 0.0)
+    assert (moved.start_ms, moved.end_ms, moved.words, moved.audio_start_ms) == expected

@@ -1,9 +1,12 @@
-"""A real uvicorn server on 127.0.0.1 with the compat routes (TLS with a certificate made here), the
-FakeEngine behind it, and what the engine produced, to compare the clients' audio with."""
+"""A real uvicorn server on 127.0.0.1 with the compat routes (TLS with a certificate made here; the Riva
+gRPC service on a port of its own), the FakeEngine behind it, and what the engine produced, to compare the
+clients' audio with."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +55,13 @@ class Served:
     def ws(self) -> str:
         return self.live.http_url.replace("http", "ws", 1)
 
+    @property
+    def grpc(self) -> str:
+        """host:port of the gRPC server (Riva)."""
+        port = self.live.hub.settings.grpc_port
+        assert port, "started without grpc=True"
+        return f"127.0.0.1:{port}"
+
     def produced(self, cancelled_ok: bool = False) -> tuple[int, int]:
         """(24 kHz samples the engine produced for the segments it was given, number of segments)."""
         total = 0
@@ -73,13 +83,24 @@ def assert_length(served: Served, n_bytes: int, rate_hz: int, bytes_per_sample: 
     assert expected - 2 <= got <= expected + segments * PAD_PER_SEGMENT_S * rate_hz, (got, expected)
 
 
-def start(tmp_path: Path, tls: tuple[Path, Path] | None = None, **engine_options: object) -> Iterator[Served]:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def start(tmp_path: Path, tls: tuple[Path, Path] | None = None, *, grpc: bool = False, api_keys: tuple[str, ...] = (),
+          **engine_options: object) -> Iterator[Served]:
     engine = FakeEngine(**engine_options)  # type: ignore[arg-type]
-    settings = Settings(data_dir=tmp_path)
+    settings = Settings(data_dir=tmp_path, api_keys=api_keys, grpc_port=free_port() if grpc else 0)
     if tls is not None:
         settings = settings.replace(tls_certfile=str(tls[0]), tls_keyfile=str(tls[1]))
     with live_server(engine, settings, extra_routes=routes()) as live:
         yield Served(live, engine)
+
+
+serving = contextlib.contextmanager(start)  # `with serving(tmp_path, ...) as served:` in a test of its own
 
 
 @pytest.fixture
@@ -97,6 +118,12 @@ def served_tls(tmp_path: Path, tls_cert: tuple[Path, Path], monkeypatch: pytest.
 def served_realtime(tmp_path: Path) -> Iterator[Served]:
     """Audio at the pace of speech, so that a barge-in lands while the engine is still generating."""
     yield from start(tmp_path, realtime_factor=1.0)
+
+
+@pytest.fixture
+def served_grpc_realtime(tmp_path: Path) -> Iterator[Served]:
+    """`served_realtime` with the Riva gRPC service on its own port."""
+    yield from start(tmp_path, grpc=True, realtime_factor=1.0)
 
 
 def pcm16(data: bytes) -> NDArray[Any]:

@@ -11,6 +11,7 @@ import pytest
 from cartesia import Cartesia
 
 from agent_server.audio import mulaw_to_pcm16
+from agent_server.codecs import StreamFormat
 from agent_server.compat import cartesia as ca
 from agent_server.errors import FieldError
 
@@ -96,9 +97,9 @@ def test_parse_request() -> None:
     r = ca.parse_request('{"context_id": "c", "transcript": "hi", "voice": {"mode": "id", "id": "v"}, '
                          '"output_format": {"container": "raw", "encoding": "pcm_alaw", "sample_rate": 8000}, '
                          '"continue": true, "model_id": "sonic-2", "seed": 4}')
-    assert (r.voice_id, r.encoding, r.continue_, r.seed) == ("v", "pcm_alaw", True, 4)
+    assert (r.voice_id, r.output, r.continue_, r.seed) == ("v", StreamFormat("raw", "alaw", 8_000), True, 4)
     assert ca.parse_request('{"context_id": "c", "cancel": true}').cancel
-    for bad in ('{"transcript": "x"}', '{"context_id": "c", "output_format": {"container": "mp3"}}',
+    for bad in ('{"transcript": "x"}', '{"context_id": "c", "output_format": {"container": "ogg"}}',
                 '{"context_id": "c", "output_format": {"encoding": "pcm_mulaw", "sample_rate": 16000}}',
                 '{"context_id": "c", "bogus": 1}'):
         with pytest.raises(FieldError):

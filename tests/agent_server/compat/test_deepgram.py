@@ -12,6 +12,7 @@ from deepgram.environment import DeepgramClientEnvironment
 from deepgram.speak.v1.types import SpeakV1Text
 
 from agent_server.audio import alaw_to_pcm16
+from agent_server.codecs import StreamFormat
 from agent_server.compat import deepgram as dg
 from agent_server.errors import FieldError
 
@@ -101,7 +102,7 @@ def test_clear_is_a_barge_in(served_realtime: Served) -> None:
 
 def test_parse_query_and_messages() -> None:
     q = dg.parse_query({"model": "aura-asteria-en", "encoding": "mulaw", "seed": "3"}, "english")
-    assert (q.output_format.encoding, q.output_format.sample_rate_hz, q.seed) == ("mulaw", 8000, 3)
+    assert (q.output_format, q.seed) == (StreamFormat("raw", "mulaw", 8_000), 3)
     for bad in ({"encoding": "mp3"}, {"encoding": "mulaw", "sample_rate": "16000"}, {"container": "wav"},
                 {"sample_rate": "x"}, {"model": "turbo"}):
         with pytest.raises(FieldError):

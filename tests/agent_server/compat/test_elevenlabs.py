@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 from typing import Any
 
+import av
 import numpy as np
 import pytest
 from elevenlabs.client import ElevenLabs
@@ -16,6 +18,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError
 
 from agent_server.audio import float_to_pcm16
+from agent_server.codecs import StreamFormat
 from agent_server.compat import elevenlabs as el
 from agent_server.errors import FieldError
 
@@ -46,14 +49,25 @@ def test_sdk_realtime_over_tls(served_tls: Served, output_format: str, rate_hz: 
     assert np.abs(pcm16(audio)).max() > 1000  # the FakeEngine's tones, not silence
 
 
+def test_sdk_realtime_with_its_default_format_is_mp3(served_tls: Served) -> None:
+    """`convert_realtime` without `output_format`: the vendor's default, mp3_44100_128, encoded as it comes."""
+    audio = b"".join(sdk(served_tls).text_to_speech.convert_realtime(voice_id=VOICE, text=iter(PIECES)))
+    with av.open(io.BytesIO(audio), "r") as container:
+        stream = container.streams.audio[0]
+        assert stream.codec_context.name in ("mp3", "mp3float") and stream.rate == 44_100
+        seconds = sum(f.samples for f in container.decode(stream)) / stream.rate
+    made_s, segments = served_tls.produced()[0] / 24_000, served_tls.produced()[1]
+    assert made_s - 0.002 <= seconds <= made_s + 0.15 * segments + 0.1
+
+
 def test_sdk_error_in_vendor_shape(served_tls: Served) -> None:
     with pytest.raises(ApiError) as raised:
-        b"".join(
-            sdk(served_tls).text_to_speech.convert_realtime(voice_id=VOICE, text=iter(["Hi there."]))  # mp3 default
-        )
+        b"".join(sdk(served_tls).text_to_speech.convert_realtime(
+            voice_id=VOICE, text=iter(["Hi there."]), output_format="pcm_12345"
+        ))
     assert raised.value.status_code == 1008
     body = raised.value.body  # the error message, or the close reason when the SDK missed it (its recv race)
-    assert "unsupported output_format 'mp3_44100_128'" in (body["message"] if isinstance(body, dict) else body)
+    assert "unsupported output_format 'pcm_12345'" in (body["message"] if isinstance(body, dict) else body)
 
 
 # ---- the documented messages over websockets (multi-stream-input has no SDK client) -----------------
@@ -100,12 +114,19 @@ def test_multi_stream_two_contexts_alignment_and_close_socket(served: Served) ->
         final_at = next(i for i, m in enumerate(messages) if m.get("isFinal") and m["contextId"] == cid)
         assert all(m.get("contextId") == cid for m in messages if m.get("contextId") == cid)
         assert not any(m.get("audio") for m in messages[final_at:] if m.get("contextId") == cid)
-        alignments = [m["alignment"] for m in messages if m.get("alignment") and m["contextId"] == cid]
-        spoken = "".join("".join(a["chars"]) for a in alignments)
+        aligned = [m for m in messages if m.get("alignment") and m["contextId"] == cid]
+        spoken = "".join("".join(m["alignment"]["chars"]) for m in aligned)
         assert spoken.split() == text.split()  # the whole text, one segment after another, words intact
-        for a in alignments:
+        assert len(aligned) > 1
+        end_ms = 0  # where the previous message's alignment ended, in the context's time
+        for m in aligned:
+            a, n = m["alignment"], m["normalizedAlignment"]
             assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
-            assert a["charStartTimesMs"][0] == 0  # relative to the segment (chunk) it covers
+            assert n["chars"] == a["chars"] and n["charDurationsMs"] == a["charDurationsMs"]
+            # alignment: from the message's start (the previous one's end); normalizedAlignment: the context's
+            assert [end_ms + t for t in a["charStartTimesMs"]] == n["charStartTimesMs"]
+            assert n["charStartTimesMs"][0] >= end_ms
+            end_ms = n["charStartTimesMs"][-1] + n["charDurationsMs"][-1]
     total = len(audio_of(messages, "a")) + len(audio_of(messages, "b"))
     assert_length(served, total, 22_050)
 
@@ -184,20 +205,13 @@ def test_stream_input_inactivity_timeout(served: Served) -> None:
 # ---- pure ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "value, encoding, rate",
-    [("pcm_8000", "pcm_s16le", 8000), ("pcm_48000", "pcm_s16le", 48000), ("ulaw_8000", "mulaw", 8000),
-     ("alaw_8000", "alaw", 8000)],
-)
-def test_output_formats(value: str, encoding: str, rate: int) -> None:
-    fmt = el.parse_output_format(value)
-    assert (fmt.encoding, fmt.sample_rate_hz) == (encoding, rate)
-
-
-@pytest.mark.parametrize("value", [None, "mp3_44100_128", "opus_48000_64", "pcm_12345", "ulaw_16000", "pcm"])
-def test_output_formats_refused(value: str | None) -> None:
+def test_output_format_is_the_vendors_with_its_default() -> None:
+    """compat/formats.elevenlabs_format (tests/agent_server/compat/test_formats.py has every name)."""
+    assert el.parse_query({}, "english").output_format == StreamFormat("mp3", "mp3", 44_100, 128_000)
+    ulaw = el.parse_query({"output_format": "ulaw_8000"}, "english").output_format
+    assert ulaw == StreamFormat("raw", "mulaw", 8_000)
     with pytest.raises(FieldError) as raised:
-        el.parse_output_format(value)
+        el.parse_query({"output_format": "pcm_12345"}, "english")
     assert raised.value.field == "output_format"
 
 

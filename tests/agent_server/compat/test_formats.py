@@ -8,7 +8,6 @@ import typing
 import pytest
 
 from agent_server.codecs import StreamFormat, make_encoder
-from agent_server.compat.common import CompatError
 from agent_server.compat.formats import (
     CARTESIA_MP3_BITRATES_BPS,
     CARTESIA_SAMPLE_RATES_HZ,
@@ -18,6 +17,7 @@ from agent_server.compat.formats import (
     elevenlabs_formats,
     openai_format,
 )
+from agent_server.errors import FieldError
 
 
 def literal_values(alias: object) -> list[str]:
@@ -65,10 +65,10 @@ def test_elevenlabs_names(name: str | None, expected: StreamFormat) -> None:
                                   "ulaw_16000", "pcm_16000_1", "flac_44100", "mp3", ""])
 def test_elevenlabs_refusals(name: str) -> None:
     if name == "":
-        with pytest.raises(CompatError) as exc:
+        with pytest.raises(FieldError) as exc:
             elevenlabs_format(name, default=None)
     else:
-        with pytest.raises(CompatError) as exc:
+        with pytest.raises(FieldError) as exc:
             elevenlabs_format(name)
     assert exc.value.field == "output_format"
 
@@ -81,7 +81,7 @@ def test_openai_formats_and_default() -> None:
     assert openai_format("wav") == StreamFormat("wav", "pcm_s16le", 24_000)
     assert openai_format("pcm") == StreamFormat("raw", "pcm_s16le", 24_000)
     for bad in ("ogg", 3, ["mp3"]):
-        with pytest.raises(CompatError) as exc:
+        with pytest.raises(FieldError) as exc:
             openai_format(bad)
         assert exc.value.field == "response_format"
 
@@ -104,7 +104,7 @@ def test_every_cartesia_sdk_combination_is_served() -> None:
             for rate in CARTESIA_SAMPLE_RATES_HZ:
                 spec = {"container": container, "encoding": encoding, "sample_rate": rate}
                 if encoding in ("pcm_mulaw", "pcm_alaw") and rate != 8_000:
-                    with pytest.raises(CompatError) as exc:
+                    with pytest.raises(FieldError) as exc:
                         cartesia_format(spec, required=True)
                     assert exc.value.field == "output_format.sample_rate"
                     continue
@@ -114,7 +114,8 @@ def test_every_cartesia_sdk_combination_is_served() -> None:
         for bit_rate in CARTESIA_MP3_BITRATES_BPS:
             fmt = cartesia_format({"container": "mp3", "sample_rate": rate, "bit_rate": bit_rate}, required=True)
             assert fmt.codec == "mp3" and fmt.bitrate_bps is not None and fmt.bitrate_bps <= bit_rate
-    assert cartesia_format({"container": "mp3", "sample_rate": 8_000, "bit_rate": 192_000}, required=True).bitrate_bps == 64_000
+    clamped = cartesia_format({"container": "mp3", "sample_rate": 8_000, "bit_rate": 192_000}, required=True)
+    assert clamped.bitrate_bps == 64_000
 
 
 @pytest.mark.parametrize(("spec", "field"), [
@@ -122,14 +123,15 @@ def test_every_cartesia_sdk_combination_is_served() -> None:
     ("raw", "output_format"),
     ({"container": "ogg", "encoding": "pcm_s16le", "sample_rate": 24_000}, "output_format.container"),
     ({"container": "mp3", "sample_rate": 24_000}, "output_format.bit_rate"),
-    ({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24_000, "bit_rate": 64_000}, "output_format.bit_rate"),
+    ({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24_000, "bit_rate": 64_000},
+     "output_format.bit_rate"),
     ({"container": "raw", "encoding": "mp3", "sample_rate": 24_000}, "output_format.encoding"),
     ({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 11_025}, "output_format.sample_rate"),
     ({"container": "raw", "encoding": "pcm_s16le", "sample_rate": True}, "output_format.sample_rate"),
     ({"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24_000, "speed": 1}, "output_format.speed"),
 ])
 def test_cartesia_refusals(spec: object, field: str) -> None:
-    with pytest.raises(CompatError) as exc:
+    with pytest.raises(FieldError) as exc:
         cartesia_format(spec, required=True)
     assert exc.value.field == field
 
@@ -174,7 +176,7 @@ def test_deepgram_sdk_encodings_are_all_served_over_rest() -> None:
     ({"encoding": "linear16", "bit_rate": "64000"}, "bit_rate"),
 ])
 def test_deepgram_refusals(params: dict[str, str], field: str) -> None:
-    with pytest.raises(CompatError) as exc:
+    with pytest.raises(FieldError) as exc:
         deepgram_format(params, rest=True)
     assert exc.value.field == field
 
@@ -183,6 +185,6 @@ def test_deepgram_websocket_takes_raw_pcm_and_g711_only() -> None:
     assert deepgram_format({}, rest=False) == StreamFormat("raw", "pcm_s16le", 24_000)
     assert deepgram_format({"encoding": "mulaw"}, rest=False) == StreamFormat("raw", "mulaw", 8_000)
     for params, field in (({"encoding": "mp3"}, "encoding"), ({"container": "wav"}, "container")):
-        with pytest.raises(CompatError) as exc:
+        with pytest.raises(FieldError) as exc:
             deepgram_format(params, rest=False)
         assert exc.value.field == field

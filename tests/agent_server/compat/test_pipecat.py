@@ -1,10 +1,13 @@
-"""Pipecat's TTS services, unmodified, in a minimal pipeline with a barge-in, pointed at our server."""
+"""Pipecat's WebSocket TTS services (and OpenAI's), unmodified, in a minimal pipeline with a barge-in, pointed at
+our server. `assert_barge_in_pipeline` is the scenario; test_pipecat_http.py runs it for the HTTP and gRPC
+services."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
+import aiohttp
 import openai
 import pytest
 
@@ -25,6 +28,8 @@ from pipecat.services.openai.tts import OpenAITTSService
 from pipecat.services.tts_service import TTSService
 from pipecat.tests.utils import SleepFrame, run_test
 
+from synth.api import SegmentRequest
+
 from tests.agent_server.compat.conftest import Served
 from tests.agent_server.fake_engine import FakeEngine
 
@@ -33,27 +38,32 @@ pytestmark = pytest.mark.timeout(60)
 TURN1 = ["Well, ", "let me ", "tell you ", "a rather ", "long story ", "about it. "] * 4
 TURN2 = "Okay, sure thing."
 
-SERVICES: dict[str, tuple[Callable[[Served], TTSService], int]] = {
-    "elevenlabs": (lambda s: ElevenLabsTTSService(
+Factory = Callable[[Served, aiohttp.ClientSession], TTSService]
+SERVICES: dict[str, tuple[Factory, int]] = {
+    "elevenlabs": (lambda s, _: ElevenLabsTTSService(
         api_key="sk", url=s.ws,
         settings=ElevenLabsTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_flash_v2_5")), 16_000),
-    "cartesia": (lambda s: CartesiaTTSService(
+    "cartesia": (lambda s, _: CartesiaTTSService(
         api_key="sk", url=s.ws + "/tts/websocket",
         settings=CartesiaTTSService.Settings(voice="a0e99841-438c-4a64-b679-ae501e7d6091")), 16_000),
-    "deepgram": (lambda s: DeepgramTTSService(
+    "deepgram": (lambda s, _: DeepgramTTSService(
         api_key="dg", base_url=s.ws, settings=DeepgramTTSService.Settings(voice="aura-2-helena-en")), 16_000),
-    "openai": (lambda s: OpenAITTSService(
+    "openai": (lambda s, _: OpenAITTSService(
         api_key="sk", base_url=s.http + "/v1", settings=OpenAITTSService.Settings(voice="alloy"),
         http_client=openai.DefaultAsyncHttpxClient()), 24_000),
 }
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
-    factory, rate_hz = SERVICES[name]
-    engine = served_realtime.engine
+def samples_made(engine: FakeEngine, requests: list[SegmentRequest]) -> int:
+    return sum(len(FakeEngine.expected_tokens(r.text, engine.seed_of(r.request_id))) * 960 for r in requests)
+
+
+def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, turn1: list[str]) -> None:
+    """A turn, a barge-in while it speaks, a second turn: the first turn's engine work is cancelled and its
+    audio stops short; the second is heard whole, at the rate the pipeline asked for."""
+    engine = served.engine
     frames = [
-        LLMFullResponseStartFrame(), *[LLMTextFrame(piece) for piece in TURN1], LLMFullResponseEndFrame(),
+        LLMFullResponseStartFrame(), *[LLMTextFrame(piece) for piece in turn1], LLMFullResponseEndFrame(),
         SleepFrame(sleep=1.2),  # the first audio is out, most of the turn is not
         InterruptionFrame(),
         SleepFrame(sleep=0.3),
@@ -62,14 +72,15 @@ def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
     ]
 
     async def main() -> list[object]:
-        service = factory(served_realtime)
-        try:
-            down, _ = await run_test(service, frames_to_send=frames,
-                                     pipeline_params=PipelineParams(audio_out_sample_rate=rate_hz))
-        finally:
-            client = getattr(service, "_client", None)  # Pipecat never closes the OpenAI client it was given
-            if isinstance(client, openai.AsyncOpenAI):
-                await client.close()
+        async with aiohttp.ClientSession() as http:
+            service = factory(served, http)
+            try:
+                down, _ = await run_test(service, frames_to_send=frames,
+                                         pipeline_params=PipelineParams(audio_out_sample_rate=rate_hz))
+            finally:
+                client = getattr(service, "_client", None)  # Pipecat never closes the OpenAI client it was given
+                if isinstance(client, openai.AsyncOpenAI):
+                    await client.close()
         return list(down)
 
     down = asyncio.run(main())
@@ -78,14 +89,16 @@ def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
     assert engine.cancels, "the barge-in cancelled the engine work of the first turn"
     turn2 = [r for r in engine.submits if r.text.strip() and r.text.strip() in TURN2]
     assert turn2, "the second turn reached the engine"
-    turn2_samples_24k = sum(
-        len(FakeEngine.expected_tokens(r.text, engine.seed_of(r.request_id))) * 960 for r in turn2
-    )
     last_context = audio[-1].context_id
     turn2_bytes = sum(len(f.audio) for f in audio if f.context_id == last_context)
-    expected = turn2_samples_24k * rate_hz / 24_000
-    assert expected - 2 <= turn2_bytes // 2 <= expected + 0.06 * rate_hz * len(turn2)
-    turn1_texts = [r for r in engine.submits if r not in turn2]
-    turn1_full = sum(len(FakeEngine.expected_tokens(r.text, engine.seed_of(r.request_id))) * 960 for r in turn1_texts)
+    expected = samples_made(engine, turn2) * rate_hz / 24_000
+    assert expected - 2 <= turn2_bytes // 2 <= expected + 0.06 * rate_hz * len(turn2), (turn2_bytes // 2, expected)
+    turn1_requests = [r for r in engine.submits if r not in turn2]
     turn1_bytes = sum(len(f.audio) for f in audio if f.context_id != last_context)
-    assert turn1_bytes // 2 < turn1_full * rate_hz / 24_000 / 2, "the first turn's audio stopped at the barge-in"
+    assert turn1_bytes // 2 < samples_made(engine, turn1_requests) * rate_hz / 24_000 / 2, "turn 1 stopped short"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
+    factory, rate_hz = SERVICES[name]
+    assert_barge_in_pipeline(served_realtime, factory, rate_hz, TURN1)

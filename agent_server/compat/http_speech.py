@@ -1,0 +1,209 @@
+"""What every vendor's text-to-speech HTTP endpoint shares, on the session core: one session and one
+context per request (agent_server/transport.py's HttpTransport: the body is the one message).
+
+A vendor module subclasses `HttpSpeechProtocol` and writes only its wire format:
+- `parse(body)`: the request -> `Speech` (the stream spec, the text, the vendor's per-context state),
+  raising FieldError naming the field at fault;
+- `head(ctx)`: the response head; `render_audio`, `render_segment`, `render_completed`: the body;
+- `error_body(status, code, message, field)`: an error in the vendor's shape.
+
+What this class does the same for every vendor:
+- the status line waits for the first audio (or the end of a response with none), so that a request
+  refused before any audio gets a real status: 400 (bad request; a vendor may answer its own, e.g.
+  ElevenLabs' 422), 413 (body too large), 429 (busy, rate limited), 503 (not ready, shutting down,
+  generation failed), 500 (a bug). Once audio went out, a failure ends the body early.
+- the client closing the response cancels the context (barge-in; the engine slot is free at the next
+  step): the session core's teardown does it.
+- the text is pushed through the core (`push_text`: the server's text limits and the key's budget) and
+  the input ended at once.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import ClassVar, Generic
+
+from agent_server.errors import RATE_LIMITED, UNAVAILABLE, FieldError
+from agent_server.hub import Refusal
+from agent_server.session import (
+    CLOSE_GOING_AWAY,
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_TOO_BIG,
+    CLOSE_TRY_AGAIN_LATER,
+    Context,
+    S,
+    Session,
+    WireProtocol,
+)
+from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
+from agent_server.transport import Head
+
+STATUS_BAD_REQUEST = 400
+STATUS_TOO_LARGE = 413
+STATUS_BUSY = 429
+STATUS_INTERNAL = 500
+STATUS_UNAVAILABLE = 503
+JSON = "application/json"
+# A close with no response started yet -> (status, code) of the error the client gets.
+CLOSE_STATUS: dict[int, tuple[int, str]] = {
+    CLOSE_GOING_AWAY: (STATUS_UNAVAILABLE, "shutting_down"),
+    CLOSE_POLICY: (STATUS_BAD_REQUEST, "bad_request"),
+    CLOSE_TOO_BIG: (STATUS_TOO_LARGE, "body_too_large"),
+    CLOSE_TRY_AGAIN_LATER: (STATUS_BUSY, "busy"),
+}
+INTERNAL = (STATUS_INTERNAL, "internal_error")
+
+
+@dataclass(frozen=True, slots=True)
+class Speech(Generic[S]):
+    """One parsed request: what to open, what to say, the vendor's state for the context."""
+
+    spec: StreamSpec
+    text: str
+    state: S
+
+
+class HttpSpeechProtocol(WireProtocol[S]):
+    context_id: ClassVar[str] = "speech"
+
+    def __init__(self, session: Session[S]) -> None:
+        super().__init__(session)
+        self.head_sent = False
+
+    # ---- the vendor's part -------------------------------------------------------------------------
+
+    def parse(self, body: bytes) -> Speech[S]:
+        """The request (its body; the query, path and headers are on `self.session.transport`)."""
+        raise NotImplementedError
+
+    def head(self, ctx: Context[S]) -> Head:
+        raise NotImplementedError
+
+    def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
+        """(status, JSON body) of an error: `status` as this class chose it, or the vendor's own."""
+        raise NotImplementedError
+
+    def render_audio(self, ctx: Context[S], event: AudioOut) -> None:
+        self.session.send_audio(ctx, event.payload, event.duration_ms)
+
+    def render_segment(self, ctx: Context[S], event: SegmentDone) -> None:
+        """A segment's audio is all out (timestamps)."""
+
+    def render_completed(self, ctx: Context[S]) -> None:
+        """The last words of a completed response, after its audio."""
+
+    def render_failed(self, ctx: Context[S], status: int, code: str, message: str) -> None:
+        """The last words of a response that failed after its audio started (then the body ends)."""
+
+    # ---- the request -----------------------------------------------------------------------------
+
+    async def on_message(self, message: str | bytes, now_s: float) -> None:
+        session = self.session
+        if self.head_sent:
+            return
+        try:
+            speech = self.parse(message if isinstance(message, bytes) else message.encode())
+        except FieldError as error:
+            session.reject(error)
+            return
+        ctx = await session.open_context(self.context_id, speech.spec, speech.state)
+        if ctx is None:
+            return
+        if not await session.push_text(ctx, speech.text, now_s):
+            ctx.stream.cancel()
+            return
+        ctx.stream.end(now_s)
+
+    # ---- refusals and errors: a status line while none went out ------------------------------------
+
+    def on_refused(self, refusal: Refusal) -> None:
+        if refusal.unavailable:
+            self._error_response(STATUS_UNAVAILABLE, "not_ready", refusal.reason, None)
+        else:
+            self._error_response(STATUS_BUSY, "busy", refusal.reason, None)
+
+    def render_error(self, error: FieldError) -> None:
+        if self.head_sent:
+            self.session.close(CLOSE_INTERNAL_ERROR, error.message)
+            return
+        field = error.field or None
+        if error.busy and error.code == UNAVAILABLE:
+            self._error_response(STATUS_UNAVAILABLE, "not_ready", error.message, field)
+            self.session.close(CLOSE_GOING_AWAY, error.message)
+        elif error.busy or error.code == RATE_LIMITED:
+            self._error_response(STATUS_BUSY, RATE_LIMITED if error.code == RATE_LIMITED else "busy",
+                                 error.message, field)
+            self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
+        else:
+            self._error_response(STATUS_BAD_REQUEST, error.code, error.message, field)
+            self.session.close(CLOSE_POLICY, error.message)
+
+    def on_close(self, code: int, reason: str) -> None:
+        if not self.head_sent:
+            status, error_code = CLOSE_STATUS.get(code, INTERNAL)
+            self._error_response(status, error_code, reason or error_code, None)
+
+    def _error_response(self, status: int, code: str, message: str, field: str | None) -> None:
+        self.head_sent = True
+        status, body = self.error_body(status, code, message, field)
+        self.session.send(Head(status, JSON))
+        self.session.send(body)
+
+    # ---- the audio ---------------------------------------------------------------------------------
+
+    def _start(self, ctx: Context[S]) -> None:
+        self.head_sent = True
+        self.session.send(self.head(ctx))
+
+    def render(self, ctx: Context[S], event: StreamEvent) -> None:
+        if isinstance(event, AudioOut):
+            if not self.head_sent:
+                self._start(ctx)
+            self.render_audio(ctx, event)
+        elif isinstance(event, SegmentDone):
+            if not self.head_sent:  # a segment without audio: the engine did its work, the answer is 200
+                self._start(ctx)
+            self.render_segment(ctx, event)
+        elif isinstance(event, StreamDone):
+            self._render_done(ctx, event)
+
+    def _render_done(self, ctx: Context[S], event: StreamDone) -> None:
+        session = self.session
+        if event.status == StreamStatus.COMPLETED:
+            if not self.head_sent:
+                self._start(ctx)  # nothing speakable in the input: a body without audio
+            self.render_completed(ctx)
+            session.close(CLOSE_NORMAL, "")
+            return
+        if self.head_sent:  # a failure after audio started ends the body early
+            if event.status != StreamStatus.CANCELLED:
+                status = STATUS_BUSY if event.status == StreamStatus.BUSY else STATUS_UNAVAILABLE
+                self.render_failed(ctx, status, event.reason, event.detail or event.reason)
+            session.close(CLOSE_INTERNAL_ERROR, event.detail or event.reason)
+        elif event.status == StreamStatus.BUSY:
+            self._error_response(STATUS_BUSY, "busy", event.detail or "no free slot", None)
+            session.close(CLOSE_TRY_AGAIN_LATER, event.detail)
+        else:
+            self._error_response(STATUS_UNAVAILABLE, event.reason, event.detail or "generation failed", None)
+            session.close(CLOSE_INTERNAL_ERROR, event.detail)
+
+
+class Base64Stream:
+    """Base64 of a byte stream that arrives in pieces of any length, as pieces of one base64 text
+    (a JSON string written as the audio comes: each piece but the last encodes a multiple of 3 bytes)."""
+
+    def __init__(self) -> None:
+        self._carry = b""
+
+    def push(self, data: bytes) -> bytes:
+        data = self._carry + data
+        whole = len(data) - len(data) % 3
+        self._carry = data[whole:]
+        return base64.b64encode(data[:whole])
+
+    def finish(self) -> bytes:
+        tail, self._carry = self._carry, b""
+        return base64.b64encode(tail)
