@@ -1,6 +1,6 @@
 # The two commands a newcomer needs (see README): `make serve` and `make test`. Both install first.
 ARGS ?=
-.PHONY: install browser-deps scale-deps serve test lint typecheck-synth
+.PHONY: install browser-deps scale-deps serve test lint
 
 install:
 	@bash scripts/install.sh
@@ -23,7 +23,3 @@ test: browser-deps scale-deps lint
 lint: install
 	.venv/bin/python -m mypy
 	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py tests/deploy tests/services.py
-
-# synth/ is typed strict outside its model wrappers (pyproject.toml) but not yet a gate of `make test`
-typecheck-synth: install
-	.venv/bin/python -m mypy synth

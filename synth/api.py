@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Union
 
 import numpy as np
+import numpy.typing as npt
 
 Variant = Literal["english", "turbo", "multilingual"]
 VARIANTS: tuple[Variant, ...] = ("english", "turbo", "multilingual")
@@ -98,7 +99,7 @@ class AudioChunk:
 
     request_id: str
     seq: int  # 0, 1, 2 ... per segment
-    pcm: np.ndarray  # [samples] float32
+    pcm: npt.NDArray[np.float32]  # [samples] float32
     speech_tokens: int  # valid speech tokens this chunk renders (samples == 960 * speech_tokens)
     ready_monotonic_s: float  # time.monotonic() when the engine handed it out
 
@@ -251,7 +252,7 @@ class EngineLike:
     def voice_ids(self) -> list[str]:
         raise NotImplementedError
 
-    def add_voice(self, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> None:
+    def add_voice(self, voice_id: str, wav: npt.NDArray[np.float32], sample_rate_hz: int) -> None:
         """Compute a voice's conditioning from a reference clip (>= 5 s) on the caller's thread. Slow."""
         raise NotImplementedError
 

@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from safetensors.torch import load_file
@@ -120,7 +120,7 @@ def load_checkpoint_dir(directory: Path, variant: Variant, device: torch.device,
 
     t3_state = _read_state(directory / files["t3"])
     if "model" in t3_state:  # same quirk as from_local
-        t3_state = t3_state["model"][0]  # type: ignore[index]
+        t3_state = cast(dict[str, torch.Tensor], t3_state["model"][0])
     size = t3_size_of_state(t3_state)
     t3 = build_t3(variant, size)
     t3.load_state_dict(t3_state)  # strict, as from_local

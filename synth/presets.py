@@ -154,7 +154,7 @@ def write_grapheme_tokenizer(path: Path, vocab_size: int, languages: tuple[str, 
     vocab = _grapheme_vocab(vocab_size, languages)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
     tok.add_special_tokens(_GRAPHEME_SPECIALS + [f"[{lang}]" for lang in languages])
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # type: ignore[arg-type]
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.save(str(path))
 
 
@@ -166,8 +166,8 @@ def write_turbo_tokenizer(directory: Path) -> None:
     byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     byte_vocab["<|endoftext|>"] = len(byte_vocab)
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
-    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                                    unk_token="<|endoftext|>")
     fast.save_pretrained(str(directory))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 
-from synth.linear_bf16w import Bf16WeightLinears
+from synth.linear_bf16w import Bf16WeightLinears, module_bias, module_weight
 from synth.kv_cache import PrefixKV, SlotKVCache
 
 try:  # transformers >= 4.48 keeps it here
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 except ImportError:  # pragma: no cover - older transformers
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # type: ignore[no-redef]
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -91,11 +91,12 @@ class PackedLinears:
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in modules:
-            weight = module.weight.detach()
+            weight = module_weight(module).detach()
             if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
                 weight = weight.t()
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT)
-            bias = None if module.bias is None else module.bias.detach()
+            raw_bias = module_bias(module)
+            bias = None if raw_bias is None else raw_bias.detach()
             self._packed[id(module)] = (packed, bias)
 
     @staticmethod
@@ -110,6 +111,7 @@ class PackedLinears:
 def projections(t3: T3) -> list[torch.nn.Module]:
     """T3's linear layers: every projection of every block, and the speech head."""
     tfmr = t3.tfmr
+    blocks: list[tuple[torch.nn.Module, ...]]
     if t3.is_gpt:
         blocks = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in tfmr.h]
     else:
@@ -257,7 +259,7 @@ class T3Runner:
         return self._lin(self.t3.speech_head, hidden[:, -1])
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
-                    collect: bool = False, capture: bool = False):  # noqa: ANN202
+                    collect: bool = False, capture: bool = False) -> Any:
         """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
         prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
         keys/values to slot `rows` (returning last-position logits per item) or collects and returns them
@@ -278,8 +280,8 @@ class T3Runner:
             if prefix is not None and index is None:
                 blocks.append((prefix, 0))
                 index = len(blocks) - 1
-            if index is not None:
-                blocks[index] = (prefix, max(blocks[index][1], prefix_len))  # type: ignore[arg-type]
+            if prefix is not None and index is not None:
+                blocks[index] = (prefix, max(blocks[index][1], prefix_len))
             block_of_item.append(-1 if index is None else index)
         col_block = torch.cat([torch.full((n,), b, device=dev) for b, (_, n) in enumerate(blocks)] or
                               [torch.zeros(0, dtype=torch.long, device=dev)])
