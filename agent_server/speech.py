@@ -401,6 +401,11 @@ class SpeechStream:
         return len(self._segments)
 
     @property
+    def all_segments_done(self) -> bool:
+        """Every segment cut so far has all of its audio (or was dropped)."""
+        return all(seg.status >= SegmentStatus.DONE for seg in self._segments)
+
+    @property
     def has_unsegmented_text(self) -> bool:
         return self.status == StreamStatus.OPEN and self._segmenter.pending_chars > 0
 

@@ -36,6 +36,7 @@ from agent_server.compat.common import (
     is_decimal,
     load_object,
     make_spec,
+    parse_seed,
     resolve_language,
     resolve_voice,
 )
@@ -140,6 +141,8 @@ class StreamQuery:
     voice: str | None
     language: str | None
     output: StreamFormat  # raw PCM16 at the requested rate
+    seed: int | None  # our extension (`&seed=N` in the streaming URL): seeded audio, served from the phrase cache
+
 
 
 def parse_query(params: Mapping[str, str]) -> StreamQuery:
@@ -148,7 +151,7 @@ def parse_query(params: Mapping[str, str]) -> StreamQuery:
         allowed = ", ".join(str(r) for r in PCM_SAMPLE_RATES_HZ)
         raise FieldError("sampleRate", f"sampleRate must be one of {allowed} (got {raw!r})")
     return StreamQuery(params.get("voice") or None, params.get("language") or None,
-                       StreamFormat("raw", "pcm_s16le", int(raw)))
+                       StreamFormat("raw", "pcm_s16le", int(raw)), parse_seed("seed", params.get("seed") or None))
 
 
 def connect_message(query: StreamQuery) -> str:
@@ -209,8 +212,9 @@ class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
     def parse(self, body: bytes) -> Speech[SynthRequest]:
         session = self.session
         request = parse_http(body, session.transport.headers.get("accept"))
+        seed = parse_seed("seed", session.transport.query.get("seed") or None)  # our extension, as in the stream URL
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice), output_format=request.output,
-                         seed=None, language=resolve_language("language", request.language, session.variant))
+                         seed=seed, language=resolve_language("language", request.language, session.variant))
         return Speech(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
@@ -280,7 +284,7 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
     async def _open(self, query: StreamQuery) -> JambonzContext | None:
         session = self.session
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.voice), output_format=query.output,
-                         seed=None, language=resolve_language("language", query.language, session.variant))
+                         seed=query.seed, language=resolve_language("language", query.language, session.variant))
         return await session.open_context(STREAM_CONTEXT_ID, spec, PieceJoiner())
 
     def on_tick(self, now_s: float) -> None:

@@ -46,10 +46,11 @@ class Driver:
                 ws.received.put_nowait(orjson.dumps(first).decode())
         return ws
 
-    def request(self, app: Starlette, text: str | None, headers: dict[str, str] | None = None) -> FakeHttpRequest:
-        """One HTTP request of a turn (`text` None: a body without any)."""
+    def request(self, app: Starlette, text: str | None, headers: dict[str, str] | None = None,
+                extra: Json | None = None) -> FakeHttpRequest:
+        """One HTTP request of a turn (`text` None: a body without any; `extra`: more body fields)."""
         field, body = HTTP_BODIES[self.name]
-        body = dict(body) | ({} if text is None else {field: text})
+        body = dict(body) | ({} if text is None else {field: text}) | (extra or {})
         request = FakeHttpRequest(app, self.path, body, HTTP_HEADERS.get(self.name, {}) | (headers or {}),
                                   query=self.query)
         request.start()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Wheels for a lent GPU machine (Python 3.12, its own CUDA torch/torchaudio/numpy/scipy/numba, no network):
+# what synth/ imports that its image lacks, pinned as scripts/install.sh pins them, into .whl/ (ignored by git).
+# Left out on purpose: resemble-perth (34 MB watermarker model, never used by synth/; gpu_check.sh puts an
+# empty `perth` module on the path so `import chatterbox` works). tokenizers is pinned to what transformers
+# 5.2.0 accepts (the image's 0.23.2 fails its import-time version check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl \
+    chatterbox-tts==0.1.7 s3tokenizer==0.3.0 transformers==5.2.0 tokenizers==0.22.2 diffusers==0.29.0 \
+    conformer==0.3.2 omegaconf==2.3.0 librosa==0.11.0 audioread soxr pooch decorator pyloudnorm soundfile \
+    cffi pycparser platformdirs
+# antlr4-python3-runtime 4.9.3 (omegaconf's parser) is published as an sdist only: build its pure-Python wheel
+"$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+du -sh .whl
