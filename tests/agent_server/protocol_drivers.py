@@ -11,6 +11,9 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 
+from agent_server.session import Session
+from agent_server.speech import SpeechStream
+
 from tests.agent_server.fake_asgi import RECV_TIMEOUT_S, FakeHttpRequest, FakeWebSocket
 
 Json = dict[str, Any]
@@ -200,7 +203,26 @@ async def speak(driver: Driver, ws: FakeWebSocket, cid: str, text: str) -> list[
     """One whole turn on `ws`: the JSON messages up to its end (Deepgram: up to the close)."""
     for message in driver.turn(cid, text):
         ws.send_json(message)
-    return await until(driver, ws, lambda m: driver.is_turn_done(m, cid))
+    return await until_turn_done(driver, ws, cid)
+
+
+async def until_turn_done(driver: Driver, ws: FakeWebSocket, cid: str) -> list[Json]:
+    """The JSON messages up to the end of the turn on `ws` (Deepgram: up to the close). jambonz has no end of a
+    turn (its context lives until `stop`, and it says nothing): there the flushed turn is over once every
+    segment's audio arrived and the writer sent every frame of it."""
+    if driver.name != "jambonz":
+        return await until(driver, ws, lambda m: driver.is_turn_done(m, cid))
+    hub = ws.app.state.hub
+    async with asyncio.timeout(RECV_TIMEOUT_S):
+        while True:
+            if ws.closed.is_set():
+                return ws.json_messages()
+            streams = [ctx.stream for s in hub.sessions if isinstance(s, Session) and s.protocol_name == "jambonz"
+                       for ctx in s.contexts.values()]
+            if streams and all(isinstance(st, SpeechStream) and st.segment_count > 0 and st.all_segments_done
+                               and st.frames_sent == st.frames_out for st in streams):
+                return ws.json_messages()
+            await asyncio.sleep(0.01)
 
 
 async def until(driver: Driver, ws: FakeWebSocket, done: Any, timeout_s: float = RECV_TIMEOUT_S) -> list[Json]:

@@ -34,7 +34,6 @@ from agent_server.phrase_cache import (
     phrase_key,
 )
 from agent_server.segmenter import Segmenter
-from agent_server.session import Session
 from agent_server.settings import Settings
 from agent_server.speech import (
     AudioOut,
@@ -53,7 +52,7 @@ from tests.agent_server.fake_asgi import FakeHttpRequest, running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import live_server
 from tests.agent_server.native_client import NativeClient
-from tests.agent_server.protocol_drivers import DRIVERS, Driver, Json, until
+from tests.agent_server.protocol_drivers import DRIVERS, Driver, until_turn_done
 from tests.agent_server.test_speech import PCM24, ManualEngine, Recorder, sync_post
 from tests.services import RedisServer, redis_server
 
@@ -238,19 +237,6 @@ SEED = 5
 SEED_IN_QUERY = ("deepgram_http", "jambonz_http")  # the others take it in the JSON body
 
 
-async def jambonz_turn_spoken(app: Starlette, timeout_s: float = 10.0) -> list[Json]:
-    """jambonz has no end of a turn (its context lives until `stop`): the flushed turn is spoken once every
-    segment's audio arrived and the writer sent every frame of it. Returns no messages (jambonz sends none)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            sessions = [s for s in app.state.hub.sessions if isinstance(s, Session)]
-            streams = [ctx.stream for s in sessions for ctx in s.contexts.values()]
-            if streams and all(isinstance(st, SpeechStream) and st.segment_count > 0 and st.all_segments_done
-                               and st.frames_sent == st.frames_out for st in streams):
-                return []
-            await asyncio.sleep(0.01)
-
-
 async def seeded_turn(driver: Driver, app: Starlette, text: str) -> tuple[bytes, list[bool]]:
     """One turn of `text` with seed SEED over `driver`'s protocol: (the audio the client got, as raw bytes of
     its output format; the native `segment_started.cached` flags, [] for the others)."""
@@ -276,10 +262,7 @@ async def seeded_turn(driver: Driver, app: Starlette, text: str) -> tuple[bytes,
         messages[0]["seed"] = SEED
     for message in messages:
         ws.send_json(message)
-    if driver.name == "jambonz":
-        got = await jambonz_turn_spoken(app)
-    else:
-        got = await until(driver, ws, lambda m: driver.is_turn_done(m, "c"))
+    got = await until_turn_done(driver, ws, "c")
     assert not any(driver.is_busy(m) or driver.error_of(m) for m in got), got
     if not ws.closed.is_set():
         ws.disconnect()
