@@ -26,6 +26,7 @@ modules stay untouched and chatterbox's own inference keeps running them as ship
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,17 @@ import torch.nn.functional as F
 # (zero rows and columns) and cut back.
 MIN_GEMM_ROWS = 4
 GEMM_COLUMN_MULTIPLE = 16
+# A batch of one is not always run as a batch: on an AMD EPYC (AVX-512, MKL 2024.2, torch 2.13) a one-matrix
+# `bmm`/`baddbmm` gave other bits than the same matrix in a batch of 2 or more (the Intel machine these kernels
+# were first measured on did not). So a lone matrix is run with a zero companion and cut back: the product costs
+# twice as much for a stream rendered alone, and its bits are the ones it gets in any batch.
+MIN_GEMM_BATCH = 2
+
+
+def _batched(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`op(x)` (a batched GEMM over x's first dim) with at least MIN_GEMM_BATCH matrices in the batch."""
+    batch = x.shape[0]  # the same ops whatever the batch (a zero-width pad when it is big enough)
+    return op(F.pad(x, (0, 0, 0, 0, 0, max(0, MIN_GEMM_BATCH - batch))))[:batch]
 
 
 def _gemm_columns(columns: int) -> int:
@@ -71,10 +83,12 @@ class Linear:
         rows = x3.shape[1]
         if rows < MIN_GEMM_ROWS:
             x3 = F.pad(x3, (0, 0, 0, MIN_GEMM_ROWS - rows))
-        weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
-        y = torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
-        y = y[:, :rows, :self.out_features]
+        y = _batched(self._product, x3)[:, :rows, :self.out_features]
         return y[:, 0] if squeeze else y  # [B, T, out] or [B, out]
+
+    def _product(self, x3: torch.Tensor) -> torch.Tensor:
+        weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
+        return torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
 
     @staticmethod
     def of(module: Any, invariant: bool) -> Linear:
@@ -116,27 +130,30 @@ class Conv1d:
         return (in_len - self.receptive_field) // self.stride + 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        batch, in_len, _ = x.shape
-        out_len = self.out_len(in_len)
+        out_len = self.out_len(x.shape[1])
         if not self.invariant:
             y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
             return y.transpose(1, 2)
         if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
             x = F.pad(x, (0, 0, 0, (MIN_GEMM_ROWS - out_len) * self.stride))
             return self(x)[:, :out_len]
-        span = (out_len - 1) * self.stride + 1
-        out: torch.Tensor | None = None
-        for tap in range(self.kernel):
-            start = tap * self.dilation
-            shifted = x[:, start:start + span:self.stride]  # [B, T_out, C_in], a strided view
-            weight = self.taps[tap].expand(batch, self.in_channels, self._columns)
-            if out is None:
-                out = torch.bmm(shifted, weight) if self._bias_padded is None else \
-                    torch.baddbmm(self._bias_padded, shifted, weight)
-            else:
-                out = torch.baddbmm(out, shifted, weight)
-        assert out is not None
+        out = _batched(self._taps_product, x)
         return out if self._columns == self.out_channels else out[:, :, :self.out_channels]
+
+    def _taps_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over taps of (shifted x) @ tap: [B, T, C_in] -> [B, T_out, C_out'] (T_out >= MIN_GEMM_ROWS)."""
+        batch, in_len, _ = x.shape
+        out_len = self.out_len(in_len)
+        span = (out_len - 1) * self.stride + 1
+        shifted = x[:, 0:span:self.stride]  # [B, T_out, C_in], a strided view
+        weight = self.taps[0].expand(batch, self.in_channels, self._columns)
+        out = torch.bmm(shifted, weight) if self._bias_padded is None else \
+            torch.baddbmm(self._bias_padded, shifted, weight)
+        for tap in range(1, self.kernel):
+            start = tap * self.dilation
+            shifted = x[:, start:start + span:self.stride]
+            out = torch.baddbmm(out, shifted, self.taps[tap].expand(batch, self.in_channels, self._columns))
+        return out
 
 
 class ConvTranspose1d:
@@ -166,7 +183,7 @@ class ConvTranspose1d:
             return y.transpose(1, 2)
         if in_len < MIN_GEMM_ROWS:
             x = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - in_len))
-        taps = torch.bmm(x, self.taps.expand(batch, self.in_channels, self._columns))
+        taps = _batched(lambda xb: torch.bmm(xb, self.taps.expand(xb.shape[0], self.in_channels, self._columns)), x)
         taps = taps[:, :in_len, :self.kernel * self.out_channels]
         taps = taps.reshape(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
         full_len = (in_len - 1) * self.stride + self.kernel
