@@ -171,6 +171,7 @@ class StepProbe:
         self._lock = threading.Lock()
         self._armed = 0
         self._expected = -1
+        self._counted = True
         self._results: list[StepCounts] = []
         self._done = threading.Event()
         engine._step = self._step  # type: ignore[method-assign]
@@ -183,12 +184,20 @@ class StepProbe:
 
     def _step(self) -> None:
         with self._lock:
-            armed, expected = self._armed, self._expected
+            armed, expected, counted = self._armed, self._expected, self._counted
         if not armed or self._running() != expected:
             self._original()
             return
-        with count_step() as counts:
+        if counted:
+            with count_step() as counts:
+                self._original()
+        else:  # timed only: the dispatch mode's own cost stays out of the milliseconds
+            counts = StepCounts()
+            self._synchronize()
+            t0 = time.perf_counter()
             self._original()
+            self._synchronize()
+            counts.ms = (time.perf_counter() - t0) * 1e3
         if self._running() != expected:
             return
         with self._lock:
@@ -197,9 +206,16 @@ class StepProbe:
             if not self._armed:
                 self._done.set()
 
-    def count(self, expected_running: int, steps: int, timeout_s: float = WAIT_S) -> list[StepCounts]:
+    def _synchronize(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def count(self, expected_running: int, steps: int, counted: bool = True,
+              timeout_s: float = WAIT_S) -> list[StepCounts]:
+        """The next `steps` steady steps with `expected_running` segments: counted (ops, transfers) or, with
+        counted=False, only timed (`ms`, CUDA synchronized around the step)."""
         with self._lock:
-            self._results, self._expected, self._armed = [], expected_running, steps
+            self._results, self._expected, self._armed, self._counted = [], expected_running, steps, counted
             self._done.clear()
         if not self._done.wait(timeout_s):
             with self._lock:
@@ -260,9 +276,10 @@ def voices_for(engine: Engine, n_voices: int, prefix: str = "opcount") -> list[s
 
 
 def measure_decode_steps(engine: Engine, n_segments: int, n_voices: int, steps: int = STEPS_TO_COUNT,
-                         probe: StepProbe | None = None, seed: int = 0) -> list[StepCounts]:
+                         probe: StepProbe | None = None, seed: int = 0, timed_steps: int = 0) -> list[StepCounts]:
     """Counts of `steps` steady decode steps of a started engine running `n_segments` segments on `n_voices`
-    distinct voices (segment i on voice i mod n_voices). Every segment is cancelled afterwards.
+    distinct voices (segment i on voice i mod n_voices), then `timed_steps` more steps timed only (returned
+    after the counted ones, with zero counts). Every segment is cancelled afterwards.
 
     A segment that samples EOS before the counted steps (random weights do, rarely) leaves fewer running than
     asked: then the whole measurement is retried with other seeds, up to three times."""
@@ -271,7 +288,7 @@ def measure_decode_steps(engine: Engine, n_segments: int, n_voices: int, steps: 
     try:
         for attempt in range(3):
             try:
-                return _measure_once(engine, probe, n_segments, n_voices, steps, seed + 1000 * attempt)
+                return _measure_once(engine, probe, n_segments, n_voices, steps, timed_steps, seed + 1000 * attempt)
             except _SegmentEnded:
                 continue
         raise RuntimeError(f"segments kept ending before {steps} steps with {n_segments} running could be counted")
@@ -284,7 +301,7 @@ class _SegmentEnded(Exception):
     pass
 
 
-def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: int, steps: int,
+def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: int, steps: int, timed_steps: int,
                   seed: int) -> list[StepCounts]:
     voices = voices_for(engine, n_voices)
     segments = _Segments()
@@ -298,7 +315,8 @@ def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: i
         if segments.ended:
             raise _SegmentEnded
         try:
-            return probe.count(n_segments, steps)
+            counted = probe.count(n_segments, steps)
+            return counted + (probe.count(n_segments, timed_steps, counted=False) if timed_steps else [])
         except TimeoutError:
             if segments.ended:
                 raise _SegmentEnded from None
