@@ -73,7 +73,9 @@ def test_probe_counts_real_decode_steps(probed: tuple[Engine, StepProbe]) -> Non
     engine, probe = probed
     counts = measure_decode_steps(engine, 2, 1, probe=probe)
     assert len(counts) == 3
-    assert min(c.ops for c in counts) > 10 * engine.runner.n_layers
+    cfg = engine.bundle.t3.cfg
+    n_layers = cfg.n_layer if engine.bundle.t3.is_gpt else cfg.num_hidden_layers
+    assert min(c.ops for c in counts) > 10 * n_layers
     assert len({c.ops for c in counts}) == 1, [c.ops for c in counts]
 
 
