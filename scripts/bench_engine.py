@@ -298,7 +298,7 @@ def ops_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                                "device_to_host": worst.device_to_host, "host_to_device": worst.host_to_device,
                                "ms": statistics.median(c.ms for c in timed) if timed else float("nan"),
                                "ops_all_steps": [c.ops for c in counted],
-                               "transfers": dict(worst.transfers)}
+                               "transfers": dict(worst.transfers), "by_op": dict(worst.by_op.most_common())}
                         rows.append(row)
                         print(f"   {n:3d} segments, {n_voices:3d} voices: {row['ops']:6d} ops "
                               f"({row['ops_per_layer']:.1f}/layer)  d2h {row['device_to_host']:3d}  "

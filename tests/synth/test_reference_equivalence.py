@@ -16,6 +16,16 @@ attention that depends on positions), and each segment is checked three ways:
    (see its docstring: the one place this file knows about the engine's insides).
 
 Only the public Engine / ModelBundle API and the presets are used otherwise, so the file runs on any engine.
+
+Bugs injected into the engine of main to check that these tests see them (each failed the tests named; on the
+flat tiny preset the first four changed no sampled token):
+- CFG weight x0.9 (sample_llama): tokens, support and distributions, English and Multilingual;
+- RoPE / position id +1 on decode steps: all three tests, all three variants (Turbo through GPT-2's wpe);
+- the uncond row missing one text key (prefill and decode): all three, English and Multilingual;
+- Turbo's BOS penalty kept after the first token: distributions (Turbo) only: it moves no sampled token;
+- repetition penalty dropped: tokens (English, Turbo), support (English), distributions (all three);
+- min_p ignored, top_p ignored (Llama sampler): all three, English and Multilingual;
+- make_peaky_ a no-op: test_the_preset_is_peaky, all three variants.
 """
 
 from __future__ import annotations
