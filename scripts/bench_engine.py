@@ -295,13 +295,16 @@ def ops_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                         worst = max(counted, key=lambda c: (c.ops, c.host_syncs))
                         row = {"variant": v, "size": size, "segments": n, "voices": n_voices, "ops": worst.ops,
                                "ops_per_layer": round(worst.ops / _n_layers(bundle), 1),
+                               "kernel_ops": worst.kernel_ops,
+                               "kernel_ops_per_layer": round(worst.kernel_ops / _n_layers(bundle), 1),
                                "device_to_host": worst.device_to_host, "host_to_device": worst.host_to_device,
                                "ms": statistics.median(c.ms for c in timed) if timed else float("nan"),
                                "ops_all_steps": [c.ops for c in counted],
                                "transfers": dict(worst.transfers), "by_op": dict(worst.by_op.most_common())}
                         rows.append(row)
                         print(f"   {n:3d} segments, {n_voices:3d} voices: {row['ops']:6d} ops "
-                              f"({row['ops_per_layer']:.1f}/layer)  d2h {row['device_to_host']:3d}  "
+                              f"({row['ops_per_layer']:.1f}/layer, {row['kernel_ops']} not views)  "
+                              f"d2h {row['device_to_host']:3d}  "
                               f"h2d {row['host_to_device']:3d}  {row['ms']:8.2f} ms/step", flush=True)
             finally:
                 probe.close()
@@ -326,11 +329,11 @@ def ops_in_checkout(label: str, path: Path, args: argparse.Namespace) -> list[di
 
 
 def print_ops_table(rows: list[dict[str, Any]]) -> None:
-    print("\ncheckout  variant       size  segments  voices    ops  ops/layer  d2h  h2d    ms/step")
+    print("\ncheckout  variant       size  segments  voices    ops  ops/layer  kernel_ops/layer  d2h  h2d    ms/step")
     for r in rows:
         print(f"{r.get('checkout', 'this'):8s}  {r['variant']:12s}  {r['size']:4s}  {r['segments']:8d}  "
-              f"{r['voices']:6d}  {r['ops']:5d}  {r['ops_per_layer']:9.1f}  {r['device_to_host']:3d}  "
-              f"{r['host_to_device']:3d}  {r['ms']:9.2f}")
+              f"{r['voices']:6d}  {r['ops']:5d}  {r['ops_per_layer']:9.1f}  {r['kernel_ops_per_layer']:16.1f}  "
+              f"{r['device_to_host']:3d}  {r['host_to_device']:3d}  {r['ms']:9.2f}")
 
 
 def run_ops(args: argparse.Namespace, report: dict[str, Any]) -> None:

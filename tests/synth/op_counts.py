@@ -4,7 +4,10 @@ On a GPU every aten op is a kernel launch (~5-10 us of host time) and every tran
 is a stall, so these counts are what a decode step costs on an H200 whatever the CPU says about milliseconds.
 They are counted on any device (the CPU included) by a `TorchDispatchMode` over one `Engine._step` call:
 
-- `ops`: every aten op the step dispatches (the model, sampling, bookkeeping).
+- `ops`: every aten op the step dispatches (the model, sampling, bookkeeping); `view_ops` of them are views
+  (metadata only, no kernel on a GPU), so `kernel_ops = ops - view_ops` is closer to launches. How many views
+  a composite op (matmul, reshape, indexing) dispatches depends on shapes and strides: compare `ops` between
+  steps of one shape (one bucket), not across shapes.
 - `device_to_host`: reads of device values on the host: `aten._local_scalar_dense` (`.item()`, `int(t)`,
   `bool(t)`), `Tensor.tolist()` and `Tensor.numpy()` calls, and copies from a non-CPU device to the CPU.
 - `host_to_device`: tensors made from host (Python) data, `aten.lift_fresh` (`torch.tensor(list)`,
@@ -53,11 +56,16 @@ _COPIES = ("aten._to_copy", "aten.copy_", "aten.to")
 @dataclass
 class StepCounts:
     ops: int = 0
+    view_ops: int = 0
     device_to_host: int = 0
     host_to_device: int = 0
     by_op: Counter[str] = field(default_factory=Counter)
     transfers: Counter[str] = field(default_factory=Counter)  # what each transfer was, for the failure message
     ms: float = 0.0  # wall time of the counted step (slowed by the counting itself: use uncounted steps for ms)
+
+    @property
+    def kernel_ops(self) -> int:
+        return self.ops - self.view_ops
 
     @property
     def host_syncs(self) -> int:
@@ -96,6 +104,7 @@ class _StepCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return func(*args, **kwargs)
         name = str(func.overloadpacket)
         self.counts.ops += 1
+        self.counts.view_ops += int(bool(getattr(func, "is_view", False)))
         self.counts.by_op[name] += 1
         if name == _LOCAL_SCALAR:
             self.note("d2h", "item")

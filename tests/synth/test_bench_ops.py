@@ -29,6 +29,7 @@ def test_bench_engine_ops_on_tiny_weights(tmp_path: Path) -> None:
         assert row["checkout"] == "this" and row["size"] == "tiny"
         assert row["ops"] > 20 * 2  # two tiny layers, each well over 20 ops
         assert row["ops_per_layer"] == pytest.approx(row["ops"] / 2, abs=0.05)
+        assert 0 < row["kernel_ops"] < row["ops"]
         assert row["device_to_host"] >= 1  # the sampled ids come back, whatever the engine
         assert row["ms"] > 0
     assert "ops/layer" in proc.stdout

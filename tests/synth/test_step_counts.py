@@ -58,6 +58,9 @@ def test_counter_counts_ops_and_each_kind_of_transfer() -> None:
     assert counts.device_to_host == 2 and counts.host_to_device == 1
     assert counts.by_op["aten.mul"] == 1 and counts.by_op["aten.sum"] == 1
     assert counts.ops >= 4
+    with count_step() as views:
+        x.view(2, 3).t()  # two views, no kernel
+    assert views.ops == 2 and views.view_ops == 2 and views.kernel_ops == 0
 
 
 def test_counter_is_off_outside_its_block() -> None:
