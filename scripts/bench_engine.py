@@ -12,30 +12,53 @@ once per variant (over --sequential-segments segments) and every speedup is rela
 Prints a table and writes JSON (`speedup`: segments -> aggregate tokens/s relative to sequential).
 
     python scripts/bench_engine.py --threads 2 --ttfa-threads 1 --out out/bench_engine.json
+
+`--ops` measures instead what one steady decode step costs the host (issue 14): aten ops dispatched, device->host
+reads and host->device transfers (tests/synth/op_counts.py, counted over `Engine._step`), and ms per step
+(uncounted steps; CUDA synchronized around each), for each variant and preset size at N segments on 1 voice and
+on N distinct voices. `--repo LABEL=PATH` runs the same measurement against another checkout's `synth` (a
+subprocess with that checkout first on sys.path), so before/after sit in one table:
+
+    python scripts/bench_engine.py --ops --ops-sizes tiny full --repo main=/work/main --out out/ops.json
+    python scripts/bench_engine.py --ops --device cuda --dtype bfloat16 --out out/ops_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
+import os
 import platform
+import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Iterator
+from types import ModuleType
+from typing import Any
 
 import torch
 
-from synth import default_voice, linear_bf16w
-from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant
-from synth.engine import Engine
-from synth.loading import ModelBundle, load_models
-from synth.request import SPEECH_VOCAB_SIZE
-from synth.t3_runner import T3Runner, projections
-from synth.text import text_token_ids
+# The `synth` measured: this checkout's, or (--repo) the one a parent run names in SYNTH_ROOT_ENV. The venv's
+# editable install points at one fixed checkout, so the path goes first either way.
+SYNTH_ROOT_ENV = "BENCH_ENGINE_SYNTH_ROOT"
+THIS_REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.environ.get(SYNTH_ROOT_ENV) or str(THIS_REPO))
+
+from synth import default_voice, linear_bf16w  # noqa: E402
+from synth.api import AudioChunk, EngineConfig, EventKind, SamplingParams, SegmentEvent, SegmentRequest, Variant  # noqa: E402
+from synth.engine import Engine  # noqa: E402
+from synth.loading import ModelBundle, load_models  # noqa: E402
+from synth.request import SPEECH_VOCAB_SIZE  # noqa: E402
+from synth.t3_runner import T3Runner, projections  # noqa: E402
+from synth.text import text_token_ids  # noqa: E402
 
 TEXTS = [
     "Thanks for calling, how can I help you today?",
@@ -93,7 +116,7 @@ def run_batched(engine: Engine, n_segments: int, n_tokens: int, tag: str) -> tup
     engine.set_stats_listener(lambda s: step_ms.append(s.decode_ms) if s.decode_rows else None)
     defaults = SamplingParams.defaults(engine.variant)
 
-    def sink_for(i: int):  # noqa: ANN202
+    def sink_for(i: int) -> Callable[[Any], None]:
         def sink(out: Any) -> None:
             if isinstance(out, SegmentEvent) and out.kind == EventKind.GENERATED:
                 with lock:
@@ -135,7 +158,8 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int, cpu_weights: str = "
         marks: dict[str, float] = {}
         generated: list[int] = []
 
-        def sink(out: Any) -> None:
+        def sink(out: Any, marks: dict[str, float] = marks, first_chunk: threading.Event = first_chunk,
+                 generated: list[int] = generated, finished: threading.Event = finished) -> None:
             if isinstance(out, AudioChunk) and "chunk" not in marks:
                 marks["chunk"] = out.ready_monotonic_s
                 marks["chunk_tokens"] = out.speech_tokens
@@ -165,7 +189,8 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int, cpu_weights: str = "
                       "dropped_ids_before_first_chunk": dropped,
                       "median_decode_step_ms": decode_ms[len(decode_ms) // 2],
                       "first_render_ms": steps[k].vocoder_ms,
-                      "s3gen_ms_per_audio_s": sum(st.vocoder_ms for st in steps) / max(sum(st.audio_s for st in steps), 1e-9),
+                      "s3gen_ms_per_audio_s": (sum(st.vocoder_ms for st in steps)
+                                               / max(sum(st.audio_s for st in steps), 1e-9)),
                       "audio_s": sum(st.audio_s for st in steps)}
             # Random weights sample ids >= 6561 (dropped before S3Gen) far more often than a trained model,
             # which emits none but EOS: the same run with those steps taken out (an estimate, labelled so).
@@ -220,6 +245,108 @@ def throughput(bundle: ModelBundle, args: argparse.Namespace) -> dict[str, Any]:
     return entry
 
 
+# --- --ops: what one decode step costs the host ------------------------------------------------------------
+
+OPS_CONTEXT_TOKENS = 128  # KV positions per slot: the text, the BOS block, admission and the measured steps fit
+
+
+def _load_op_counts() -> ModuleType:
+    """tests/synth/op_counts.py of THIS checkout (by path: with --repo, `tests` on sys.path is the other one's)."""
+    path = THIS_REPO / "tests" / "synth" / "op_counts.py"
+    spec = importlib.util.spec_from_file_location("bench_op_counts", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _n_layers(bundle: ModelBundle) -> int:
+    cfg = bundle.t3.cfg
+    return int(cfg.n_layer if bundle.t3.is_gpt else cfg.num_hidden_layers)
+
+
+def ops_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (size, variant, segments, voices): ops, transfers and ms per steady decode step."""
+    op_counts = _load_op_counts()
+    rows: list[dict[str, Any]] = []
+    for size in args.ops_sizes:
+        for variant in args.variants:
+            v: Variant = variant
+            segments = args.ops_turbo_segments if v == "turbo" else args.ops_segments
+            print(f"== ops: {v}/{size} on {args.device} ({args.dtype}), segments {segments}", flush=True)
+            bundle = load_models(v, f"random-{size}", args.device)
+            engine = Engine(bundle, EngineConfig(variant=v, device=args.device, dtype=args.dtype,
+                                                 max_slots=max(segments), max_context_tokens=args.ops_context,
+                                                 decode_threads=args.threads),
+                            render_audio=False)
+            engine.voices.add(default_voice(bundle))
+            engine.start()
+            if not engine.wait_ready(1800):
+                raise RuntimeError(f"engine not ready: {engine.failure}")
+            probe = op_counts.StepProbe(engine)
+            try:
+                for n in segments:
+                    for n_voices in sorted({1, n}):
+                        steps = op_counts.measure_decode_steps(engine, n, n_voices, steps=args.ops_steps, probe=probe,
+                                                               timed_steps=args.ops_timed_steps)
+                        counted, timed = steps[:args.ops_steps], steps[args.ops_steps:]
+                        worst = max(counted, key=lambda c: (c.ops, c.host_syncs))
+                        row = {"variant": v, "size": size, "segments": n, "voices": n_voices, "ops": worst.ops,
+                               "ops_per_layer": round(worst.ops / _n_layers(bundle), 1),
+                               "kernel_ops": worst.kernel_ops,
+                               "kernel_ops_per_layer": round(worst.kernel_ops / _n_layers(bundle), 1),
+                               "device_to_host": worst.device_to_host, "host_to_device": worst.host_to_device,
+                               "ms": statistics.median(c.ms for c in timed) if timed else float("nan"),
+                               "ops_all_steps": [c.ops for c in counted],
+                               "transfers": dict(worst.transfers), "by_op": dict(worst.by_op.most_common())}
+                        rows.append(row)
+                        print(f"   {n:3d} segments, {n_voices:3d} voices: {row['ops']:6d} ops "
+                              f"({row['ops_per_layer']:.1f}/layer, {row['kernel_ops']} not views)  "
+                              f"d2h {row['device_to_host']:3d}  "
+                              f"h2d {row['host_to_device']:3d}  {row['ms']:8.2f} ms/step", flush=True)
+            finally:
+                probe.close()
+                engine.stop()
+            del engine, bundle
+    return rows
+
+
+def ops_in_checkout(label: str, path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same --ops measurement run against the `synth` of the checkout at `path` (a subprocess)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ops.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--ops", "--variants", *args.variants,
+                "--ops-sizes", *args.ops_sizes, "--ops-segments", *map(str, args.ops_segments),
+                "--ops-turbo-segments", *map(str, args.ops_turbo_segments), "--ops-steps", str(args.ops_steps),
+                "--ops-timed-steps", str(args.ops_timed_steps), "--ops-context", str(args.ops_context),
+                "--device", args.device, "--dtype", args.dtype, "--threads", str(args.threads), "--out", str(out)]
+        print(f"== ops against {label} ({path})", flush=True)
+        subprocess.run(argv, check=True, cwd=path, env={**os.environ, SYNTH_ROOT_ENV: str(path)})
+        rows: list[dict[str, Any]] = json.loads(out.read_text())["ops"]
+    return rows
+
+
+def print_ops_table(rows: list[dict[str, Any]]) -> None:
+    print("\ncheckout  variant       size  segments  voices    ops  ops/layer  kernel_ops/layer  d2h  h2d    ms/step")
+    for r in rows:
+        print(f"{r.get('checkout', 'this'):8s}  {r['variant']:12s}  {r['size']:4s}  {r['segments']:8d}  "
+              f"{r['voices']:6d}  {r['ops']:5d}  {r['ops_per_layer']:9.1f}  {r['kernel_ops_per_layer']:16.1f}  "
+              f"{r['device_to_host']:3d}  {r['host_to_device']:3d}  {r['ms']:9.2f}")
+
+
+def run_ops(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    rows = [{**r, "checkout": args.label} for r in ops_rows(args)]
+    for spec in args.repo:
+        label, _, path = spec.partition("=")
+        if not path:
+            raise SystemExit(f"--repo wants LABEL=PATH, not {spec!r}")
+        rows += [{**r, "checkout": label} for r in ops_in_checkout(label, Path(path).resolve(), args)]
+    report["ops"] = rows
+    print_ops_table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=["english", "turbo"])
@@ -238,6 +365,16 @@ def main() -> None:
     parser.add_argument("--ttfa-only", action="store_true", help="only the time-to-first-audio run")
     parser.add_argument("--weights", default="random-full", help="random-full (default) or random-tiny for a smoke run")
     parser.add_argument("--out", type=Path, default=Path("out/bench_engine.json"))
+    parser.add_argument("--ops", action="store_true", help="ops, host transfers and ms per decode step instead")
+    parser.add_argument("--ops-sizes", nargs="+", choices=["tiny", "full"], default=["tiny", "full"])
+    parser.add_argument("--ops-segments", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--ops-turbo-segments", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--ops-steps", type=int, default=2, help="counted steps per measurement")
+    parser.add_argument("--ops-timed-steps", type=int, default=3, help="uncounted, timed steps per measurement")
+    parser.add_argument("--ops-context", type=int, default=OPS_CONTEXT_TOKENS, help="KV positions per slot")
+    parser.add_argument("--label", default="this", help="--ops: this checkout's name in the table")
+    parser.add_argument("--repo", action="append", default=[], metavar="LABEL=PATH",
+                        help="--ops: also measure the checkout at PATH (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -247,6 +384,12 @@ def main() -> None:
                                           "device": args.device, "dtype": args.dtype,
                                           "cpu_weights": args.cpu_weights},
                               "tokens_per_segment": args.tokens, "variants": {}}
+    if args.ops:
+        run_ops(args, report)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+        return
     for variant in args.variants:
         v: Variant = variant
         print(f"== {v}: loading weights ({args.weights})", flush=True)

@@ -9,21 +9,19 @@ chatterbox's `from_local` reads a downloaded one, so tests exercise the real loa
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.llama_configs import LLAMA_CONFIGS
 from chatterbox.models.t3.modules.perceiver import Perceiver
 from chatterbox.models.t3.modules.t3_config import T3Config
 from chatterbox.models.voice_encoder import VoiceEncoder
+from safetensors.torch import save_file
 
 from synth.api import Variant
 
@@ -122,6 +120,65 @@ def build_t3(variant: Variant, size: Size, backbone: str | None = None) -> T3:
     return t3.eval()
 
 
+# --- the peaky tiny preset ---------------------------------------------------------------------------------
+# Random init leaves a tiny T3 nearly flat: HF inits the projections with std 0.02 and the learned positions with
+# 0.01-0.02, so attention is uniform (positions and RoPE cannot matter), the blocks add almost nothing to the
+# residual stream and the head's logits have std ~0.6. A wrong position id, a 10 % wrong CFG weight, a missing
+# uncond key or a dropped penalty then changes no sampled token. `make_peaky_` rescales the same random weights
+# (no new randomness: deterministic in the preset's seed) so that:
+#   - every projection has output rows of norm PEAKY_PROJECTION_GAIN (the blocks write O(1) into the residual);
+#   - queries and keys rows of norm sqrt(PEAKY_SCORE_STD): attention scores have std ~PEAKY_SCORE_STD, so which
+#     key sits at which position (RoPE, GPT-2's wpe) changes the output;
+#   - learned text/speech/GPT-2 positions have std PEAKY_POSITION_STD (comparable to the token embeddings);
+#   - the speech head's rows have norm PEAKY_LOGIT_STD: logits of std ~3 over the speech vocabulary, so the
+#     top tokens carry real mass and min_p / top_p / the repetition penalty / CFG move the sample.
+PEAKY_LOGIT_STD = 3.0
+PEAKY_SCORE_STD = 3.0
+PEAKY_PROJECTION_GAIN = 1.0
+PEAKY_POSITION_STD = 1.0
+
+
+def _rescale_rows_(weight: torch.Tensor, row_norm: float, out_dim: int) -> None:
+    """Scale `weight` in place so its output rows (dimension `out_dim`) have RMS norm `row_norm` over inputs."""
+    in_dim = 1 - out_dim
+    rms = weight.pow(2).sum(dim=in_dim).mean().sqrt()
+    weight.mul_(row_norm / rms)
+
+
+def _rescale_std_(weight: torch.Tensor, std: float) -> None:
+    weight.mul_(std / weight.std())
+
+
+@torch.no_grad()
+def make_peaky_(t3: T3) -> T3:
+    """Rescale a (tiny) random T3's weights in place so its next-token distribution is sharply peaked and
+    positions matter (see PEAKY_*); works on Llama (English, Multilingual) and GPT-2 (Turbo) backbones."""
+    score_gain = PEAKY_SCORE_STD ** 0.5
+    tfmr = t3.tfmr
+    if t3.is_gpt:
+        dim = t3.cfg.n_embd
+        for block in tfmr.h:
+            c_attn = block.attn.c_attn.weight  # Conv1D: [in, 3*dim], columns (q | k | v)
+            for part, gain in ((0, score_gain), (1, score_gain), (2, PEAKY_PROJECTION_GAIN)):
+                _rescale_rows_(c_attn[:, part * dim:(part + 1) * dim], gain, out_dim=1)
+            for conv in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                _rescale_rows_(conv.weight, PEAKY_PROJECTION_GAIN, out_dim=1)
+        _rescale_std_(tfmr.wpe.weight, PEAKY_POSITION_STD)
+    else:
+        for layer in tfmr.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear, gain in ((attn.q_proj, score_gain), (attn.k_proj, score_gain),
+                                 (attn.v_proj, PEAKY_PROJECTION_GAIN), (attn.o_proj, PEAKY_PROJECTION_GAIN),
+                                 (mlp.gate_proj, PEAKY_PROJECTION_GAIN), (mlp.up_proj, PEAKY_PROJECTION_GAIN),
+                                 (mlp.down_proj, PEAKY_PROJECTION_GAIN)):
+                _rescale_rows_(linear.weight, gain, out_dim=0)
+    if t3.hp.input_pos_emb == "learned":
+        _rescale_std_(t3.text_pos_emb.emb.weight, PEAKY_POSITION_STD)
+        _rescale_std_(t3.speech_pos_emb.emb.weight, PEAKY_POSITION_STD)
+    _rescale_rows_(t3.speech_head.weight, PEAKY_LOGIT_STD, out_dim=0)
+    return t3
+
+
 def t3_size_of_state(state: dict[str, torch.Tensor]) -> Size:
     """Which preset a T3 state dict belongs to (a real checkpoint is always `full`)."""
     width = state["speech_emb.weight"].shape[1]
@@ -149,7 +206,7 @@ def _grapheme_vocab(vocab_size: int, languages: tuple[str, ...]) -> dict[str, in
 
 def write_grapheme_tokenizer(path: Path, vocab_size: int, languages: tuple[str, ...] = ()) -> None:
     """A `tokenizers` BPE file with no merges (one token per character), like chatterbox's grapheme files."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers  # type: ignore[import-untyped]
 
     vocab = _grapheme_vocab(vocab_size, languages)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
@@ -175,8 +232,10 @@ def write_turbo_tokenizer(directory: Path) -> None:
 
 # --- whole checkpoints -------------------------------------------------------------------------------------
 
-def build_random_modules(variant: Variant, size: Size, seed: int = 0) -> tuple[T3, S3Gen, VoiceEncoder]:
-    """Random T3, S3Gen and VoiceEncoder of `variant` at `size`, deterministic in `seed`."""
+def build_random_modules(variant: Variant, size: Size, seed: int = 0,
+                         peaky: bool = False) -> tuple[T3, S3Gen, VoiceEncoder]:
+    """Random T3, S3Gen and VoiceEncoder of `variant` at `size`, deterministic in `seed`; `peaky` rescales
+    T3 with `make_peaky_` (the equivalence tests' preset)."""
     from synth.tiny_s3gen import build_s3gen
 
     devnull_state = torch.get_rng_state()
@@ -187,18 +246,20 @@ def build_random_modules(variant: Variant, size: Size, seed: int = 0) -> tuple[T
         ve = VoiceEncoder().eval()
     finally:
         torch.set_rng_state(devnull_state)
+    if peaky:
+        make_peaky_(t3)
     return t3, s3gen, ve
 
 
 def write_checkpoint(directory: Path, variant: Variant, size: Size = "tiny", seed: int = 0,
-                     builtin_voice: dict[str, object] | None = None) -> Path:
+                     builtin_voice: dict[str, object] | None = None, peaky: bool = False) -> Path:
     """Write a random-weight checkpoint of `variant` in the file layout chatterbox's `from_local` reads.
 
     `builtin_voice`, if given, is a `Conditionals`-style dict (`{"t3": {...}, "gen": {...}}`) saved as conds.pt.
     """
     directory.mkdir(parents=True, exist_ok=True)
     files = CHECKPOINT_FILES[variant]
-    t3, s3gen, ve = build_random_modules(variant, size, seed)
+    t3, s3gen, ve = build_random_modules(variant, size, seed, peaky=peaky)
     t3_state = {k: v.contiguous() for k, v in t3.state_dict().items()}
     s3_state = {k: v.contiguous() for k, v in s3gen.state_dict().items()}
     ve_state = {k: v.contiguous() for k, v in ve.state_dict().items()}
