@@ -206,7 +206,7 @@ def _grapheme_vocab(vocab_size: int, languages: tuple[str, ...]) -> dict[str, in
 
 def write_grapheme_tokenizer(path: Path, vocab_size: int, languages: tuple[str, ...] = ()) -> None:
     """A `tokenizers` BPE file with no merges (one token per character), like chatterbox's grapheme files."""
-    from tokenizers import Tokenizer, models, pre_tokenizers  # type: ignore[import-untyped]
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = _grapheme_vocab(vocab_size, languages)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
