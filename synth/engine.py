@@ -48,6 +48,10 @@ S3GEN_SILENCE_TOKENS_TURBO = 3
 VOCODER_MAX_BATCH = {"cpu": 4, "cuda": 64}  # streams per render tick: short ticks on a CPU (latency), wide on a GPU
 VOICE_PREPARATION_TIMEOUT_S = 600.0  # start-up: built-in voices' vocoder prompts (English, CPU: ~10 s each)
 KV_LEN_MULTIPLE = 64
+WARMUP_REQUEST_ID = "engine-warmup"
+WARMUP_TEXT = "Warming up."
+WARMUP_TOKENS = 8  # enough for a prefill, several decode steps and a vocoder render
+WARMUP_TIMEOUT_S = 600.0
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 
 
@@ -658,6 +662,34 @@ class Engine(EngineLike):
         if worker is not None and not worker.wait_prepared([v.key for v in voices if v.s3gen_ref],
                                                            VOICE_PREPARATION_TIMEOUT_S):
             raise EngineError("the built-in voices' vocoder prompts were not ready in time")
+        self._speak_warmup_segment()
+
+    def _speak_warmup_segment(self) -> None:
+        """One real segment through the whole path (prefill, decode steps, sampling, the vocoder) before the
+        engine says ready: an engine that cannot speak (a dtype mismatch, an op missing on this device) fails
+        here with the reason (`failure`), instead of saying ready and failing every session."""
+        voice_ids = self.voices.ids()
+        if not voice_ids:
+            log.warning("no voice at start-up: the warm-up segment is skipped")
+            return
+        outcome: list[SegmentEvent] = []
+        finished = threading.Event()
+
+        def sink(output: EngineOutput) -> None:
+            if isinstance(output, SegmentEvent) and output.kind >= EventKind.DONE:
+                outcome.append(output)
+                finished.set()
+
+        params = replace(SamplingParams.defaults(self.variant), seed=0, max_new_tokens=WARMUP_TOKENS)
+        self.submit(SegmentRequest(request_id=WARMUP_REQUEST_ID, text=WARMUP_TEXT, params=params, sink=sink,
+                                   voice_id="default" if "default" in voice_ids else voice_ids[0]))
+        deadline_s = time.monotonic() + WARMUP_TIMEOUT_S
+        while not finished.is_set():
+            if time.monotonic() > deadline_s:
+                raise EngineError("the warm-up segment did not finish in time")
+            self._step()
+        if outcome[0].kind != EventKind.DONE:
+            raise EngineError(f"the warm-up segment failed: {outcome[0].reason}")
 
     def _prepare_voice(self, voice: Voice) -> None:
         try:

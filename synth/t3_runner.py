@@ -156,7 +156,7 @@ class T3Runner:
     @torch.inference_mode()
     def cond_embeds(self, cond: T3Cond) -> torch.Tensor:
         """[1, P, dim] conditioning prefix. `cond` must be a fresh T3Cond: prepare_conditioning caches into it."""
-        return self.t3.prepare_conditioning(cond.to(device=self.device))
+        return self.t3.prepare_conditioning(cond.to(device=self.device, dtype=self.dtype))
 
     @torch.inference_mode()
     def text_embeds(self, text_ids: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from synth.api import (SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams,
                        SegmentRequest)
-from synth.engine import Engine
+from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
 from synth.request import SPEECH_VOCAB_SIZE
 
 from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
@@ -353,3 +353,52 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
         del vocoder.prepare_voice
         del engine.voices.add
         engine.remove_voice("late")
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_speaks_a_segment_to_the_end(variant: str, dtype: str) -> None:
+    """Conditioning, prefixes and KV cache in the runner's dtype; logits, sampling and the vocoder in fp32.
+    (Before the fix, the fp32 T3Cond met a bf16 T3: "mat1 and mat2 must have the same dtype".)"""
+    from synth import default_voice
+    from synth.loading import random_bundle
+
+    bundle = random_bundle(variant, "tiny", torch.device("cpu"))  # the runner casts its T3 in place
+    eng = make_engine(variant, render_audio=True, max_slots=2, bundle=bundle, dtype=dtype,  # type: ignore[arg-type]
+                      first_chunk_tokens=6, chunk_schedule_tokens=(8, 16))
+    eng.voices.add(default_voice(bundle))
+    eng.start()
+    try:
+        assert eng.wait_ready(120), eng.failure
+        assert eng.runner.cache.keys[0].dtype == getattr(torch, dtype)
+        assert all(p.keys[0].dtype == getattr(torch, dtype) for p in eng._prefixes.values())
+        col = Collector()
+        params = replace(SamplingParams.defaults(variant), seed=11, max_new_tokens=20)  # type: ignore[arg-type]
+        eng.submit(SegmentRequest(request_id="half", text=TEXTS[0], params=params, sink=col.sink_for("half")))
+        col.wait_done(["half"])
+        assert col.kinds("half") == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE]
+        valid = [t for t in col.tokens("half") if t < SPEECH_VOCAB_SIZE]
+        silence = S3GEN_SILENCE_TOKENS_TURBO if variant == "turbo" else 0  # Turbo's S3Gen appends 3 silent tokens
+        assert valid and _pcm(col, "half").size == SAMPLES_PER_SPEECH_TOKEN * (len(valid) + silence)
+    finally:
+        eng.stop()
+
+
+def test_a_warm_up_that_fails_leaves_the_engine_not_ready_with_the_reason() -> None:
+    """Warm-up speaks a real segment; a failure anywhere on its path (here: the first decode step) is the
+    engine's failure: never ready, dead, and the reason in `failure` and status()."""
+    eng = make_engine("english", render_audio=False, max_slots=2)
+    eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))
+
+    def broken_decode(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated: no kernel for this dtype")
+
+    eng.runner.decode = broken_decode  # type: ignore[method-assign,assignment]
+    eng.start()
+    try:
+        assert not eng.wait_ready(60)
+        assert not eng.ready and not eng.alive
+        assert "no kernel for this dtype" in eng.failure
+        assert "no kernel for this dtype" in str(eng.status()["failure"])
+    finally:
+        eng.stop()
