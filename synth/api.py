@@ -312,9 +312,13 @@ class EngineConfig:
     cpu_weights: str = "fp32"  # "fp32" | "bf16"
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
-    # KV slot positions per row (text + BOS block + speech; the voice's conditioning is shared, not in the slot).
+    # KV positions per row after the voice's conditioning (text + BOS block + speech; each row also holds a copy
+    # of its conditioning prefix, which is added to this).
     # 0: enough for the longest segment the server cuts (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS.
     max_context_tokens: int = 0
+    # The decode step and sampling captured as CUDA graphs per row / key bucket at start-up and replayed:
+    # "auto" (on with a CUDA device), "on" (a CUDA device is required), "off" (eager, as on a CPU).
+    cuda_graphs: str = "auto"
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
     # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).
