@@ -24,8 +24,9 @@ pass over the weights, not N; it is not captured (shapes vary), it runs once per
 
 Determinism: a row's logits must not depend on the other rows of its step. On the CPU the projections run
 through oneDNN (`PackedLinears`, row-invariant, checked for 1..300 rows) and SDPA computes each (row, head)
-on its own, with masked keys contributing exact zeros; the bucket sizes therefore do not change a row's
-result (tests/synth/test_t3_runner.py checks it bit for bit across row and key buckets). On CUDA nothing
+by plain matmuls and a masked fp32 softmax (the CPU SDPA kernel is not row-invariant), with masked keys
+contributing exact zeros; the bucket sizes therefore do not change a row's result
+(tests/synth/test_t3_runner.py checks it bit for bit across row and key buckets). On CUDA nothing
 documents that guarantee: cuBLAS and the SDPA backends may pick another kernel (another reduction order)
 for another M (row bucket) or key length, so tokens are identical alone and in a batch only within one
 (row bucket, key bucket) pair; fixed buckets make it a function of the bucket, not of the batch's content.
@@ -308,10 +309,24 @@ class T3Runner:
                     scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
                     scores = scores.masked_fill(~mask[:, 0, 0], float("-inf"))  # [R, L]
                     self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # [R, H, 1, D]
+            return self._attention(q, keys, values, mask)  # [R, H, 1, D]
 
         hidden = self._layers(embeds, pos[:, None], attend)
         self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, hidden[:, -1]))
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+                   ) -> torch.Tensor:
+        """One attention call for the step: q [R, H, 1, D] over keys, values [R, H, L, D] where mask [R, 1, 1, L].
+
+        CUDA: SDPA (its kernels accumulate scores and softmax in fp32 whatever the dtype). CPU: the same
+        arithmetic spelled out in fp32 (matmul, masked softmax, matmul), because the CPU SDPA kernel is not
+        row-invariant (a row's output changes in the last bit with the batch size; checked), while these ops
+        give a row the same bits for any row and key bucket (tests/synth/test_t3_runner.py)."""
+        if q.is_cuda:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()).mul_(self.scale)  # [R, H, 1, L] fp32
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        return torch.matmul(probs, values.float()).to(q.dtype)
 
     def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None) -> None:
         """Sampling over static buffers, every row with its own parameters, seen set and generator."""

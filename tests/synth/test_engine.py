@@ -155,7 +155,7 @@ def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
     fired = threading.Event()
     original = eng.runner.decode
 
-    def broken_decode(batch, capture=False):  # noqa: ANN001, ANN202
+    def broken_decode(*args: object, **kwargs: object) -> None:
         fired.set()
         raise RuntimeError("simulated CUDA error")
 
