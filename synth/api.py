@@ -7,10 +7,12 @@ turns these into tensors; callers only ever see `numpy` PCM and these dataclasse
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Union
+from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 Variant = Literal["english", "turbo", "multilingual"]
 VARIANTS: tuple[Variant, ...] = ("english", "turbo", "multilingual")
@@ -43,7 +45,7 @@ class SamplingParams:
     seed: int | None = None
 
     @staticmethod
-    def defaults(variant: Variant) -> "SamplingParams":
+    def defaults(variant: Variant) -> SamplingParams:
         if variant == "turbo":
             return SamplingParams(top_p=0.95, min_p=0.0, cfg_weight=0.0, exaggeration=0.0)
         if variant == "multilingual":
@@ -98,7 +100,7 @@ class AudioChunk:
 
     request_id: str
     seq: int  # 0, 1, 2 ... per segment
-    pcm: np.ndarray  # [samples] float32
+    pcm: npt.NDArray[np.float32]  # [samples] float32
     speech_tokens: int  # valid speech tokens this chunk renders (samples == 960 * speech_tokens)
     ready_monotonic_s: float  # time.monotonic() when the engine handed it out
 
@@ -115,7 +117,7 @@ class SegmentEvent:
     reason: str = ""  # BUSY / FAILED / CANCELLED / GENERATED: why ("eos", "max_tokens", ...)
 
 
-EngineOutput = Union[AudioChunk, SegmentEvent]
+EngineOutput = AudioChunk | SegmentEvent
 Sink = Callable[[EngineOutput], None]
 
 
@@ -177,14 +179,14 @@ class ThreadBudget:
     vocoder: int  # of the vocoder worker
 
     @staticmethod
-    def split(cores: int) -> "ThreadBudget":
+    def split(cores: int) -> ThreadBudget:
         """The automatic split of `cores` CPUs."""
         usable = max(1, cores - (1 if cores >= EVENT_LOOP_RESERVE_FROM_CORES else 0))
         decode = max(1, usable // 2)
         return ThreadBudget(decode=decode, vocoder=max(1, usable - decode))
 
     @staticmethod
-    def resolve(decode: int, vocoder: int, cores: int) -> "ThreadBudget":
+    def resolve(decode: int, vocoder: int, cores: int) -> ThreadBudget:
         """Explicit counts where given (> 0), the automatic split of `cores` CPUs for the rest."""
         if decode < 0 or vocoder < 0:
             raise ValueError("thread counts must be >= 0 (0: automatic)")
@@ -251,7 +253,7 @@ class EngineLike:
     def voice_ids(self) -> list[str]:
         raise NotImplementedError
 
-    def add_voice(self, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> None:
+    def add_voice(self, voice_id: str, wav: npt.NDArray[np.float32], sample_rate_hz: int) -> None:
         """Compute a voice's conditioning from a reference clip (>= 5 s) on the caller's thread. Slow."""
         raise NotImplementedError
 

@@ -18,16 +18,29 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from synth import alignment, linear_bf16w
+from synth.api import (
+    HARD_MAX_NEW_TOKENS,
+    MAX_SEGMENT_TEXT_TOKENS,
+    EngineConfig,
+    EngineError,
+    EngineLike,
+    EngineOutput,
+    EventKind,
+    SamplingParams,
+    SegmentEvent,
+    SegmentRequest,
+    StepStats,
+    ThreadBudget,
+    max_tokens_for_text,
+)
 from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
-from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS,
-                       EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
-                       SegmentEvent, SegmentRequest, StepStats, ThreadBudget, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
@@ -250,7 +263,7 @@ class Engine(EngineLike):
             while not self._stop.is_set():
                 self._step()
             self._fail_all(Status.CANCELLED, "shutdown")
-        except Exception as exc:  # noqa: BLE001 - the engine must report, never hang
+        except Exception as exc:
             log.exception("engine thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
             self._dead.set()
@@ -368,7 +381,7 @@ class Engine(EngineLike):
                                                     for h in alignment.ALIGNED_HEADS]))
         prefix_cols, starts = runner.captured_layout
         cond_items = [k for k, item in enumerate(items) if item.row in {s.rows[0] for s in plan.prefill}]
-        for state, item in zip(plan.prefill, cond_items):
+        for state, item in zip(plan.prefill, cond_items, strict=True):
             if state.aligner is not None:  # the BOS block's two queries over the item's own text keys
                 n_text, start = len(state.text_ids), starts[item]
                 end = start + items[item].embeds.shape[0]
@@ -502,7 +515,7 @@ class Engine(EngineLike):
         for state in list(self._live.values()):
             try:
                 self._terminate(state, status, reason)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("while failing %s", state.request_id)
         kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
         with self._emit_lock:
@@ -660,5 +673,5 @@ class Engine(EngineLike):
     def _prepare_voice(self, voice: Voice) -> None:
         try:
             self._prefix_for(voice, SamplingParams.defaults(self.variant).exaggeration)
-        except Exception:  # noqa: BLE001 - a bad voice fails its own requests later, not the engine
+        except Exception:
             log.exception("preparing voice %s failed", voice.voice_id)

@@ -2,7 +2,8 @@
 
 - `PrefixKV`: one voice's conditioning (per exaggeration), computed once and kept in the engine's prefix
   pool (keyed by the voice's content hash); admission copies the positions a row needs into the row's
-  slot, so the decode step reads one contiguous key run per row. For CFG variants it also holds the unconditional row's text block,
+  slot, so the decode step reads one contiguous key run per row. For CFG variants it also holds the
+  unconditional row's text block,
   which is the same for every text of a given length (the reference zeroes the token embeddings and
   keeps only the learned text positions), so an unconditional row of text length L simply sees
   positions [0, cond_len + L) of it; it grows on demand up to the longest text seen.
@@ -37,8 +38,8 @@ class PrefixKV:
 
     def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Append positions (per layer [H, n, D]); the old tensors are replaced, never written in place."""
-        self.keys = [torch.cat([old, new], dim=1) for old, new in zip(self.keys, keys)]
-        self.values = [torch.cat([old, new], dim=1) for old, new in zip(self.values, values)]
+        self.keys = [torch.cat([old, new], dim=1) for old, new in zip(self.keys, keys, strict=True)]
+        self.values = [torch.cat([old, new], dim=1) for old, new in zip(self.values, values, strict=True)]
 
 
 class SlotKVCache:

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -57,7 +58,7 @@ def _compiler() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Compile (once per source, compiler and machine; cached on disk) and load the kernel."""
-    import torch  # noqa: F401  -- torch's libgomp must be loaded first, so the kernel shares its OpenMP runtime
+    import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
     if "AVX512" not in capability:
@@ -132,7 +133,7 @@ def round_to_bf16_(modules: list[torch.nn.Module]) -> int:
     """Round each module's weight to the nearest bf16 in place (idempotent); returns how many values changed."""
     changed = 0
     for module in modules:
-        weight = module.weight
+        weight = cast(torch.Tensor, module.weight)
         rounded = weight.to(torch.bfloat16).to(weight.dtype)
         changed += int((rounded != weight).sum())
         weight.copy_(rounded)
@@ -147,12 +148,12 @@ class Bf16WeightLinears:
         _library()  # compile / load now, not on the first step
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         for module in modules:
-            weight = module.weight.detach()
+            weight = cast(torch.Tensor, module.weight).detach()
             if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
                 weight = weight.t()
             if not torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight):
                 raise ValueError("Bf16WeightLinears needs bf16-representable weights: call round_to_bf16_ first")
-            bias = None if module.bias is None else module.bias.detach().float().contiguous()
+            bias = None if module.bias is None else cast(torch.Tensor, module.bias).detach().float().contiguous()
             self._packed[id(module)] = (pack(weight), weight.shape[0], bias)
 
     @property

@@ -14,8 +14,8 @@ the sampled ids to the host once per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

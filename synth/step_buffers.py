@@ -13,7 +13,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -117,13 +118,13 @@ class StepGraph:
 
     WARMUP_RUNS = 2
 
-    def __init__(self, fn: Callable[[], None], *, capture: bool, pool: object = None,
+    def __init__(self, fn: Callable[[], None], *, capture: bool, pool: Any = None,
                  generators: Sequence[torch.Generator] = ()) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
             return
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.WARMUP_RUNS):
@@ -140,7 +141,7 @@ class StepGraph:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def pool(self) -> object:
+    def pool(self) -> Any:
         return self.graph.pool() if self.graph is not None else None
 
     def __call__(self) -> None:

@@ -35,24 +35,20 @@ for another M (row bucket) or key length, so tokens are identical alone and in a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from synth.linear_bf16w import Bf16WeightLinears
 from synth.kv_cache import PrefixKV, SlotKVCache
+from synth.linear_bf16w import Bf16WeightLinears
 from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.step_buffers import FLOAT_FIELDS, MIN_KEY_BUCKET, StepGraph, StepInputs, bucket, ladder
-
-try:  # transformers >= 4.48 keeps it here
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-except ImportError:  # pragma: no cover - older transformers
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # type: ignore[no-redef]
 
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,11 +80,11 @@ class PackedLinears:
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in modules:
-            weight = module.weight.detach()
+            weight = cast(torch.Tensor, module.weight).detach()
             if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
                 weight = weight.t()
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT)
-            bias = None if module.bias is None else module.bias.detach()
+            bias = None if module.bias is None else cast(torch.Tensor, module.bias).detach()
             self._packed[id(module)] = (packed, bias)
 
     @staticmethod
@@ -103,6 +99,7 @@ class PackedLinears:
 def projections(t3: T3) -> list[torch.nn.Module]:
     """T3's linear layers: every projection of every block, and the speech head."""
     tfmr = t3.tfmr
+    blocks: list[tuple[torch.nn.Module, ...]]
     if t3.is_gpt:
         blocks = [(b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj) for b in tfmr.h]
     else:
@@ -160,7 +157,7 @@ class T3Runner:
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self._decode_graphs: dict[tuple[int, int], StepGraph] = {}
         self._sample_graphs: dict[int, StepGraph] = {}
-        self._graph_pool: object = None
+        self._graph_pool: Any = None
 
     # --- embeddings --------------------------------------------------------------------------------------
 
@@ -201,7 +198,7 @@ class T3Runner:
     def compute_prefix(self, cond_emb: torch.Tensor) -> PrefixKV:
         """Run the conditioning ([1, P, dim]) once and keep its per-layer keys and values."""
         n_pos = cond_emb.shape[1]
-        keys, values = self._run_packed([(None, 0, cond_emb[0])], collect=True)
+        _, keys, values = self._run_packed([(None, 0, cond_emb[0])], collect=True)
         assert keys[0].shape[1] == n_pos
         return PrefixKV(keys, values)
 
@@ -213,7 +210,7 @@ class T3Runner:
             return
         positions = torch.arange(have, text_len, device=self.device)
         embeds = self.t3.text_pos_emb.emb(positions).to(self.dtype)  # zeroed token embedding + text position
-        keys, values = self._run_packed([(prefix, prefix.length, embeds)], collect=True)
+        _, keys, values = self._run_packed([(prefix, prefix.length, embeds)], collect=True)
         prefix.extend(keys, values)
 
     # --- forward passes ----------------------------------------------------------------------------------
@@ -226,8 +223,9 @@ class T3Runner:
             if item.prefix_len + item.embeds.shape[0] >= self.cache.usable_len:
                 raise ValueError("segment does not fit the KV cache")
             self.cache.install_prefix(item.row, item.prefix, item.prefix_len)
-        return self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items], rows=[i.row for i in items],
-                                capture=capture)
+        logits, _, _ = self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items],
+                                        rows=[i.row for i in items], capture=capture)
+        return logits
 
     def place_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """Prefill logits [N, V] become the sampling input of `rows` (the step's other rows come from decode)."""
@@ -352,11 +350,12 @@ class T3Runner:
         self.sampled[:n_rows].copy_(tokens)
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
-                    collect: bool = False, capture: bool = False):  # noqa: ANN202
+                    collect: bool = False, capture: bool = False
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
         prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
-        keys/values to slot `rows` (returning last-position logits per item) or collects and returns them
-        (per layer [H, total, D]) for a prefix."""
+        keys/values to slot `rows` and returns (last-position logits per item [N, V], [], []), or collects
+        them for a prefix and returns (empty, keys, values) with per layer [H, total, D]."""
         dev = self.device
         lengths = [e.shape[0] for _, _, e in items]
         total = sum(lengths)
@@ -369,13 +368,15 @@ class T3Runner:
         blocks: list[tuple[PrefixKV, int]] = []
         block_of_item: list[int] = []
         for prefix, prefix_len, _ in items:
-            index = next((b for b, (p, _) in enumerate(blocks) if p is prefix), None) if prefix is not None else None
-            if prefix is not None and index is None:
+            if prefix is None:
+                block_of_item.append(-1)
+                continue
+            index = next((b for b, (p, _) in enumerate(blocks) if p is prefix), None)
+            if index is None:
                 blocks.append((prefix, 0))
                 index = len(blocks) - 1
-            if index is not None:
-                blocks[index] = (prefix, max(blocks[index][1], prefix_len))  # type: ignore[arg-type]
-            block_of_item.append(-1 if index is None else index)
+            blocks[index] = (prefix, max(blocks[index][1], prefix_len))
+            block_of_item.append(index)
         col_block = torch.cat([torch.full((n,), b, device=dev) for b, (_, n) in enumerate(blocks)] or
                               [torch.zeros(0, dtype=torch.long, device=dev)])
         col_offset = torch.cat([torch.arange(n, device=dev) for _, n in blocks] or
@@ -410,9 +411,9 @@ class T3Runner:
 
         hidden = self._layers(h, pos, attend)
         if collect:
-            return collected_k, collected_v
+            return hidden.new_zeros(0), collected_k, collected_v
         last = torch.tensor(lengths, device=dev).cumsum(0) - 1
-        return self._lin(self.t3.speech_head, hidden[0, last])
+        return self._lin(self.t3.speech_head, hidden[0, last]), collected_k, collected_v
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """h: [B, S, dim]; pos: [B, S] positions. Returns the final-norm hidden."""

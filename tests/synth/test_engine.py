@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from synth.api import (SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams,
-                       SegmentRequest)
+from synth.api import SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams, SegmentRequest
 from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
 from synth.request import SPEECH_VOCAB_SIZE
 
@@ -23,7 +22,7 @@ TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short on
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
+def engine():
     eng = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
                       chunk_schedule_tokens=(8, 16))
     bundle = tiny_bundle("english")
@@ -194,7 +193,7 @@ def test_derived_kv_length_fits_the_longest_segment() -> None:
         assert eng.runner.cache.max_len % 64 == 0
 
 
-def _swap_voices(bundle, n: int) -> list[dict[str, object]]:  # noqa: ANN001
+def _swap_voices(bundle, n: int) -> list[dict[str, object]]:
     """Conditioning for n cloned voices whose T3 and S3Gen conditioning both differ."""
     from synth import default_voice
 
@@ -315,7 +314,7 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
     original = vocoder.prepare_voice
     uploaded: dict[str, object] = {}
 
-    def held(ref: dict[str, object]):  # noqa: ANN202
+    def held(ref: dict[str, object]):
         if ref is uploaded.get("ref"):
             started.set()
             assert release.wait(300)
@@ -323,7 +322,7 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
 
     original_add = engine.voices.add
 
-    def remember(voice):  # noqa: ANN001, ANN202
+    def remember(voice):
         uploaded["ref"] = voice.s3gen_ref
         return original_add(voice)
 

@@ -20,7 +20,7 @@ PREFIX_TOLERANCE = 1e-4
 TEXTS = {"english": ([255, 12, 13, 14, 15, 16, 0], [255, 40, 41, 0]), "turbo": ([12, 13, 14, 15, 16], [40, 41, 42])}
 
 
-def _full(t3, *parts: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _full(t3, *parts: torch.Tensor) -> torch.Tensor:
     """Last-position logits of HF's own forward over the concatenated [1, *, dim] parts."""
     with torch.inference_mode():
         hidden = t3.tfmr(inputs_embeds=torch.cat(parts, dim=1)).last_hidden_state
@@ -55,7 +55,7 @@ def test_shared_prefix_packed_prefill_and_decode_match_full_forwards(variant: Va
     _close(got[0:1], _full(t3, conds[0], tails[0]))
     _close(got[1:2], _full(t3, conds[1], tails[1]))
     # one decode step over the row bucket [0, 4) (rows 1 and 3 idle: scratch position), two voices, one call
-    lens = [p.cond_len + t.shape[1] for p, t in zip(prefixes, tails)]  # whole-row lengths so far
+    lens = [p.cond_len + t.shape[1] for p, t in zip(prefixes, tails, strict=True)]  # whole-row lengths so far
     runner.inputs.idle_rows(4)
     _set_row(runner, 2, 100, 1, lens[0])
     _set_row(runner, 0, 101, 1, lens[1])
@@ -74,8 +74,8 @@ def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Va
     [0, L)) nor on the other rows' content: what keeps a seeded segment's tokens independent of the batch."""
     bundle = tiny_bundle(variant)
     runner = T3Runner(bundle.t3, max_rows=8, max_len=1024, device=torch.device("cpu"), dtype=torch.float32)
-    prefixes = [runner.compute_prefix(runner.cond_embeds(synthetic_voice(bundle, n, seed=s).t3_cond(0.5, runner.device)))
-                for n, s in (("a", 21), ("b", 22))]
+    voices = [synthetic_voice(bundle, n, seed=s) for n, s in (("a", 21), ("b", 22))]
+    prefixes = [runner.compute_prefix(runner.cond_embeds(v.t3_cond(0.5, runner.device))) for v in voices]
     tail = torch.cat([runner.text_embeds(TEXTS[variant][0]), runner.bos_embeds()])
     length = prefixes[0].cond_len + tail.shape[0]
     results = []
@@ -122,8 +122,8 @@ def test_prefix_extension_never_writes_the_old_tensors() -> None:
     before = [k.clone() for k in prefix.keys]
     old = list(prefix.keys)
     runner.extend_uncond_text(prefix, 10)
-    assert all(torch.equal(a, b) for a, b in zip(old, before))
-    assert all(torch.equal(k[:, :prefix.cond_len], b) for k, b in zip(prefix.keys, before))
+    assert all(torch.equal(a, b) for a, b in zip(old, before, strict=True))
+    assert all(torch.equal(k[:, :prefix.cond_len], b) for k, b in zip(prefix.keys, before, strict=True))
 
 
 def test_cache_is_allocated_once_and_sized_by_config() -> None:
