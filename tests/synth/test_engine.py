@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 import threading
 import time
 from dataclasses import replace
@@ -16,6 +17,7 @@ from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
 from synth.request import SPEECH_VOCAB_SIZE
 
 from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
+from tests.synth.op_counter import count_ops
 
 TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short one.", "A fourth, different text.",
          "Fifth text here please.", "Number six is on its way.", "Seven, the lucky one.", "Eight and done."]
@@ -401,3 +403,37 @@ def test_a_warm_up_that_fails_leaves_the_engine_not_ready_with_the_reason() -> N
         assert "no kernel for this dtype" in str(eng.status()["failure"])
     finally:
         eng.stop()
+
+
+def _ops_per_decode_step(variant: str, sessions: int, voices: int) -> Counter[str]:
+    """The aten ops of one steady-state engine step (every segment decoding, none admitted), driven on this
+    thread (the engine thread is not started)."""
+    eng = make_engine(variant, render_audio=False, max_slots=8)  # type: ignore[arg-type]
+    bundle = tiny_bundle(variant)  # type: ignore[arg-type]
+    for v in range(voices):
+        eng.voices.add(synthetic_voice(bundle, f"v{v}", 40 + v))
+    for i in range(sessions):
+        params = replace(SamplingParams.defaults(variant), seed=700 + i, max_new_tokens=200)  # type: ignore[arg-type]
+        eng.submit(SegmentRequest(request_id=f"s{i}", text=TEXTS[i], voice_id=f"v{i % voices}", params=params,
+                                  sink=lambda output: None))
+    with torch.no_grad():
+        while len(eng.scheduler.running) < sessions or any(s.pending_token is None for s in eng.scheduler.running):
+            eng._step()
+        eng._step()
+        with count_ops() as counter:
+            eng._step()
+    assert len(eng.scheduler.running) == sessions  # nobody ended: the counted step decoded them all
+    return counter.ops
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(variant: str) -> None:
+    """One attention call per layer over a prefix copied into each row: 8 segments on 8 voices run the same
+    ops as on 1 voice, and 5 segments (same row bucket) the same as 8. No op reads a device value back
+    (`.item()` is `_local_scalar_dense`); the step's one host sync, `.tolist()`, dispatches no op."""
+    one_voice = _ops_per_decode_step(variant, 8, 1)
+    eight_voices = _ops_per_decode_step(variant, 8, 8)
+    fewer_rows = _ops_per_decode_step(variant, 5, 2)
+    assert sum(one_voice.values()) == sum(eight_voices.values()) == sum(fewer_rows.values())
+    assert one_voice == eight_voices == fewer_rows
+    assert one_voice["aten._local_scalar_dense"] == 0
