@@ -53,8 +53,8 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     for v in range(voices):
         engine.voices.add(_voice(bundle, f"v{v}", v))
     torch.set_grad_enabled(False)
-    if hasattr(engine, "prepare_step_graphs"):
-        engine.prepare_step_graphs()
+    if hasattr(engine.runner, "capture_graphs"):  # every bucket's graphs before timing (CUDA, graphs on)
+        engine.runner.capture_graphs()
     params = replace(SamplingParams.defaults(variant), seed=1, max_new_tokens=1000)  # type: ignore[arg-type]
     for i in range(sessions):
         engine.submit(SegmentRequest(request_id=f"s{i}", text=TEXT, voice_id=f"v{i % voices}",
@@ -89,12 +89,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", default="auto")
+    parser.add_argument("--voices", default="both", choices=["one", "each", "both"],
+                        help="one voice for every segment, a voice per segment, or both")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))
     rows = []
     for sessions in args.sessions:
-        for voices in sorted({1, sessions}):
+        choices = {"one": {1}, "each": {sessions}, "both": {1, sessions}}[args.voices]
+        for voices in sorted(choices):
             row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device, args.cuda_graphs)
             row["size"] = args.size
             print(json.dumps(row), flush=True)
