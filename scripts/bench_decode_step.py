@@ -45,10 +45,10 @@ def _voice(bundle: Any, voice_id: str, seed: int) -> Voice:
 
 
 def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, dtype: str, device: str,
-            graphs: str) -> dict[str, object]:
+            graphs: str, context_tokens: int) -> dict[str, object]:
     extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(variant=variant, weights="random", device=device, dtype=dtype,  # type: ignore[arg-type]
-                          max_slots=sessions, max_context_tokens=1024, **extra)  # type: ignore[arg-type]
+                          max_slots=sessions, max_context_tokens=context_tokens, **extra)  # type: ignore[arg-type]
     engine = Engine(bundle, config, render_audio=False)
     for v in range(voices):
         engine.voices.add(_voice(bundle, f"v{v}", v))
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", default="auto")
     parser.add_argument("--voices", default="both", choices=["one", "each", "both"],
                         help="one voice for every segment, a voice per segment, or both")
+    parser.add_argument("--context-tokens", type=int, default=256, help="KV positions per row after the prefix")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))
@@ -98,7 +99,8 @@ def main() -> None:
     for sessions in args.sessions:
         choices = {"one": {1}, "each": {sessions}, "both": {1, sessions}}[args.voices]
         for voices in sorted(choices):
-            row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device, args.cuda_graphs)
+            row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device, args.cuda_graphs,
+                          args.context_tokens)
             row["size"] = args.size
             print(json.dumps(row), flush=True)
             rows.append(row)
