@@ -6,6 +6,12 @@ request's sink (called on this thread; sinks must not block). Each iteration:
     drain inbox -> schedule -> prefill + one batched decode + sample (one host sync)
     -> apply cancels that landed meanwhile -> update -> hand new speech tokens to the vocoder worker -> stats
 
+The decode step is a pure function over the runner's static buffers (synth/step_buffers.py): this thread writes
+the per-row inputs into a host mirror (`_write_step_inputs`, `_write_row_params`), the runner uploads them in one
+copy, decodes the row bucket with one attention call per layer, samples every row on the device and the step
+reads back only the sampled ids. On CUDA those two functions are graphs captured at start-up per bucket.
+Admission steps also run the packed prefill, whose inputs are built from host lists (not captured).
+
 The vocoder renders on its own thread (synth/vocoder_worker.py), batched over every stream due, and emits the
 audio itself; each request's output goes through its Outlet (synth/outlet.py), whichever thread sends it.
 """
