@@ -15,9 +15,9 @@ from typing import Any
 
 import librosa
 import numpy as np
+import numpy.typing as npt
 import safetensors.torch
 import torch
-
 from chatterbox.models.s3gen import S3GEN_SR
 from chatterbox.models.s3tokenizer import S3_SR
 from chatterbox.models.t3.modules.cond_enc import T3Cond
@@ -132,9 +132,9 @@ def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device)
                  s3gen_ref=gen, builtin=True)
 
 
-def _norm_loudness(wav: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+def _norm_loudness(wav: npt.NDArray[np.float64], sample_rate_hz: int) -> npt.NDArray[np.float64]:
     """Turbo normalises the reference to -27 LUFS before anything else (tts_turbo.norm_loudness)."""
-    import pyloudnorm
+    import pyloudnorm  # type: ignore[import-untyped]
 
     try:
         loudness = pyloudnorm.Meter(sample_rate_hz).integrated_loudness(wav)
@@ -144,7 +144,7 @@ def _norm_loudness(wav: np.ndarray, sample_rate_hz: int) -> np.ndarray:
     return wav * gain if math.isfinite(gain) and gain > 0.0 else wav
 
 
-def make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> Voice:
+def make_voice(bundle: Any, voice_id: str, wav: npt.NDArray[np.float32], sample_rate_hz: int) -> Voice:
     """Conditioning from a reference clip (mono float, >= 5 s). Raises EngineError on a clip it cannot use.
 
     Computed with VOICE_THREADS threads whatever the caller's count or the machine's load: torch's FFTs (the mel
@@ -155,7 +155,7 @@ def make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int)
 
 
 @torch.inference_mode()
-def _make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int) -> Voice:
+def _make_voice(bundle: Any, voice_id: str, wav: npt.NDArray[np.float32], sample_rate_hz: int) -> Voice:
     wav = np.asarray(wav, dtype=np.float32)
     if wav.ndim != 1:
         raise EngineError("reference clip must be mono")
@@ -174,9 +174,9 @@ def _make_voice(bundle: Any, voice_id: str, wav: np.ndarray, sample_rate_hz: int
     if plen := bundle.t3.hp.speech_cond_prompt_len:
         enc_len = int(T3_PROMPT_S[bundle.variant] * S3_SR)
         prompt_tokens, _ = bundle.s3gen.tokenizer.forward([ref_16k[:enc_len]], max_len=plen)
-        prompt_tokens = torch.atleast_2d(prompt_tokens).to(device)
+        prompt_tokens = torch.atleast_2d(prompt_tokens).to(device)  # type: ignore[no-untyped-call]
     ve_embed = torch.from_numpy(bundle.ve.embeds_from_wavs([ref_16k], sample_rate=S3_SR))
-    ve_embed = ve_embed.mean(axis=0, keepdim=True).to(device)
+    ve_embed = ve_embed.mean(dim=0, keepdim=True).to(device)
     return Voice(voice_id=voice_id, speaker_emb=ve_embed, prompt_speech_tokens=prompt_tokens, s3gen_ref=s3gen_ref)
 
 
