@@ -147,6 +147,7 @@ class T3Runner:
         self.vocab = vocab
         self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device)  # [R, V] fp32
         self.noise = torch.ones((max_rows, vocab), dtype=torch.float32, device=device)  # [R, V] Exp(1) draws
+        self._noise_rows = [self.noise[row:row + 1] for row in range(max_rows)]  # [1, V] views, made once
         self.seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=device)  # [R, V] penalised ids
         self.sampled = torch.zeros(max_rows, dtype=torch.long, device=device)  # [R] this step's ids
         self._row_index = torch.arange(max_rows, device=device)  # [R]
@@ -294,6 +295,7 @@ class T3Runner:
         rows = self._row_index[:n_rows]
         embeds = self.speech_embeds(token, inp.device_int("speech_pos")[:n_rows]).to(self.dtype)  # [R, 1, dim]
         mask = (self._key_index[None, :n_keys] < keys_visible[:, None])[:, None, None, :]  # [R, 1, 1, L]
+        hidden_keys = self._key_index[None, :n_keys] >= keys_visible[:, None]  # [R, L]: ~mask, computed once
         captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
         if capture:
             self.captured_decode = {}
@@ -305,16 +307,17 @@ class T3Runner:
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
                 if captured_layer == layer:
                     scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
-                    scores = scores.masked_fill(~mask[:, 0, 0], float("-inf"))  # [R, L]
+                    scores = scores.masked_fill(hidden_keys, float("-inf"))  # [R, L]
                     self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
-            return self._attention(q, keys, values, mask)  # [R, H, 1, D]
+            return self._attention(q, keys, values, mask, hidden_keys)  # [R, H, 1, D]
 
         hidden = self._layers(embeds, pos[:, None], attend)
         self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, hidden[:, -1]))
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-                   ) -> torch.Tensor:
-        """One attention call for the step: q [R, H, 1, D] over keys, values [R, H, L, D] where mask [R, 1, 1, L].
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   hidden_keys: torch.Tensor) -> torch.Tensor:
+        """One attention call for the step: q [R, H, 1, D] over keys, values [R, H, L, D] where mask [R, 1, 1, L]
+        (hidden_keys [R, L] = ~mask).
 
         CUDA: SDPA (its kernels accumulate scores and softmax in fp32 whatever the dtype). CPU: the same
         arithmetic spelled out in fp32 (matmul, masked softmax, matmul), because the CPU SDPA kernel is not
@@ -323,7 +326,7 @@ class T3Runner:
         if q.is_cuda:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()).mul_(self.scale)  # [R, H, 1, L] fp32
-        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill_(hidden_keys[:, None, None, :], float("-inf")), dim=-1)
         return torch.matmul(probs, values.float()).to(q.dtype)
 
     def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None) -> None:
@@ -337,7 +340,7 @@ class T3Runner:
         params = RowParams(**{name: inp.device_float(name)[:n_rows, None] for name in FLOAT_FIELDS})
         noise = self.noise[:n_rows]
         for row in range(n_rows):  # one draw per row from the row's own generator, as torch.multinomial draws it
-            noise[row:row + 1].exponential_(1.0, generator=self.generators[row])
+            self._noise_rows[row].exponential_(1.0, generator=self.generators[row])
         if self.is_gpt:
             tokens = sample_gpt2(logits, seen, params, noise)
             # inference_turbo penalises BOS only for its first token; afterwards only generated ids count
