@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections import Counter
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
