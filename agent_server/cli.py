@@ -30,7 +30,7 @@ from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.hub import Hub
 from agent_server.logging import configure_logging
-from agent_server.settings import CPU_WEIGHTS, DTYPES, ENV_VARS, LOG_LEVELS, Settings
+from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LOG_LEVELS, Settings
 from synth.api import VARIANTS
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", "dtype", "T3 weights dtype", choices=DTYPES)
     add("--cpu-weights", "cpu_weights", "CPU with float32: bf16 stores T3's projection weights as bfloat16 "
         "(rounded once, fp32 math; 2-3x faster decoding of one segment)", choices=CPU_WEIGHTS)
+    add("--cuda-graphs", "cuda_graphs", "capture the decode step and sampling as CUDA graphs per batch bucket at "
+        "start-up: auto (on with CUDA), on, off", choices=CUDA_GRAPHS)
     add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
         "or D,V")
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)

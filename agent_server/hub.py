@@ -471,7 +471,8 @@ class Hub:
         engine.start()  # idempotent
         while not engine.ready:
             if not engine.alive:
-                raise RuntimeError("the engine thread died while warming up")
+                failure = engine.status().get("failure") or "no reason given"
+                raise RuntimeError(f"the engine thread died while warming up: {failure}")
             time.sleep(ENGINE_READY_POLL_S)
         return engine
 

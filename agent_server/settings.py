@@ -13,6 +13,7 @@ MIB = 1024 * 1024
 WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
 DTYPES = ("float32", "bfloat16", "float16")
 CPU_WEIGHTS = ("fp32", "bf16")
+CUDA_GRAPHS = ("auto", "on", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 AUTH_MODES = ("auto", "on", "off")
 MAX_INACTIVITY_TIMEOUT_S = 180.0
@@ -30,6 +31,9 @@ class Settings:
     # CPU, float32 only: "bf16" stores T3's projection weights as bfloat16 (rounded once) and computes in fp32:
     # one segment decodes 2-3x faster on a CPU (half the bytes streamed per step); see BENCHMARKS.md.
     cpu_weights: str = "fp32"
+    # The decode step and sampling as CUDA graphs, one per row / key bucket, captured at start-up: "auto" (on
+    # with a CUDA device), "on" (requires one), "off" (eager, the CPU's path).
+    cuda_graphs: str = "auto"
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
     threads: str = "auto"
@@ -123,6 +127,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.cpu_weights not in CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
@@ -166,6 +172,7 @@ class Settings:
             device=self.device,
             dtype=self.dtype,
             cpu_weights=self.cpu_weights,
+            cuda_graphs=self.cuda_graphs,
             max_slots=self.max_slots,
             alignment_analyzer=self.alignment_analyzer,
             decode_threads=decode_threads,
@@ -186,6 +193,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "device": ("AGENT_SERVER_DEVICE",),
     "dtype": ("AGENT_SERVER_DTYPE",),
     "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
+    "cuda_graphs": ("AGENT_SERVER_CUDA_GRAPHS",),
     "threads": ("AGENT_SERVER_THREADS",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),

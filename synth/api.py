@@ -7,8 +7,9 @@ turns these into tensors; callers only ever see `numpy` PCM and these dataclasse
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Union
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +45,7 @@ class SamplingParams:
     seed: int | None = None
 
     @staticmethod
-    def defaults(variant: Variant) -> "SamplingParams":
+    def defaults(variant: Variant) -> SamplingParams:
         if variant == "turbo":
             return SamplingParams(top_p=0.95, min_p=0.0, cfg_weight=0.0, exaggeration=0.0)
         if variant == "multilingual":
@@ -116,7 +117,7 @@ class SegmentEvent:
     reason: str = ""  # BUSY / FAILED / CANCELLED / GENERATED: why ("eos", "max_tokens", ...)
 
 
-EngineOutput = Union[AudioChunk, SegmentEvent]
+EngineOutput = AudioChunk | SegmentEvent
 Sink = Callable[[EngineOutput], None]
 
 
@@ -178,14 +179,14 @@ class ThreadBudget:
     vocoder: int  # of the vocoder worker
 
     @staticmethod
-    def split(cores: int) -> "ThreadBudget":
+    def split(cores: int) -> ThreadBudget:
         """The automatic split of `cores` CPUs."""
         usable = max(1, cores - (1 if cores >= EVENT_LOOP_RESERVE_FROM_CORES else 0))
         decode = max(1, usable // 2)
         return ThreadBudget(decode=decode, vocoder=max(1, usable - decode))
 
     @staticmethod
-    def resolve(decode: int, vocoder: int, cores: int) -> "ThreadBudget":
+    def resolve(decode: int, vocoder: int, cores: int) -> ThreadBudget:
         """Explicit counts where given (> 0), the automatic split of `cores` CPUs for the rest."""
         if decode < 0 or vocoder < 0:
             raise ValueError("thread counts must be >= 0 (0: automatic)")
@@ -313,9 +314,13 @@ class EngineConfig:
     cpu_weights: str = "fp32"  # "fp32" | "bf16"
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
-    # KV slot positions per row (text + BOS block + speech; the voice's conditioning is shared, not in the slot).
+    # KV positions per row after the voice's conditioning (text + BOS block + speech; each row also holds a copy
+    # of its conditioning prefix, which is added to this).
     # 0: enough for the longest segment the server cuts (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS.
     max_context_tokens: int = 0
+    # The decode step and sampling captured as CUDA graphs per row / key bucket at start-up and replayed:
+    # "auto" (on with a CUDA device), "on" (a CUDA device is required), "off" (eager, as on a CPU).
+    cuda_graphs: str = "auto"
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
     # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).

@@ -6,6 +6,12 @@ request's sink (called on this thread; sinks must not block). Each iteration:
     drain inbox -> schedule -> prefill + one batched decode + sample (one host sync)
     -> apply cancels that landed meanwhile -> update -> hand new speech tokens to the vocoder worker -> stats
 
+The decode step is a pure function over the runner's static buffers (synth/step_buffers.py): this thread writes
+the per-row inputs into a host mirror (`_write_step_inputs`, `_write_row_params`), the runner uploads them in one
+copy, decodes the row bucket with one attention call per layer, samples every row on the device and the step
+reads back only the sampled ids. On CUDA those two functions are graphs captured at start-up per bucket.
+Admission steps also run the packed prefill, whose inputs are built from host lists (not captured).
+
 The vocoder renders on its own thread (synth/vocoder_worker.py), batched over every stream due, and emits the
 audio itself; each request's output goes through its Outlet (synth/outlet.py), whichever thread sends it.
 """
@@ -18,23 +24,36 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from synth import alignment, linear_bf16w
+from synth.api import (
+    HARD_MAX_NEW_TOKENS,
+    MAX_SEGMENT_TEXT_TOKENS,
+    EngineConfig,
+    EngineError,
+    EngineLike,
+    EngineOutput,
+    EventKind,
+    SamplingParams,
+    SegmentEvent,
+    SegmentRequest,
+    StepStats,
+    ThreadBudget,
+    max_tokens_for_text,
+)
 from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
-from synth.api import (HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS,
-                       EngineConfig, EngineError, EngineLike, EngineOutput, EventKind, SamplingParams,
-                       SegmentEvent, SegmentRequest, StepStats, ThreadBudget, max_tokens_for_text)
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
-from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
-from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner, projections
+from synth.step_buffers import FLOAT_FIELDS
+from synth.t3_runner import EditGuided, PrefillItem, T3Runner, projections
 from synth.text import text_token_ids
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
 from synth.voices import Voice, VoiceRegistry, make_voice, voice_from_bytes, voice_to_bytes
@@ -48,6 +67,10 @@ S3GEN_SILENCE_TOKENS_TURBO = 3
 VOCODER_MAX_BATCH = {"cpu": 4, "cuda": 64}  # streams per render tick: short ticks on a CPU (latency), wide on a GPU
 VOICE_PREPARATION_TIMEOUT_S = 600.0  # start-up: built-in voices' vocoder prompts (English, CPU: ~10 s each)
 KV_LEN_MULTIPLE = 64
+WARMUP_REQUEST_ID = "engine-warmup"
+WARMUP_TEXT = "Warming up."
+WARMUP_TOKENS = 8  # enough for a prefill, several decode steps and a vocoder render
+WARMUP_TIMEOUT_S = 600.0
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 
 
@@ -88,14 +111,14 @@ class Engine(EngineLike):
         self.is_llama = self.variant != "turbo"
         max_rows = config.max_slots * (2 if self.is_llama else 1)
         self.prefix_positions = conditioning_positions(bundle.t3.hp)
-        # a slot holds what follows the shared voice prefix: text, the BOS block, speech, one scratch position
-        max_len = config.max_context_tokens or _round_up(
-            MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1, KV_LEN_MULTIPLE)
+        # a row holds its copy of the voice prefix, then text, the BOS block, speech, and one scratch position
+        after_prefix = config.max_context_tokens or MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1
+        max_len = _round_up(self.prefix_positions + after_prefix, KV_LEN_MULTIPLE)
         bf16_weights = self._round_weights_for(config)
         self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype,
-                               bf16_weights=bf16_weights)
-        # text tokens one segment may have: its slot keeps room for the BOS block and at least one speech token
-        self.max_text_positions = self.runner.cache.usable_len - 4
+                               bf16_weights=bf16_weights, cuda_graphs=self._graphs_for(config))
+        # text tokens one segment may have: its row keeps room for the BOS block and at least one speech token
+        self.max_text_positions = self.runner.cache.usable_len - self.prefix_positions - 4
         if self.is_llama:  # the learned text positions end somewhere too
             self.max_text_positions = min(self.max_text_positions, bundle.t3.text_pos_emb.emb.num_embeddings)
         log.info("KV cache: %d rows x %d positions, %.2f GB", max_rows, max_len, self.runner.cache.nbytes / 1e9)
@@ -116,9 +139,6 @@ class Engine(EngineLike):
         if render_audio:
             self.vocoder, self.vocoder_worker = self._build_vocoder()
         self.voices = VoiceRegistry()
-        vocab = bundle.t3.hp.speech_tokens_dict_size
-        # seen[row]: ids that count for the repetition penalty of the segment whose cond row is `row`
-        self._seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=self.device)
         # keyed by Voice.key (a content hash), never by id(): a freed voice's address is reused at once
         self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
         self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
@@ -249,7 +269,7 @@ class Engine(EngineLike):
             while not self._stop.is_set():
                 self._step()
             self._fail_all(Status.CANCELLED, "shutdown")
-        except Exception as exc:  # noqa: BLE001 - the engine must report, never hang
+        except Exception as exc:
             log.exception("engine thread died")
             self.failure = f"{type(exc).__name__}: {exc}"
             self._dead.set()
@@ -314,76 +334,82 @@ class Engine(EngineLike):
     # --- T3 ----------------------------------------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> tuple[list[int], float]:
-        """Prefill the admitted (one packed pass), decode the running, sample every row. Returns (ids, prefill_ms)."""
+        """Prefill the admitted (one packed pass), decode the running (one static-shape step over the row
+        bucket), sample every row of the bucket; one host sync. Returns (ids in `plan.sampled` order, prefill_ms)."""
         if plan.is_empty:
             return [], 0.0
         t0 = time.perf_counter()
-        items: list[PrefillItem] = []
-        cond_items: list[int] = []  # per prefill segment: the index of its cond item
-        for state in plan.prefill:
-            cond_items.append(len(items))
-            items.extend(self._prefill_items(state))
+        runner = self.runner
+        items = [item for state in plan.prefill for item in self._prefill_items(state)]
         analyzed = any(s.aligner is not None for s in plan.prefill)
-        prefill_logits = self.runner.prefill(items, capture=analyzed) if items else None  # [len(items), V]
+        prefill_logits = runner.prefill(items, capture=analyzed) if items else None  # [len(items), V]
         prefill_ms = (time.perf_counter() - t0) * 1e3
-        blocks: list[torch.Tensor] = []
-        cond_index: list[int] = []
-        uncond_index: list[int] = []
+        n_rows, n_keys = self._write_step_inputs(plan)
+        runner.inputs.upload()  # the step's one host-to-device copy
         if plan.decode:
-            analyzed = any(s.aligner is not None for s in plan.decode)
-            blocks.append(self.runner.decode(self._decode_batch(plan.decode), capture=analyzed))  # [span, V]
-            for state in plan.decode:
-                cond_index.append(state.rows[0])
-                uncond_index.append(state.rows[1] if len(state.rows) > 1 else state.rows[0])
-        offset = blocks[0].shape[0] if blocks else 0
+            runner.decode(n_rows, n_keys, capture=any(s.aligner is not None for s in plan.decode))
         if prefill_logits is not None:
-            blocks.append(prefill_logits)
-        for state in plan.prefill:  # items are (cond[, uncond]) per segment, in plan order
-            cond_index.append(offset)
-            uncond_index.append(offset + len(state.rows) - 1)
-            offset += len(state.rows)
-        all_logits = torch.cat(blocks).float()
-        cond = all_logits[torch.tensor(cond_index, device=self.device)]
-        uncond = all_logits[torch.tensor(uncond_index, device=self.device)]
-        tokens = self._sample(plan.sampled, cond, uncond, self._analyzer_edit(plan, items, cond_items))
-        return tokens.tolist(), prefill_ms
+            runner.place_logits([item.row for item in items], prefill_logits)
+        sampled = runner.sample(n_rows, self._analyzer_edit(plan, items)).tolist()  # the one host sync
+        return [sampled[state.rows[0]] for state in plan.sampled], prefill_ms
 
-    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem],
-                       cond_items: list[int]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The alignment analyzers' step on the guided logits of the segments that have one."""
+    def _write_step_inputs(self, plan: StepPlan) -> tuple[int, int]:
+        """The host mirror of the step's per-row inputs: idle rows by default, the admitted rows' first
+        sample, the running rows' next token. Returns the step's (row bucket, key bucket)."""
+        inputs = self.runner.inputs
+        ints = inputs.ints
+        highest_row = max((row for state in plan.sampled for row in state.rows), default=0)
+        inputs.idle_rows(highest_row + 1)
+        for state in plan.prefill:
+            ints["reset"][list(state.rows)] = 1
+        longest_keys = 1
+        for state in plan.decode:
+            for row in state.rows:  # both rows of a CFG segment have the same length
+                ints["token"][row] = state.pending_token
+                ints["speech_pos"][row] = len(state.tokens)  # sampled token i is embedded at speech position i+1
+                ints["pos"][row] = ints["write"][row] = state.next_pos
+                ints["keys"][row] = state.next_pos + 1
+            state.next_pos += 1
+            longest_keys = max(longest_keys, state.next_pos)
+        return self.runner.step_shape(highest_row, longest_keys)
+
+    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem]) -> EditGuided | None:
+        """The alignment analyzers' step on the guided logits (one row per cache row) of the segments that
+        have one."""
         if not self.config.alignment_analyzer:  # the usual case: nothing to look at in the step loop
             return None
         runner = self.runner
-        rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (row in `sampled`, state, text probs)
-        for k, state in enumerate(plan.decode):
-            if state.aligner is not None:
-                n_text, cols = len(state.text_ids), runner.captured_width
-                rows.append((k, state, [runner.captured_decode[h][state.rows[0], cols:cols + n_text][None]
-                                        for h in alignment.ALIGNED_HEADS]))
+        rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (cond row, state, text probs)
+        for state in plan.decode:
+            if state.aligner is not None:  # the text block sits right after the conditioning in the row
+                n_text, cols = len(state.text_ids), state.prefix.cond_len
+                rows.append((state.rows[0], state, [runner.captured_decode[h][state.rows[0], cols:cols + n_text][None]
+                                                    for h in alignment.ALIGNED_HEADS]))
         prefix_cols, starts = runner.captured_layout
-        for k, (state, item) in enumerate(zip(plan.prefill, cond_items), start=len(plan.decode)):
+        cond_items = [k for k, item in enumerate(items) if item.row in {s.rows[0] for s in plan.prefill}]
+        for state, item in zip(plan.prefill, cond_items, strict=True):
             if state.aligner is not None:  # the BOS block's two queries over the item's own text keys
                 n_text, start = len(state.text_ids), starts[item]
                 end = start + items[item].embeds.shape[0]
                 cols = prefix_cols + start
-                rows.append((k, state, [runner.captured_prefill[h][end - 2:end, cols:cols + n_text]
-                                        for h in alignment.ALIGNED_HEADS]))
+                rows.append((state.rows[0], state, [runner.captured_prefill[h][end - 2:end, cols:cols + n_text]
+                                                    for h in alignment.ALIGNED_HEADS]))
         if not rows:
             return None
 
         def edit(logits: torch.Tensor) -> torch.Tensor:
-            for k, state, text_probs in rows:
-                assert state.aligner is not None
+            for row, state, text_probs in rows:
                 alignment.feed(state.aligner, text_probs)
                 last = state.tokens[-1] if state.tokens else runner.start_speech_token
-                logits[k:k + 1] = state.aligner.step(logits[k:k + 1], next_token=last)
+                logits[row:row + 1] = state.aligner.step(logits[row:row + 1], next_token=last)
             return logits
 
         return edit
 
     def _prefill_items(self, state: SegmentState) -> list[PrefillItem]:
-        """The cond row runs its text and BOS block after the voice prefix; a CFG uncond row only its BOS
-        block, after the shared unconditional text block of the same length."""
+        """The cond row gets the voice prefix and runs its text and BOS block; a CFG uncond row gets the prefix
+        and the shared unconditional text block of the same length, and runs only its BOS block. Also writes
+        the rows' sampling parameters and seeds their generators."""
         prefix = self._prefix_for(state.voice, state.params.exaggeration)
         n_text = len(state.text_ids)
         bos = self.runner.bos_embeds()
@@ -393,15 +419,24 @@ class Engine(EngineLike):
             self.runner.extend_uncond_text(prefix, n_text)
             items.append(PrefillItem(state.rows[1], prefix, prefix.cond_len + n_text, bos))
         state.prefix = prefix
-        state.row_shift = (0, n_text)[:len(state.rows)]
         if self.config.alignment_analyzer:
             state.aligner = alignment.new_analyzer(prefix.cond_len, n_text, self.runner.stop_speech_token)
-        state.next_pos = n_text + bos.shape[0]
-        seen = self._seen[state.rows[0]]
-        seen.zero_()
-        seen[self.runner.start_speech_token] = True  # the reference counts BOS for the first penalty
+        state.next_pos = prefix.cond_len + n_text + bos.shape[0]
+        self._write_row_params(state)
         state.admitted_s = time.monotonic()
         return items
+
+    def _write_row_params(self, state: SegmentState) -> None:
+        """A claimed segment's rows: sampling parameters, CFG partner, and the cond row's generator seeded."""
+        inputs, params, rows = self.runner.inputs, state.params, state.rows
+        for row in rows:
+            for name in FLOAT_FIELDS:
+                inputs.floats[name][row] = getattr(params, name)
+            inputs.ints["partner"][row] = row
+        inputs.ints["partner"][rows[0]] = rows[-1]  # the uncond row's logits (its own without CFG)
+        if params.seed is None:  # resolved at submit: never None here
+            raise EngineError(f"{state.request_id}: unseeded segment")
+        self.runner.generators[rows[0]].manual_seed(params.seed)
 
     def _prefix_for(self, voice: Voice, exaggeration: float) -> PrefixKV:
         key = (voice.key, float(exaggeration) if self.is_llama else 0.0)
@@ -415,63 +450,6 @@ class Engine(EngineLike):
         else:
             self._prefixes.move_to_end(key)
         return prefix
-
-    def _decode_batch(self, states: list[SegmentState]) -> DecodeBatch:
-        n_rows = self.scheduler.rows_span
-        scratch = self.runner.cache.scratch_pos
-        token_ids = [self.runner.start_speech_token] * n_rows
-        speech_pos = [0] * n_rows
-        rope_pos = [0] * n_rows
-        write_pos = [scratch] * n_rows
-        attend_len = [1] * n_rows
-        groups: dict[int, tuple[PrefixKV, list[int], list[int]]] = {}  # id(prefix) -> (prefix, rows, visible)
-        for state in states:
-            assert state.pending_token is not None and state.prefix is not None
-            group = groups.setdefault(id(state.prefix), (state.prefix, [], []))
-            for row, shift in zip(state.rows, state.row_shift):  # an uncond row's slot lags by its text
-                token_ids[row] = state.pending_token
-                speech_pos[row] = len(state.tokens)  # sampled token i is embedded at speech position i+1
-                rope_pos[row] = state.prefix.cond_len + state.next_pos
-                write_pos[row] = state.next_pos - shift
-                attend_len[row] = state.next_pos - shift + 1
-                group[1].append(row)
-                group[2].append(state.prefix.cond_len + shift)
-            state.next_pos += 1
-        dev = self.device
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        return DecodeBatch(n_rows=n_rows, token_ids=as_tensor(token_ids), speech_pos=as_tensor(speech_pos),
-                           rope_pos=as_tensor(rope_pos), write_pos=as_tensor(write_pos),
-                           attend_len=as_tensor(attend_len), span_len=max(attend_len),
-                           groups=tuple(PrefixGroup(prefix, as_tensor(rows), as_tensor(visible), max(visible))
-                                        for prefix, rows, visible in groups.values()))
-
-    def _sample(self, states: list[SegmentState], cond: torch.Tensor, uncond: torch.Tensor,
-                edit_guided: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """cond, uncond: [N, V] fp32 logits in `states` order -> [N] sampled ids (on device)."""
-        params = self._row_params([s.params for s in states])
-        cond_rows = torch.tensor([s.rows[0] for s in states], dtype=torch.long, device=self.device)
-        seen = self._seen[cond_rows]
-        generators = [s.generator for s in states]
-        if self.is_llama:
-            tokens = sample_llama(cond, uncond, seen, params, generators, edit_guided)
-        else:
-            tokens = sample_gpt2(cond, seen, params, generators)
-            # inference_turbo penalises BOS only for its first token; afterwards only generated ids count
-            first = torch.tensor([len(s.tokens) == 0 for s in states], device=self.device)
-            self._seen[cond_rows] = self._seen[cond_rows] & ~first[:, None]
-        self._seen[cond_rows, tokens] = True
-        return tokens
-
-    def _row_params(self, params: list[SamplingParams]) -> RowParams:
-        def col(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor([[getattr(p, name)] for p in params], dtype=dtype, device=self.device)
-
-        return RowParams(temperature=col("temperature"), top_p=col("top_p"), min_p=col("min_p"),
-                         top_k=col("top_k", torch.long), repetition_penalty=col("repetition_penalty"),
-                         cfg_weight=col("cfg_weight"))
 
     # --- after sampling ----------------------------------------------------------------------------------
 
@@ -543,7 +521,7 @@ class Engine(EngineLike):
         for state in list(self._live.values()):
             try:
                 self._terminate(state, status, reason)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("while failing %s", state.request_id)
         kind = EventKind.FAILED if status == Status.FAILED else EventKind.CANCELLED
         with self._emit_lock:
@@ -598,12 +576,11 @@ class Engine(EngineLike):
         max_new = params.max_new_tokens or max_tokens_for_text(request.text)
         seed = params.seed if params.seed is not None else self._draw_seed()
         params = replace(params, seed=seed, max_new_tokens=min(max_new, HARD_MAX_NEW_TOKENS))
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         if not request.submitted_monotonic_s:
             request.submitted_monotonic_s = time.monotonic()
         return SegmentState(request=request, outlet=outlet, params=params, voice=voice, text_ids=text_ids,
                             max_new_tokens=params.max_new_tokens or HARD_MAX_NEW_TOKENS,
-                            uses_cfg=self.is_llama and params.cfg_weight > 0.0, generator=generator)
+                            uses_cfg=self.is_llama and params.cfg_weight > 0.0)
 
     def _draw_seed(self) -> int:
         if self._seed_source is not None:
@@ -628,6 +605,15 @@ class Engine(EngineLike):
             log.warning("cpu_weights=bf16: rounded %d T3 projection weights to bfloat16 (fp32 math on the rounded "
                         "values; the model is no longer bit-identical to the checkpoint)", changed)
         return True
+
+    def _graphs_for(self, config: EngineConfig) -> bool:
+        """cuda_graphs: "auto" = on for a CUDA device; "on" needs one; with the alignment analyzer the
+        analysed steps run eagerly anyway (they read attention probabilities back)."""
+        if config.cuda_graphs not in ("auto", "on", "off"):
+            raise EngineError(f"cuda_graphs must be 'auto', 'on' or 'off', not {config.cuda_graphs!r}")
+        if config.cuda_graphs == "on" and self.device.type != "cuda":
+            raise EngineError("cuda_graphs='on' needs a CUDA device")
+        return config.cuda_graphs != "off" and self.device.type == "cuda"
 
     def _build_vocoder(self) -> tuple[Any, VocoderWorker]:
         from synth.vocoder import StreamingVocoder
@@ -655,12 +641,43 @@ class Engine(EngineLike):
                     worker.prepare_voice(voice)
         for voice in voices:
             self._prepare_voice(voice)
+        graphs = self.runner.capture_graphs()
+        if graphs:
+            log.info("captured %d CUDA graphs of the decode step and sampling", graphs)
         if worker is not None and not worker.wait_prepared([v.key for v in voices if v.s3gen_ref],
                                                            VOICE_PREPARATION_TIMEOUT_S):
             raise EngineError("the built-in voices' vocoder prompts were not ready in time")
+        self._speak_warmup_segment()
+
+    def _speak_warmup_segment(self) -> None:
+        """One real segment through the whole path (prefill, decode steps, sampling, the vocoder) before the
+        engine says ready: an engine that cannot speak (a dtype mismatch, an op missing on this device) fails
+        here with the reason (`failure`), instead of saying ready and failing every session."""
+        voice_ids = self.voices.ids()
+        if not voice_ids:
+            log.warning("no voice at start-up: the warm-up segment is skipped")
+            return
+        outcome: list[SegmentEvent] = []
+        finished = threading.Event()
+
+        def sink(output: EngineOutput) -> None:
+            if isinstance(output, SegmentEvent) and output.kind >= EventKind.DONE:
+                outcome.append(output)
+                finished.set()
+
+        params = replace(SamplingParams.defaults(self.variant), seed=0, max_new_tokens=WARMUP_TOKENS)
+        self.submit(SegmentRequest(request_id=WARMUP_REQUEST_ID, text=WARMUP_TEXT, params=params, sink=sink,
+                                   voice_id="default" if "default" in voice_ids else voice_ids[0]))
+        deadline_s = time.monotonic() + WARMUP_TIMEOUT_S
+        while not finished.is_set():
+            if time.monotonic() > deadline_s:
+                raise EngineError("the warm-up segment did not finish in time")
+            self._step()
+        if outcome[0].kind != EventKind.DONE:
+            raise EngineError(f"the warm-up segment failed: {outcome[0].reason}")
 
     def _prepare_voice(self, voice: Voice) -> None:
         try:
             self._prefix_for(voice, SamplingParams.defaults(self.variant).exaggeration)
-        except Exception:  # noqa: BLE001 - a bad voice fails its own requests later, not the engine
+        except Exception:
             log.exception("preparing voice %s failed", voice.voice_id)

@@ -1,13 +1,15 @@
 """KV storage for T3. Two kinds, both read by every forward pass:
 
-- `PrefixKV`: one voice's conditioning (per exaggeration), computed once and *shared*: every row that
-  uses the voice attends to the same tensors, so a batch reads them once per layer instead of once per
-  row, and no slot holds a copy. For CFG variants it also holds the unconditional row's text block,
+- `PrefixKV`: one voice's conditioning (per exaggeration), computed once and kept in the engine's prefix
+  pool (keyed by the voice's content hash); admission copies the positions a row needs into the row's
+  slot, so the decode step reads one contiguous key run per row. For CFG variants it also holds the
+  unconditional row's text block,
   which is the same for every text of a given length (the reference zeroes the token embeddings and
   keeps only the learned text positions), so an unconditional row of text length L simply sees
   positions [0, cond_len + L) of it; it grows on demand up to the longest text seen.
-- `SlotKVCache`: allocated once, one row per T3 sequence (a CFG segment owns two), holding only what
-  follows the row's prefix. Rows are claimed and released by the scheduler; the cache never grows.
+- `SlotKVCache`: allocated once, one row per T3 sequence (a CFG segment owns two), holding the row's whole
+  sequence: [prefix copy | text (cond row only) | BOS block | speech]; both rows of a CFG segment have the
+  same length. Rows are claimed and released by the scheduler; the cache never grows.
   Position `max_len - 1` of every row is a scratch slot: decode steps write rows that are not in the
   batch there, and no real sequence may reach it, so a real row can never attend to it.
 """
@@ -36,8 +38,8 @@ class PrefixKV:
 
     def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Append positions (per layer [H, n, D]); the old tensors are replaced, never written in place."""
-        self.keys = [torch.cat([old, new], dim=1) for old, new in zip(self.keys, keys)]
-        self.values = [torch.cat([old, new], dim=1) for old, new in zip(self.values, values)]
+        self.keys = [torch.cat([old, new], dim=1) for old, new in zip(self.keys, keys, strict=True)]
+        self.values = [torch.cat([old, new], dim=1) for old, new in zip(self.values, values, strict=True)]
 
 
 class SlotKVCache:
@@ -55,6 +57,12 @@ class SlotKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def install_prefix(self, row: int, prefix: PrefixKV, n_positions: int) -> None:
+        """Copy prefix positions [0, n_positions) into positions [0, n_positions) of `row`, every layer."""
+        for layer in range(len(self.keys)):
+            self.keys[layer][row, :, :n_positions] = prefix.keys[layer][:, :n_positions]
+            self.values[layer][row, :, :n_positions] = prefix.values[layer][:, :n_positions]
 
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:

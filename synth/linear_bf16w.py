@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -57,7 +58,7 @@ def _compiler() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Compile (once per source, compiler and machine; cached on disk) and load the kernel."""
-    import torch  # noqa: F401  -- torch's libgomp must be loaded first, so the kernel shares its OpenMP runtime
+    import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
     if "AVX512" not in capability:
@@ -127,28 +128,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*lead, out_features)
 
 
-def module_weight(module: torch.nn.Module) -> torch.Tensor:
-    weight = module.weight
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(module).__name__} has no weight tensor")
-    return weight
-
-
-def module_bias(module: torch.nn.Module) -> torch.Tensor | None:
-    bias = module.bias
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{type(module).__name__}.bias is not a tensor")
-    return bias
-
-
 @torch.no_grad()
 def round_to_bf16_(modules: list[torch.nn.Module]) -> int:
     """Round each module's weight to the nearest bf16 in place (idempotent); returns how many values changed."""
     changed = 0
     for module in modules:
-        weight = module_weight(module)
+        weight = cast(torch.Tensor, module.weight)
         rounded = weight.to(torch.bfloat16).to(weight.dtype)
-        changed += int(torch.ne(rounded, weight).sum())
+        changed += int((rounded != weight).sum())
         weight.copy_(rounded)
     return changed
 
@@ -161,13 +148,12 @@ class Bf16WeightLinears:
         _library()  # compile / load now, not on the first step
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
         for module in modules:
-            weight = module_weight(module).detach()
+            weight = cast(torch.Tensor, module.weight).detach()
             if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
                 weight = weight.t()
             if not torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight):
                 raise ValueError("Bf16WeightLinears needs bf16-representable weights: call round_to_bf16_ first")
-            raw_bias = module_bias(module)
-            bias = None if raw_bias is None else raw_bias.detach().float().contiguous()
+            bias = None if module.bias is None else cast(torch.Tensor, module.bias).detach().float().contiguous()
             self._packed[id(module)] = (pack(weight), weight.shape[0], bias)
 
     @property

@@ -14,17 +14,27 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-from safetensors.torch import load_file
-
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 from chatterbox.models.voice_encoder import VoiceEncoder
+from safetensors.torch import load_file
 
 from synth.api import Variant
-from synth.presets import (BUILTIN_VOICE_FILE, CHECKPOINT_FILES, HUB_REPOS, Size, build_random_modules, build_t3,
-                           t3_size_of_state, write_grapheme_tokenizer, write_turbo_tokenizer, ENGLISH_TEXT_VOCAB,
-                           MULTILINGUAL_LANGUAGES, MULTILINGUAL_TEXT_VOCAB)
+from synth.presets import (
+    BUILTIN_VOICE_FILE,
+    CHECKPOINT_FILES,
+    ENGLISH_TEXT_VOCAB,
+    HUB_REPOS,
+    MULTILINGUAL_LANGUAGES,
+    MULTILINGUAL_TEXT_VOCAB,
+    Size,
+    build_random_modules,
+    build_t3,
+    t3_size_of_state,
+    write_grapheme_tokenizer,
+    write_turbo_tokenizer,
+)
 from synth.tiny_s3gen import build_s3gen
 
 log = logging.getLogger(__name__)
@@ -86,7 +96,7 @@ def find_checkpoint(variant: Variant) -> tuple[Path, str] | None:
         cached = Path(snapshot_download(repo_id=repo, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True))
         if _is_checkpoint_dir(cached, variant):
             return cached, f"hf-cache:{cached}"
-    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises several types for "not cached"
+    except Exception as exc:
         log.info("no %s checkpoint in the Hugging Face cache (%s)", repo, type(exc).__name__)
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return None
@@ -96,7 +106,7 @@ def find_checkpoint(variant: Variant) -> tuple[Path, str] | None:
                                             token=os.environ.get("HF_TOKEN") or None))
         if _is_checkpoint_dir(downloaded, variant):
             return downloaded, f"hub:{repo}"
-    except Exception as exc:  # noqa: BLE001 - no network, no auth, ... all mean "not available"
+    except Exception as exc:
         log.warning("hub download of %s failed: %s", repo, exc)
     return None
 

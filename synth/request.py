@@ -37,15 +37,13 @@ class SegmentState:
     gen: int = 0  # claim counter: output is delivered only while this matches the rows' owner
     rows: tuple[int, ...] = ()  # cache rows: (cond,) or (cond, uncond)
     prefix: Any = None  # synth.kv_cache.PrefixKV the rows attend to (shared; kept alive while running)
-    row_shift: tuple[int, ...] = ()  # per row: how far its slot lags the cond row's (uncond: the text length)
-    next_pos: int = 0  # next slot position of the cond row to write (= its slot positions filled so far)
+    next_pos: int = 0  # next position of its rows to write (prefix included; both rows of a CFG segment alike)
     tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included
     pending_token: int | None = None  # sampled, not yet fed back
     finish_reason: str = ""
     # vocoder hand-over (the vocoder worker keeps the rest: synth/vocoder_worker.py)
     valid_tokens: list[int] = field(default_factory=list)  # sampled ids < SPEECH_VOCAB_SIZE, in order
     pushed_tokens: int = 0  # valid tokens handed to the vocoder worker
-    generator: Any = None  # torch.Generator owned by this segment (sampling)
     aligner: Any = None  # the multilingual alignment analyzer of this segment (synth.alignment), when on
     # timestamps (time.monotonic seconds)
     admitted_s: float = 0.0

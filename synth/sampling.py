@@ -2,19 +2,20 @@
 
 The reference (`T3.inference`, `T3.inference_turbo`) applies HF logits processors to a batch of one and
 calls `torch.multinomial`. Here each row carries its own parameters as [N, 1] tensors and its own
-generator. Two facts make the batch invariant:
+noise, drawn by the caller from the row's own generator. Two facts make the batch invariant:
 - every processor is elementwise or row-wise, so computing it for N rows at once gives each row the
   same floats as computing it alone (the arithmetic below mirrors the processors operation by operation;
   on CUDA, dividing by a Python float is done as a multiply by its float32 reciprocal, so we do the same);
 - `torch.multinomial(p, 1)` is `argmax(p / q)` with `q = empty_like(p).exponential_(generator)`, so
   drawing q for each row from that row's own generator reproduces the row's token whatever the batch.
-No host sync happens here: the caller moves the sampled ids to the host once per step.
+No host sync and no shape that depends on a value happens here (a CUDA graph captures it): the caller moves
+the sampled ids to the host once per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ class RowParams:
     temperature: torch.Tensor  # [N, 1] float32
     top_p: torch.Tensor  # [N, 1]
     min_p: torch.Tensor  # [N, 1]
-    top_k: torch.Tensor  # [N, 1] long; 0 = off
+    top_k: torch.Tensor  # [N, 1] (integral values, float32 or long); 0 = off
     repetition_penalty: torch.Tensor  # [N, 1]
     cfg_weight: torch.Tensor  # [N, 1]
 
@@ -67,30 +68,23 @@ def apply_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """HF TopKLogitsWarper with a per-row k (k-th largest value per row is the threshold)."""
+    """HF TopKLogitsWarper with a per-row k (k-th largest value per row is the threshold). The whole row is
+    sorted, whatever k: a k_max read from the device would be a host sync."""
     vocab = scores.shape[-1]
-    k = top_k.clamp(min=1, max=vocab)
-    k_max = int(k.max().item()) if k.is_cpu else vocab  # avoid a device sync: on GPU sort the whole row
-    top_values = torch.topk(scores, k_max, dim=-1).values  # [N, k_max] descending
-    threshold = top_values.gather(1, k - 1)  # [N, 1]
+    k = top_k.clamp(min=1, max=vocab).long()
+    ranked = torch.sort(scores, dim=-1, descending=True).values  # [N, V]
+    threshold = ranked.gather(1, k - 1)  # [N, 1]
     return scores.masked_fill(scores < threshold, NEG_INF)
 
 
-def draw_exponentials(generators: list[torch.Generator], vocab: int, device: torch.device,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """q: [N, V] with row i drawn from generators[i] exactly as torch.multinomial draws it for a [1, V] input."""
-    rows = [torch.empty((1, vocab), device=device, dtype=dtype).exponential_(1.0, generator=g) for g in generators]
-    return torch.cat(rows)
-
-
-def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """`torch.multinomial(probs[i:i+1], 1, generator=generators[i])` for every row: [N] long."""
-    q = draw_exponentials(generators, probs.shape[-1], probs.device, probs.dtype)
-    return (probs / q).argmax(dim=-1)
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`torch.multinomial(probs[i:i+1], 1, generator=g_i)` for every row, given noise[i] = the Exp(1) draw
+    of a [1, V] tensor from g_i (what multinomial draws): [N] long."""
+    return (probs / noise).argmax(dim=-1)
 
 
 def sample_llama(cond: torch.Tensor, uncond: torch.Tensor, seen: torch.Tensor, params: RowParams,
-                 generators: list[torch.Generator],
+                 noise: torch.Tensor,
                  edit_guided: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """English / Multilingual order: CFG -> [alignment analyzer] -> repetition penalty -> temperature ->
     min_p -> top_p -> sample.
@@ -106,11 +100,10 @@ def sample_llama(cond: torch.Tensor, uncond: torch.Tensor, seen: torch.Tensor, p
     logits = _div_like_reference(logits, params.temperature)
     logits = apply_min_p(logits, params.min_p)
     logits = apply_top_p(logits, params.top_p)
-    return sample_from_probs(torch.softmax(logits, dim=-1), generators)
+    return sample_from_probs(torch.softmax(logits, dim=-1), noise)
 
 
-def sample_gpt2(logits: torch.Tensor, seen: torch.Tensor, params: RowParams,
-                generators: list[torch.Generator]) -> torch.Tensor:
+def sample_gpt2(logits: torch.Tensor, seen: torch.Tensor, params: RowParams, noise: torch.Tensor) -> torch.Tensor:
     """Turbo order: temperature -> top_k -> top_p -> repetition penalty -> sample (each only when active,
     as `inference_turbo` builds its processor list)."""
     scaled = _div_like_reference(logits, params.temperature)
@@ -119,4 +112,4 @@ def sample_gpt2(logits: torch.Tensor, seen: torch.Tensor, params: RowParams,
     logits = torch.where(params.top_p < 1.0, apply_top_p(logits, params.top_p), logits)
     penalised = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     logits = torch.where(params.repetition_penalty != 1.0, penalised, logits)
-    return sample_from_probs(torch.softmax(logits, dim=-1), generators)
+    return sample_from_probs(torch.softmax(logits, dim=-1), noise)

@@ -11,66 +11,55 @@ English / Multilingual (Llama, learned text and speech positions, RoPE along the
 Turbo (GPT-2, learned absolute positions added per row):
     [speaker 1][prompt] [text BPE ids] [BOS] then tokens with no speech position embedding
 
-Attention reads two sources and takes one softmax over both, in the reference's key order:
-the row's prefix (a shared `PrefixKV`: the conditioning, plus the unconditional text block for an
-uncond row) and the row's own positions in the slot cache. A batch reads each shared prefix once per
-layer however many rows use it. Prefill packs every admitted segment into one sequence with a
-block-diagonal mask, so N admissions cost one pass over the weights, not N.
+Prefix pool: a voice's conditioning (and, for CFG, the unconditional text block) is computed once into a
+shared `PrefixKV`; admission copies the positions a row needs into the row's slot (one copy per layer), so a
+row's keys are one contiguous run [prefix | text | BOS block | speech] of its own cache row. The decode step is
+then one masked SDPA call per layer over rows [0, row bucket) and keys [0, key bucket), whatever the mix of
+voices: ops per step depend on the bucket only. (A block table over the pool would avoid the copy and let rows
+of one voice read its prefix once; with plain torch ops that needs a gather per layer, i.e. the same copy made
+every step instead of once, or a paged-attention kernel, which torch does not ship. The price of the copy is
+that each row reads its own prefix: Turbo's 376 positions per row and layer.)
+Prefill packs every admitted segment into one sequence with a block-diagonal mask, so N admissions cost one
+pass over the weights, not N; it is not captured (shapes vary), it runs once per segment.
+
+Determinism: a row's logits must not depend on the other rows of its step. On the CPU the projections run
+through oneDNN (`PackedLinears`, row-invariant, checked for 1..300 rows) and SDPA computes each (row, head)
+by plain matmuls and a masked fp32 softmax (the CPU SDPA kernel is not row-invariant), with masked keys
+contributing exact zeros; the bucket sizes therefore do not change a row's result
+(tests/synth/test_t3_runner.py checks it bit for bit across row and key buckets). On CUDA nothing
+documents that guarantee: cuBLAS and the SDPA backends may pick another kernel (another reduction order)
+for another M (row bucket) or key length, so tokens are identical alone and in a batch only within one
+(row bucket, key bucket) pair; fixed buckets make it a function of the bucket, not of the batch's content.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from synth.linear_bf16w import Bf16WeightLinears, module_bias, module_weight
 from synth.kv_cache import PrefixKV, SlotKVCache
-
-try:  # transformers >= 4.48 keeps it here
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-except ImportError:  # pragma: no cover - older transformers
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from synth.linear_bf16w import Bf16WeightLinears
+from synth.sampling import RowParams, sample_gpt2, sample_llama
+from synth.step_buffers import FLOAT_FIELDS, MIN_KEY_BUCKET, StepGraph, StepInputs, bucket, ladder
 
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixGroup:
-    """The decode rows that read one shared prefix, and how much of it each sees."""
-
-    prefix: PrefixKV
-    rows: torch.Tensor  # [n] long
-    visible: torch.Tensor  # [n] long: prefix positions [0, visible) are keys of that row
-    max_visible: int  # host-side max(visible)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeBatch:
-    """One decode step over cache rows [0, n_rows). Rows not in the step are fed a dummy token, write to
-    the scratch position and belong to no group; their outputs are ignored. Tensors on the model's device."""
-
-    n_rows: int
-    token_ids: torch.Tensor  # [n_rows] long: last sampled token per row (dummy for idle rows)
-    speech_pos: torch.Tensor  # [n_rows] long: learned speech position of that token (Llama only)
-    rope_pos: torch.Tensor  # [n_rows] long: the token's position in the whole sequence (prefix included)
-    write_pos: torch.Tensor  # [n_rows] long: slot position it is written to (scratch for idle rows)
-    attend_len: torch.Tensor  # [n_rows] long: slot keys [0, attend_len) are visible after the write
-    span_len: int  # max(attend_len), host-side so shapes need no sync
-    groups: tuple[PrefixGroup, ...]
+# a sampling hook: rewrites rows of the guided logits [rows, V] (the multilingual alignment analyzer)
+EditGuided = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillItem:
     """New positions for one cache row: `embeds` [n, dim] follow the first `prefix_len` positions of
-    `prefix` and are written to slot positions [0, n) of `row`."""
+    `prefix`; the row gets a copy of those prefix positions at [0, prefix_len) and the new ones after them."""
 
     row: int
     prefix: PrefixKV
@@ -91,12 +80,11 @@ class PackedLinears:
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in modules:
-            weight = module_weight(module).detach()
+            weight = cast(torch.Tensor, module.weight).detach()
             if type(module).__name__ == "Conv1D":  # GPT-2's transposed linear: weight [in, out]
                 weight = weight.t()
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT)
-            raw_bias = module_bias(module)
-            bias = None if raw_bias is None else raw_bias.detach()
+            bias = None if module.bias is None else cast(torch.Tensor, module.bias).detach()
             self._packed[id(module)] = (packed, bias)
 
     @staticmethod
@@ -122,7 +110,7 @@ def projections(t3: T3) -> list[torch.nn.Module]:
 
 class T3Runner:
     def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
-                 packed_linears: bool = True, bf16_weights: bool = False) -> None:
+                 packed_linears: bool = True, bf16_weights: bool = False, cuda_graphs: bool = False) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
         self.linears: PackedLinears | Bf16WeightLinears | None = None
         if bf16_weights:  # the caller rounded the projections (linear_bf16w.round_to_bf16_)
@@ -144,21 +132,40 @@ class T3Runner:
         self.start_speech_token = t3.hp.start_speech_token
         self.stop_speech_token = t3.hp.stop_speech_token
         # Attention probabilities of these (layer, head) pairs are kept by passes run with capture=True
-        # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [n_rows, prefix
-        # width + span] with the prefix width in `captured_width`; prefill -> `captured_prefill`
-        # [T, prefix columns + T] with the packed layout (prefix columns, item starts) in `captured_layout`.
+        # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [rows, keys] over the
+        # row's own positions; prefill -> `captured_prefill` [T, prefix columns + T] with the packed layout
+        # (prefix columns, item starts) in `captured_layout`. Captured passes run eagerly, never from a graph.
         self.capture_heads: tuple[tuple[int, int], ...] = ()
         self.captured_decode: dict[tuple[int, int], torch.Tensor] = {}
-        self.captured_width = 0
         self.captured_prefill: dict[tuple[int, int], torch.Tensor] = {}
         self.captured_layout: tuple[int, list[int]] = (0, [])
+        # --- the decode step's static buffers (allocated once; a step reads and writes only these) ---
+        self.inputs = StepInputs(max_rows, device, self.cache.scratch_pos, self.start_speech_token)
+        self.row_buckets = ladder(max_rows)
+        self.key_buckets = ladder(max_len, first=min(MIN_KEY_BUCKET, max_len))
+        vocab = t3.hp.speech_tokens_dict_size
+        self.vocab = vocab
+        self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device)  # [R, V] fp32
+        self.noise = torch.ones((max_rows, vocab), dtype=torch.float32, device=device)  # [R, V] Exp(1) draws
+        self._noise_rows = [self.noise[row:row + 1] for row in range(max_rows)]  # [1, V] views, made once
+        self.seen = torch.zeros((max_rows, vocab), dtype=torch.bool, device=device)  # [R, V] penalised ids
+        self.sampled = torch.zeros(max_rows, dtype=torch.long, device=device)  # [R] this step's ids
+        self._row_index = torch.arange(max_rows, device=device)  # [R]
+        self._key_index = torch.arange(max_len, device=device)  # [L]
+        # one generator per row, reseeded at admission: row i's noise is exactly what torch.multinomial would
+        # draw from a generator seeded with the segment's seed, whatever else the step holds
+        self.generators = [torch.Generator(device=device) for _ in range(max_rows)]
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self._decode_graphs: dict[tuple[int, int], StepGraph] = {}
+        self._sample_graphs: dict[int, StepGraph] = {}
+        self._graph_pool: Any = None
 
     # --- embeddings --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def cond_embeds(self, cond: T3Cond) -> torch.Tensor:
         """[1, P, dim] conditioning prefix. `cond` must be a fresh T3Cond: prepare_conditioning caches into it."""
-        return self.t3.prepare_conditioning(cond.to(device=self.device))
+        return self.t3.prepare_conditioning(cond.to(device=self.device, dtype=self.dtype))
 
     @torch.inference_mode()
     def text_embeds(self, text_ids: list[int]) -> torch.Tensor:
@@ -192,7 +199,7 @@ class T3Runner:
     def compute_prefix(self, cond_emb: torch.Tensor) -> PrefixKV:
         """Run the conditioning ([1, P, dim]) once and keep its per-layer keys and values."""
         n_pos = cond_emb.shape[1]
-        keys, values = self._run_packed([(None, 0, cond_emb[0])], collect=True)
+        _, keys, values = self._run_packed([(None, 0, cond_emb[0])], collect=True)
         assert keys[0].shape[1] == n_pos
         return PrefixKV(keys, values)
 
@@ -204,66 +211,154 @@ class T3Runner:
             return
         positions = torch.arange(have, text_len, device=self.device)
         embeds = self.t3.text_pos_emb.emb(positions).to(self.dtype)  # zeroed token embedding + text position
-        keys, values = self._run_packed([(prefix, prefix.length, embeds)], collect=True)
+        _, keys, values = self._run_packed([(prefix, prefix.length, embeds)], collect=True)
         prefix.extend(keys, values)
 
     # --- forward passes ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], capture: bool = False) -> torch.Tensor:
-        """Run every item's new positions in one packed pass; returns each item's last-position logits [N, V]."""
+        """Copy each item's prefix positions into its row, run every item's new positions in one packed pass
+        after them; returns each item's last-position logits [N, V]."""
         for item in items:
-            assert item.embeds.shape[0] < self.cache.usable_len, "segment does not fit the KV cache"
-        return self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items], rows=[i.row for i in items],
-                                capture=capture)
+            if item.prefix_len + item.embeds.shape[0] >= self.cache.usable_len:
+                raise ValueError("segment does not fit the KV cache")
+            self.cache.install_prefix(item.row, item.prefix, item.prefix_len)
+        logits, _, _ = self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items],
+                                        rows=[i.row for i in items], capture=capture)
+        return logits
 
-    @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, capture: bool = False) -> torch.Tensor:
-        """One token for every row in [0, n_rows): returns logits [n_rows, V]."""
-        n_rows, span = batch.n_rows, batch.span_len
-        cache, scale = self.cache, self.scale
-        embeds = self.speech_embeds(batch.token_ids, batch.speech_pos).to(self.dtype)  # [R, 1, dim]
-        rows_t = torch.arange(n_rows, device=self.device)
-        slot_mask = (torch.arange(span, device=self.device)[None, :] < batch.attend_len[:, None])[:, None, :]
-        width = max((g.max_visible for g in batch.groups), default=0)  # prefix columns of the score matrix
-        prefix_masks = [torch.arange(g.max_visible, device=self.device)[None, :] < g.visible[:, None]
-                        for g in batch.groups]  # each [n, P]
+    def place_logits(self, rows: list[int], logits: torch.Tensor) -> None:
+        """Prefill logits [N, V] become the sampling input of `rows` (the step's other rows come from decode)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.logits.index_copy_(0, index, logits.float())
+
+    def step_shape(self, highest_row: int, longest_row_keys: int) -> tuple[int, int]:
+        """(row bucket, key bucket) holding rows [0, highest_row] and `longest_row_keys` keys per row."""
+        return bucket(self.row_buckets, highest_row + 1), bucket(self.key_buckets, longest_row_keys)
+
+    def decode(self, n_rows: int, n_keys: int, capture: bool = False) -> torch.Tensor:
+        """One token for every row in [0, n_rows) (a row bucket), from the uploaded `inputs`: writes and
+        returns logits [n_rows, V] fp32 (a view of the static `logits`)."""
+        if capture and self.capture_heads:
+            self._decode_eager(n_rows, n_keys, capture=True)
+        else:
+            graph = self._decode_graphs.get((n_rows, n_keys))
+            if graph is None:
+                graph = self._decode_graphs[(n_rows, n_keys)] = self._graph(
+                    lambda: self._decode_eager(n_rows, n_keys), [])
+            graph()
+        return self.logits[:n_rows]
+
+    def sample(self, n_rows: int, edit_guided: EditGuided | None = None) -> torch.Tensor:
+        """Sample every row in [0, n_rows) from `logits` with its own parameters and generator: writes and
+        returns the ids [n_rows] (a view of the static `sampled`); the caller moves them to the host once."""
+        if edit_guided is not None:
+            self._sample_eager(n_rows, edit_guided)
+        else:
+            graph = self._sample_graphs.get(n_rows)
+            if graph is None:
+                graph = self._sample_graphs[n_rows] = self._graph(lambda: self._sample_eager(n_rows),
+                                                                  self.generators[:n_rows])
+            graph()
+        return self.sampled[:n_rows]
+
+    def capture_graphs(self) -> int:
+        """Build every bucket's step graphs now (start-up), so that no step ever waits for a capture. Returns
+        the number of graphs built (0 without CUDA graphs: the eager functions need no preparation)."""
+        if not self.use_graphs:
+            return 0
+        with torch.inference_mode():
+            for n_rows in self.row_buckets:
+                for n_keys in self.key_buckets:
+                    self.decode(n_rows, n_keys)
+                self.sample(n_rows)
+        return len(self._decode_graphs) + len(self._sample_graphs)
+
+    def _graph(self, fn: Callable[[], None], generators: list[torch.Generator]) -> StepGraph:
+        def run() -> None:
+            with torch.inference_mode():
+                fn()
+
+        graph = StepGraph(run, capture=self.use_graphs, pool=self._graph_pool, generators=generators)
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        return graph
+
+    def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False) -> None:
+        """The decode step over static buffers: no host value read, no allocation that depends on the batch."""
+        inp, cache, scale = self.inputs, self.cache, self.scale
+        token = inp.device_int("token")[:n_rows]  # [R]
+        pos = inp.device_int("pos")[:n_rows]  # [R]
+        write = inp.device_int("write")[:n_rows]  # [R]
+        keys_visible = inp.device_int("keys")[:n_rows]  # [R]
+        rows = self._row_index[:n_rows]
+        embeds = self.speech_embeds(token, inp.device_int("speech_pos")[:n_rows]).to(self.dtype)  # [R, 1, dim]
+        mask = (self._key_index[None, :n_keys] < keys_visible[:, None])[:, None, None, :]  # [R, 1, 1, L]
+        hidden_keys = self._key_index[None, :n_keys] >= keys_visible[:, None]  # [R, L]: ~mask, computed once
         captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
-        self.captured_decode, self.captured_width = {}, width
+        if capture:
+            self.captured_decode = {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(layer, rows_t, batch.write_pos, k[:, :, 0], v[:, :, 0])
-            slot_k, slot_v = cache.keys[layer][:n_rows, :, :span], cache.values[layer][:n_rows, :, :span]
-            q = q[:, :, 0]  # [R, H, D]
-            slot_scores = torch.matmul(q[:, :, None], slot_k.transpose(-1, -2))[:, :, 0]  # [R, H, S]
-            slot_scores = slot_scores.masked_fill(~slot_mask, float("-inf"))
-            prefix_scores = slot_scores.new_full((n_rows, self.n_heads, width), float("-inf"))
-            for group, mask in zip(batch.groups, prefix_masks):
-                pk = group.prefix.keys[layer][:, :group.max_visible]  # [H, P, D]: read once for the group
-                s = torch.bmm(q[group.rows].transpose(0, 1), pk.transpose(1, 2)).transpose(0, 1)  # [n, H, P]
-                prefix_scores[group.rows, :, :group.max_visible] = s.masked_fill(~mask[:, None], float("-inf"))
-            # one softmax over [prefix keys, slot keys]: the reference's key order
-            probs = torch.softmax(torch.cat([prefix_scores, slot_scores], dim=-1).mul_(scale), dim=-1,
-                                  dtype=torch.float32).to(q.dtype)
-            for captured_layer, head in captured_heads:
+            cache.write(layer, rows, write, k[:, :, 0], v[:, :, 0])
+            keys = cache.keys[layer][:n_rows, :, :n_keys]  # [R, H, L, D]
+            values = cache.values[layer][:n_rows, :, :n_keys]
+            for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
                 if captured_layer == layer:
-                    self.captured_decode[(layer, head)] = probs[:, head].float()
-            out = torch.matmul(probs[:, :, None, width:], slot_v)[:, :, 0]  # [R, H, D]
-            for group in batch.groups:
-                pv = group.prefix.values[layer][:, :group.max_visible]
-                p = probs[group.rows, :, :group.max_visible].transpose(0, 1)  # [H, n, P]
-                out[group.rows] += torch.bmm(p, pv).transpose(0, 1)
-            return out[:, :, None]
+                    scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
+                    scores = scores.masked_fill(hidden_keys, float("-inf"))  # [R, L]
+                    self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
+            return self._attention(q, keys, values, mask, hidden_keys)  # [R, H, 1, D]
 
-        hidden = self._layers(embeds, batch.rope_pos[:, None], attend)
-        return self._lin(self.t3.speech_head, hidden[:, -1])
+        hidden = self._layers(embeds, pos[:, None], attend)
+        self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, hidden[:, -1]))
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   hidden_keys: torch.Tensor) -> torch.Tensor:
+        """One attention call for the step: q [R, H, 1, D] over keys, values [R, H, L, D] where mask [R, 1, 1, L]
+        (hidden_keys [R, L] = ~mask).
+
+        CUDA: SDPA (its kernels accumulate scores and softmax in fp32 whatever the dtype). CPU: the same
+        arithmetic spelled out in fp32 (matmul, masked softmax, matmul), because the CPU SDPA kernel is not
+        row-invariant (a row's output changes in the last bit with the batch size; checked), while these ops
+        give a row the same bits for any row and key bucket (tests/synth/test_t3_runner.py)."""
+        if q.is_cuda:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()).mul_(self.scale)  # [R, H, 1, L] fp32
+        probs = torch.softmax(scores.masked_fill_(hidden_keys[:, None, None, :], float("-inf")), dim=-1)
+        return torch.matmul(probs, values.float()).to(q.dtype)
+
+    def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None) -> None:
+        """Sampling over static buffers, every row with its own parameters, seen set and generator."""
+        inp = self.inputs
+        logits = self.logits[:n_rows]  # [R, V] fp32
+        seen = self.seen[:n_rows]  # [R, V]
+        reset = inp.device_int("reset")[:n_rows].bool()  # [R]: a segment's first token: seen = {BOS}
+        seen.logical_and_(~reset[:, None])
+        seen[:, self.start_speech_token].logical_or_(reset)
+        params = RowParams(**{name: inp.device_float(name)[:n_rows, None] for name in FLOAT_FIELDS})
+        noise = self.noise[:n_rows]
+        for row in range(n_rows):  # one draw per row from the row's own generator, as torch.multinomial draws it
+            self._noise_rows[row].exponential_(1.0, generator=self.generators[row])
+        if self.is_gpt:
+            tokens = sample_gpt2(logits, seen, params, noise)
+            # inference_turbo penalises BOS only for its first token; afterwards only generated ids count
+            first = inp.device_int("speech_pos")[:n_rows] == 0
+            seen.logical_and_(~first[:, None])
+        else:
+            uncond = logits.index_select(0, inp.device_int("partner")[:n_rows])  # [R, V]
+            tokens = sample_llama(logits, uncond, seen, params, noise, edit_guided)
+        seen.scatter_(1, tokens[:, None], True)
+        self.sampled[:n_rows].copy_(tokens)
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
-                    collect: bool = False, capture: bool = False) -> Any:
+                    collect: bool = False, capture: bool = False
+                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
         prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
-        keys/values to slot `rows` (returning last-position logits per item) or collects and returns them
-        (per layer [H, total, D]) for a prefix."""
+        keys/values to slot `rows` and returns (last-position logits per item [N, V], [], []), or collects
+        them for a prefix and returns (empty, keys, values) with per layer [H, total, D]."""
         dev = self.device
         lengths = [e.shape[0] for _, _, e in items]
         total = sum(lengths)
@@ -276,13 +371,15 @@ class T3Runner:
         blocks: list[tuple[PrefixKV, int]] = []
         block_of_item: list[int] = []
         for prefix, prefix_len, _ in items:
-            index = next((b for b, (p, _) in enumerate(blocks) if p is prefix), None) if prefix is not None else None
-            if prefix is not None and index is None:
+            if prefix is None:
+                block_of_item.append(-1)
+                continue
+            index = next((b for b, (p, _) in enumerate(blocks) if p is prefix), None)
+            if index is None:
                 blocks.append((prefix, 0))
                 index = len(blocks) - 1
-            if prefix is not None and index is not None:
-                blocks[index] = (prefix, max(blocks[index][1], prefix_len))
-            block_of_item.append(-1 if index is None else index)
+            blocks[index] = (prefix, max(blocks[index][1], prefix_len))
+            block_of_item.append(index)
         col_block = torch.cat([torch.full((n,), b, device=dev) for b, (_, n) in enumerate(blocks)] or
                               [torch.zeros(0, dtype=torch.long, device=dev)])
         col_offset = torch.cat([torch.arange(n, device=dev) for _, n in blocks] or
@@ -303,7 +400,7 @@ class T3Runner:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if row_of_tok is not None:
-                self.cache.write(layer, row_of_tok, local, k[0].transpose(0, 1), v[0].transpose(0, 1))
+                self.cache.write(layer, row_of_tok, pos[0], k[0].transpose(0, 1), v[0].transpose(0, 1))
             if collect:
                 collected_k.append(k[0].contiguous())
                 collected_v.append(v[0].contiguous())
@@ -317,9 +414,9 @@ class T3Runner:
 
         hidden = self._layers(h, pos, attend)
         if collect:
-            return collected_k, collected_v
+            return hidden.new_zeros(0), collected_k, collected_v
         last = torch.tensor(lengths, device=dev).cumsum(0) - 1
-        return self._lin(self.t3.speech_head, hidden[0, last])
+        return self._lin(self.t3.speech_head, hidden[0, last]), collected_k, collected_v
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """h: [B, S, dim]; pos: [B, S] positions. Returns the final-norm hidden."""

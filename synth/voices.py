@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 import safetensors.torch
 import torch
-
 from chatterbox.models.s3gen import S3GEN_SR
 from chatterbox.models.s3tokenizer import S3_SR
 from chatterbox.models.t3.modules.cond_enc import T3Cond
@@ -135,7 +134,7 @@ def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device)
 
 def _norm_loudness(wav: npt.NDArray[np.float64], sample_rate_hz: int) -> npt.NDArray[np.float64]:
     """Turbo normalises the reference to -27 LUFS before anything else (tts_turbo.norm_loudness)."""
-    import pyloudnorm
+    import pyloudnorm  # type: ignore[import-untyped]
 
     try:
         loudness = pyloudnorm.Meter(sample_rate_hz).integrated_loudness(wav)
@@ -175,7 +174,7 @@ def _make_voice(bundle: Any, voice_id: str, wav: npt.NDArray[np.float32], sample
     if plen := bundle.t3.hp.speech_cond_prompt_len:
         enc_len = int(T3_PROMPT_S[bundle.variant] * S3_SR)
         prompt_tokens, _ = bundle.s3gen.tokenizer.forward([ref_16k[:enc_len]], max_len=plen)
-        prompt_tokens = prompt_tokens.reshape(1, -1).to(device)  # [1, T] (the reference's atleast_2d)
+        prompt_tokens = torch.atleast_2d(prompt_tokens).to(device)  # type: ignore[no-untyped-call]
     ve_embed = torch.from_numpy(bundle.ve.embeds_from_wavs([ref_16k], sample_rate=S3_SR))
     ve_embed = ve_embed.mean(dim=0, keepdim=True).to(device)
     return Voice(voice_id=voice_id, speaker_emb=ve_embed, prompt_speech_tokens=prompt_tokens, s3gen_ref=s3gen_ref)

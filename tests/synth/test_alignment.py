@@ -29,7 +29,7 @@ N_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
-def aligned_bundle():  # noqa: ANN201
+def aligned_bundle():
     base = tiny_bundle("multilingual")
     torch.manual_seed(0)
     return dataclasses.replace(base, t3=build_t3("multilingual", "tiny", backbone=TINY_ALIGNED_LLAMA).to(base.device))
@@ -40,11 +40,11 @@ def _params(seed: int, temperature: float, cfg: float) -> SamplingParams:
                                cfg_weight=cfg, max_new_tokens=N_TOKENS)
 
 
-def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:  # noqa: ANN001
+def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
     created: list = []
     original = synth.alignment.new_analyzer
 
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def recording(*args, **kwargs):
         analyzer = original(*args, **kwargs)
         created.append(analyzer)
         return analyzer
@@ -60,6 +60,7 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
     engine.start()
     try:
         assert engine.wait_ready(60)
+        created.clear()  # the engine's own warm-up segment had one too
         for i, (rid, text, lang, seed, temp, cfg) in enumerate(CASES):  # all in one batch
             engine.submit(SegmentRequest(request_id=rid, text=text, voice_id=f"v{i % 2}", language=lang,
                                          params=_params(seed, temp, cfg), sink=collector.sink_for(rid)))
@@ -67,7 +68,7 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
         got = {rid: collector.tokens(rid) for rid, *_ in CASES}
     finally:
         engine.stop()
-    ours = dict(zip([c[0] for c in CASES], created))  # admitted in submission order
+    ours = dict(zip([c[0] for c in CASES], created, strict=True))  # admitted in submission order
     assert len(created) == len(CASES)
 
     t3 = aligned_bundle.t3
@@ -89,7 +90,7 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
         assert ours[rid].text_position == reference.text_position and ours[rid].complete == reference.complete
 
 
-def test_analyzer_is_refused_where_it_cannot_run(aligned_bundle) -> None:  # noqa: ANN001
+def test_analyzer_is_refused_where_it_cannot_run(aligned_bundle) -> None:
     with pytest.raises(EngineError, match="multilingual model only"):
         Engine(tiny_bundle("english"), EngineConfig(variant="english", alignment_analyzer=True), render_audio=False)
     with pytest.raises(EngineError, match="lacks"):  # the 2-layer tiny preset has no layer 9, 12 or 13

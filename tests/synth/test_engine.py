@@ -5,25 +5,26 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from synth.api import (SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams,
-                       SegmentRequest)
-from synth.engine import Engine
+from synth.api import SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams, SegmentRequest
+from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
 from synth.request import SPEECH_VOCAB_SIZE
 
 from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
+from tests.synth.op_counter import count_ops
 
 TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short one.", "A fourth, different text.",
          "Fifth text here please.", "Number six is on its way.", "Seven, the lucky one.", "Eight and done."]
 
 
 @pytest.fixture(scope="module")
-def engine():  # noqa: ANN201
+def engine():
     eng = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
                       chunk_schedule_tokens=(8, 16))
     bundle = tiny_bundle("english")
@@ -155,7 +156,7 @@ def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
     fired = threading.Event()
     original = eng.runner.decode
 
-    def broken_decode(batch, capture=False):  # noqa: ANN001, ANN202
+    def broken_decode(*args: object, **kwargs: object) -> None:
         fired.set()
         raise RuntimeError("simulated CUDA error")
 
@@ -194,7 +195,7 @@ def test_derived_kv_length_fits_the_longest_segment() -> None:
         assert eng.runner.cache.max_len % 64 == 0
 
 
-def _swap_voices(bundle, n: int) -> list[dict[str, object]]:  # noqa: ANN001
+def _swap_voices(bundle, n: int) -> list[dict[str, object]]:
     """Conditioning for n cloned voices whose T3 and S3Gen conditioning both differ."""
     from synth import default_voice
 
@@ -315,7 +316,7 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
     original = vocoder.prepare_voice
     uploaded: dict[str, object] = {}
 
-    def held(ref: dict[str, object]):  # noqa: ANN202
+    def held(ref: dict[str, object]):
         if ref is uploaded.get("ref"):
             started.set()
             assert release.wait(300)
@@ -323,7 +324,7 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
 
     original_add = engine.voices.add
 
-    def remember(voice):  # noqa: ANN001, ANN202
+    def remember(voice):
         uploaded["ref"] = voice.s3gen_ref
         return original_add(voice)
 
@@ -353,3 +354,86 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
         del vocoder.prepare_voice
         del engine.voices.add
         engine.remove_voice("late")
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_speaks_a_segment_to_the_end(variant: str, dtype: str) -> None:
+    """Conditioning, prefixes and KV cache in the runner's dtype; logits, sampling and the vocoder in fp32.
+    (Before the fix, the fp32 T3Cond met a bf16 T3: "mat1 and mat2 must have the same dtype".)"""
+    from synth import default_voice
+    from synth.loading import random_bundle
+
+    bundle = random_bundle(variant, "tiny", torch.device("cpu"))  # the runner casts its T3 in place
+    eng = make_engine(variant, render_audio=True, max_slots=2, bundle=bundle, dtype=dtype,  # type: ignore[arg-type]
+                      first_chunk_tokens=6, chunk_schedule_tokens=(8, 16))
+    eng.voices.add(default_voice(bundle))
+    eng.start()
+    try:
+        assert eng.wait_ready(120), eng.failure
+        assert eng.runner.cache.keys[0].dtype == getattr(torch, dtype)
+        assert all(p.keys[0].dtype == getattr(torch, dtype) for p in eng._prefixes.values())
+        col = Collector()
+        params = replace(SamplingParams.defaults(variant), seed=11, max_new_tokens=20)  # type: ignore[arg-type]
+        eng.submit(SegmentRequest(request_id="half", text=TEXTS[0], params=params, sink=col.sink_for("half")))
+        col.wait_done(["half"])
+        assert col.kinds("half") == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE]
+        valid = [t for t in col.tokens("half") if t < SPEECH_VOCAB_SIZE]
+        silence = S3GEN_SILENCE_TOKENS_TURBO if variant == "turbo" else 0  # Turbo's S3Gen appends 3 silent tokens
+        assert valid and _pcm(col, "half").size == SAMPLES_PER_SPEECH_TOKEN * (len(valid) + silence)
+    finally:
+        eng.stop()
+
+
+def test_a_warm_up_that_fails_leaves_the_engine_not_ready_with_the_reason() -> None:
+    """Warm-up speaks a real segment; a failure anywhere on its path (here: the first decode step) is the
+    engine's failure: never ready, dead, and the reason in `failure` and status()."""
+    eng = make_engine("english", render_audio=False, max_slots=2)
+    eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))
+
+    def broken_decode(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated: no kernel for this dtype")
+
+    eng.runner.decode = broken_decode  # type: ignore[method-assign,assignment]
+    eng.start()
+    try:
+        assert not eng.wait_ready(60)
+        assert not eng.ready and not eng.alive
+        assert "no kernel for this dtype" in eng.failure
+        assert "no kernel for this dtype" in str(eng.status()["failure"])
+    finally:
+        eng.stop()
+
+
+def _ops_per_decode_step(variant: str, sessions: int, voices: int) -> Counter[str]:
+    """The aten ops of one steady-state engine step (every segment decoding, none admitted), driven on this
+    thread (the engine thread is not started)."""
+    eng = make_engine(variant, render_audio=False, max_slots=8)  # type: ignore[arg-type]
+    bundle = tiny_bundle(variant)  # type: ignore[arg-type]
+    for v in range(voices):
+        eng.voices.add(synthetic_voice(bundle, f"v{v}", 40 + v))
+    for i in range(sessions):
+        params = replace(SamplingParams.defaults(variant), seed=700 + i, max_new_tokens=200)  # type: ignore[arg-type]
+        eng.submit(SegmentRequest(request_id=f"s{i}", text=TEXTS[i], voice_id=f"v{i % voices}", params=params,
+                                  sink=lambda output: None))
+    with torch.no_grad():
+        while len(eng.scheduler.running) < sessions or any(s.pending_token is None for s in eng.scheduler.running):
+            eng._step()
+        eng._step()
+        with count_ops() as counter:
+            eng._step()
+    assert len(eng.scheduler.running) == sessions  # nobody ended: the counted step decoded them all
+    return counter.ops
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(variant: str) -> None:
+    """One attention call per layer over a prefix copied into each row: 8 segments on 8 voices run the same
+    ops as on 1 voice, and 5 segments (same row bucket) the same as 8. No op reads a device value back
+    (`.item()` is `_local_scalar_dense`); the step's one host sync, `.tolist()`, dispatches no op."""
+    one_voice = _ops_per_decode_step(variant, 8, 1)
+    eight_voices = _ops_per_decode_step(variant, 8, 8)
+    fewer_rows = _ops_per_decode_step(variant, 5, 2)
+    assert sum(one_voice.values()) == sum(eight_voices.values()) == sum(fewer_rows.values())
+    assert one_voice == eight_voices == fewer_rows
+    assert one_voice["aten._local_scalar_dense"] == 0

@@ -8,7 +8,7 @@ import torch
 
 from synth.api import Variant
 from synth.kv_cache import PrefixKV
-from synth.t3_runner import DecodeBatch, PrefillItem, PrefixGroup, T3Runner
+from synth.t3_runner import PrefillItem, T3Runner
 
 from tests.synth.conftest import synthetic_voice, tiny_bundle
 
@@ -20,7 +20,7 @@ PREFIX_TOLERANCE = 1e-4
 TEXTS = {"english": ([255, 12, 13, 14, 15, 16, 0], [255, 40, 41, 0]), "turbo": ([12, 13, 14, 15, 16], [40, 41, 42])}
 
 
-def _full(t3, *parts: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _full(t3, *parts: torch.Tensor) -> torch.Tensor:
     """Last-position logits of HF's own forward over the concatenated [1, *, dim] parts."""
     with torch.inference_mode():
         hidden = t3.tfmr(inputs_embeds=torch.cat(parts, dim=1)).last_hidden_state
@@ -30,6 +30,14 @@ def _full(t3, *parts: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < PREFIX_TOLERANCE
+
+
+def _set_row(runner: T3Runner, row: int, token: int, speech_pos: int, pos: int) -> None:
+    """Host inputs of one running row: feed `token` at whole-row position `pos`."""
+    ints = runner.inputs.ints
+    ints["token"][row], ints["speech_pos"][row] = token, speech_pos
+    ints["pos"][row] = ints["write"][row] = pos
+    ints["keys"][row] = pos + 1
 
 
 @pytest.mark.parametrize("variant", ["english", "turbo"])
@@ -46,19 +54,44 @@ def test_shared_prefix_packed_prefill_and_decode_match_full_forwards(variant: Va
                           PrefillItem(0, prefixes[1], prefixes[1].cond_len, tails[1][0])])
     _close(got[0:1], _full(t3, conds[0], tails[0]))
     _close(got[1:2], _full(t3, conds[1], tails[1]))
-    # one decode step over rows 0..2 (row 1 idle: scratch position, no group)
-    lens = [p.cond_len + t.shape[1] for p, t in zip(prefixes, tails)]  # whole-sequence lengths so far
-    slot = [tails[0].shape[1], tails[1].shape[1]]
-    batch = DecodeBatch(
-        n_rows=3, token_ids=torch.tensor([101, 6561, 100]), speech_pos=torch.tensor([1, 0, 1]),
-        rope_pos=torch.tensor([lens[1], 0, lens[0]]), write_pos=torch.tensor([slot[1], 599, slot[0]]),
-        attend_len=torch.tensor([slot[1] + 1, 1, slot[0] + 1]), span_len=max(slot) + 1,
-        groups=(PrefixGroup(prefixes[0], torch.tensor([2]), torch.tensor([prefixes[0].cond_len]), prefixes[0].cond_len),
-                PrefixGroup(prefixes[1], torch.tensor([0]), torch.tensor([prefixes[1].cond_len]), prefixes[1].cond_len)))
-    step = runner.decode(batch)
+    # one decode step over the row bucket [0, 4) (rows 1 and 3 idle: scratch position), two voices, one call
+    lens = [p.cond_len + t.shape[1] for p, t in zip(prefixes, tails, strict=True)]  # whole-row lengths so far
+    runner.inputs.idle_rows(4)
+    _set_row(runner, 2, 100, 1, lens[0])
+    _set_row(runner, 0, 101, 1, lens[1])
+    runner.inputs.upload()
+    n_rows, n_keys = runner.step_shape(2, max(lens) + 1)
+    assert n_rows == 4 and n_keys in runner.key_buckets and n_keys > max(lens)
+    step = runner.decode(n_rows, n_keys)
     for row, i, token in ((2, 0, 100), (0, 1, 101)):
         nxt = runner.speech_embeds(torch.tensor([token]), torch.tensor([1]))
         _close(step[row:row + 1], _full(t3, conds[i], tails[i], nxt))
+
+
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Variant) -> None:
+    """CPU determinism: a row's logits do not depend on the bucket its step runs in (rows [0, R), keys
+    [0, L)) nor on the other rows' content: what keeps a seeded segment's tokens independent of the batch."""
+    bundle = tiny_bundle(variant)
+    runner = T3Runner(bundle.t3, max_rows=8, max_len=1024, device=torch.device("cpu"), dtype=torch.float32)
+    voices = [synthetic_voice(bundle, n, seed=s) for n, s in (("a", 21), ("b", 22))]
+    prefixes = [runner.compute_prefix(runner.cond_embeds(v.t3_cond(0.5, runner.device))) for v in voices]
+    tail = torch.cat([runner.text_embeds(TEXTS[variant][0]), runner.bos_embeds()])
+    length = prefixes[0].cond_len + tail.shape[0]
+    results = []
+    _, least = runner.step_shape(0, length + 1)  # the smallest key bucket that holds the row
+    assert least < 1024
+    for n_rows, n_keys, others in ((1, least, 0), (8, least, 7), (8, 1024, 3), (4, 1024, 3), (2, least, 1)):
+        runner.prefill([PrefillItem(0, prefixes[0], prefixes[0].cond_len, tail)]
+                       + [PrefillItem(r, prefixes[r % 2], prefixes[r % 2].cond_len, tail[: 3 + r])
+                          for r in range(1, others + 1)])
+        runner.inputs.idle_rows(n_rows)
+        _set_row(runner, 0, 100, 1, length)
+        for r in range(1, others + 1):
+            _set_row(runner, r, 200 + r, 1, prefixes[r % 2].cond_len + 3 + r)
+        runner.inputs.upload()
+        results.append(runner.decode(n_rows, n_keys)[0].clone())
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 def test_uncond_row_reads_the_shared_text_block() -> None:
@@ -89,8 +122,8 @@ def test_prefix_extension_never_writes_the_old_tensors() -> None:
     before = [k.clone() for k in prefix.keys]
     old = list(prefix.keys)
     runner.extend_uncond_text(prefix, 10)
-    assert all(torch.equal(a, b) for a, b in zip(old, before))
-    assert all(torch.equal(k[:, :prefix.cond_len], b) for k, b in zip(prefix.keys, before))
+    assert all(torch.equal(a, b) for a, b in zip(old, before, strict=True))
+    assert all(torch.equal(k[:, :prefix.cond_len], b) for k, b in zip(prefix.keys, before, strict=True))
 
 
 def test_cache_is_allocated_once_and_sized_by_config() -> None:

@@ -1,0 +1,113 @@
+"""Ops and milliseconds per decode step of the engine, steady state (every segment decoding, no admission).
+
+Drives `Engine._step` on this thread (no engine thread, no vocoder), counts the aten ops one step dispatches
+(a TorchDispatchMode) and times steps. One voice for every segment, or one voice per segment.
+
+    .venv/bin/python scripts/bench_decode_step.py --variant turbo --size tiny --sessions 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from synth.api import EngineConfig, SamplingParams, SegmentRequest
+from synth.engine import Engine
+from synth.loading import random_bundle
+from synth.voices import Voice
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+WARM_STEPS = 3
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _voice(bundle: Any, voice_id: str, seed: int) -> Voice:
+    g = torch.Generator().manual_seed(seed)
+    plen = bundle.t3.hp.speech_cond_prompt_len
+    return Voice(voice_id=voice_id, speaker_emb=torch.randn(1, 256, generator=g),
+                 prompt_speech_tokens=torch.randint(0, 6561, (1, plen), generator=g), s3gen_ref={})
+
+
+def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, dtype: str, device: str,
+            graphs: str, context_tokens: int) -> dict[str, object]:
+    extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
+    config = EngineConfig(variant=variant, weights="random", device=device, dtype=dtype,  # type: ignore[arg-type]
+                          max_slots=sessions, max_context_tokens=context_tokens, **extra)  # type: ignore[arg-type]
+    engine = Engine(bundle, config, render_audio=False)
+    for v in range(voices):
+        engine.voices.add(_voice(bundle, f"v{v}", v))
+    torch.set_grad_enabled(False)
+    if hasattr(engine.runner, "capture_graphs"):  # every bucket's graphs before timing (CUDA, graphs on)
+        engine.runner.capture_graphs()
+    params = replace(SamplingParams.defaults(variant), seed=1, max_new_tokens=1000)  # type: ignore[arg-type]
+    for i in range(sessions):
+        engine.submit(SegmentRequest(request_id=f"s{i}", text=TEXT, voice_id=f"v{i % voices}",
+                                     params=replace(params, seed=i), sink=lambda output: None))
+    while len(engine.scheduler.running) < sessions or any(s.pending_token is None for s in engine.scheduler.running):
+        engine._step()
+    for _ in range(WARM_STEPS):
+        engine._step()
+    counter = _Ops()
+    with counter:
+        engine._step()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine._step()
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    n_layers = engine.runner.n_layers
+    ops = sum(counter.ops.values())
+    return {"variant": variant, "sessions": sessions, "voices": voices, "ops_per_step": ops,
+            "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
+            "running": len(engine.scheduler.running)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", default="turbo")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cuda-graphs", default="auto")
+    parser.add_argument("--voices", default="both", choices=["one", "each", "both"],
+                        help="one voice for every segment, a voice per segment, or both")
+    parser.add_argument("--context-tokens", type=int, default=256, help="KV positions per row after the prefix")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    bundle = random_bundle(args.variant, args.size, torch.device(args.device))
+    rows = []
+    for sessions in args.sessions:
+        choices = {"one": {1}, "each": {sessions}, "both": {1, sessions}}[args.voices]
+        for voices in sorted(choices):
+            row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device, args.cuda_graphs,
+                          args.context_tokens)
+            row["size"] = args.size
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The decode step's static inputs and its graphs: what makes one step a pure function over fixed buffers.
+
+- `StepInputs`: every per-row input of a decode step and of sampling (token ids, positions, sampling
+  parameters, ...) in ONE host buffer (pinned on CUDA) with numpy views the engine writes in place, and its
+  device twin. `upload()` is one non-blocking copy per step; the step reads only the device twin, so a captured
+  graph never reads a host value.
+- Buckets: a step runs over rows [0, row bucket) and keys [0, key bucket), both from fixed ladders, so each
+  bucket pair has one shape forever (one graph each on CUDA).
+- `StepGraph`: a zero-argument function over static buffers; on CUDA captured once (side-stream warm-up, then
+  `torch.cuda.graph`) and replayed, elsewhere (or with graphs off) called eagerly: the code CI runs on the CPU is
+  the code the GPU replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+# per-row int64 inputs
+INT_FIELDS = (
+    "token",  # the token fed this step (the last sampled id; BOS for idle rows)
+    "speech_pos",  # tokens the segment sampled before this step: the learned speech position (Llama); 0 = first
+    "pos",  # the token's position in the whole row (prefix included): RoPE / GPT-2 position
+    "write",  # cache position the token's keys go to: `pos`, or the scratch position for idle rows
+    "keys",  # keys [0, keys) of the row are visible after the write (1 for idle rows)
+    "partner",  # the row whose logits are this row's CFG uncond logits (itself without CFG)
+    "reset",  # 1 on the step that samples a segment's first token: its seen-token set restarts at {BOS}
+)
+# per-row float32 sampling parameters
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "cfg_weight")
+FLOAT_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0.0, "repetition_penalty": 1.0,
+                  "cfg_weight": 0.0}
+MIN_KEY_BUCKET = 64
+
+
+def ladder(limit: int, first: int = 1) -> tuple[int, ...]:
+    """first, 2*first, 4*first, ... below `limit`, then `limit` itself."""
+    steps = []
+    size = first
+    while size < limit:
+        steps.append(size)
+        size *= 2
+    return (*steps, limit)
+
+
+def bucket(ladder_sizes: Sequence[int], need: int) -> int:
+    """The smallest size of the ladder that holds `need`."""
+    for size in ladder_sizes:
+        if size >= need:
+            return size
+    raise ValueError(f"{need} exceeds the largest bucket {ladder_sizes[-1]}")
+
+
+class StepInputs:
+    """Host mirror (numpy views over one pinned buffer) and device twin of every per-row step input.
+
+    `ints[field]` / `floats[field]` are the host arrays [max_rows] the engine writes; `device_int(field)` /
+    `device_float(field)` are the device tensors the step reads. The host buffer may be rewritten only after
+    the previous upload completed; the step's one host sync (the sampled ids) guarantees that.
+    """
+
+    def __init__(self, max_rows: int, device: torch.device, scratch_pos: int, bos_token: int) -> None:
+        self.max_rows = max_rows
+        self.scratch_pos = scratch_pos
+        self.bos_token = bos_token
+        int_bytes = len(INT_FIELDS) * max_rows * 8
+        float_bytes = len(FLOAT_FIELDS) * max_rows * 4
+        pin = device.type == "cuda"
+        self.host = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.device_bytes = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, device=device)
+        host_ints = self.host[:int_bytes].view(torch.int64).view(len(INT_FIELDS), max_rows).numpy()
+        host_floats = self.host[int_bytes:].view(torch.float32).view(len(FLOAT_FIELDS), max_rows).numpy()
+        self.ints: dict[str, npt.NDArray[np.int64]] = {n: host_ints[i] for i, n in enumerate(INT_FIELDS)}
+        self.floats: dict[str, npt.NDArray[np.float32]] = {n: host_floats[i] for i, n in enumerate(FLOAT_FIELDS)}
+        dev_ints = self.device_bytes[:int_bytes].view(torch.int64).view(len(INT_FIELDS), max_rows)
+        dev_floats = self.device_bytes[int_bytes:].view(torch.float32).view(len(FLOAT_FIELDS), max_rows)
+        self._dev_int = {n: dev_ints[i] for i, n in enumerate(INT_FIELDS)}
+        self._dev_float = {n: dev_floats[i] for i, n in enumerate(FLOAT_FIELDS)}
+        self.ints["partner"][:] = np.arange(max_rows)
+        for name, value in FLOAT_DEFAULTS.items():
+            self.floats[name][:] = value
+        self.idle_rows(max_rows)
+        self.upload()
+
+    def device_int(self, name: str) -> torch.Tensor:
+        return self._dev_int[name]  # [max_rows] int64
+
+    def device_float(self, name: str) -> torch.Tensor:
+        return self._dev_float[name]  # [max_rows] float32
+
+    def idle_rows(self, n_rows: int) -> None:
+        """Rows [0, n_rows) take no part in the next step unless written after this: they feed BOS at
+        position 0, write the scratch position and see one key (their outputs are never read)."""
+        ints = self.ints
+        ints["token"][:n_rows] = self.bos_token
+        ints["speech_pos"][:n_rows] = 0
+        ints["pos"][:n_rows] = 0
+        ints["write"][:n_rows] = self.scratch_pos
+        ints["keys"][:n_rows] = 1
+        ints["reset"][:n_rows] = 0
+
+    def upload(self) -> None:
+        """The step's one host-to-device copy (non-blocking from pinned memory on CUDA)."""
+        self.device_bytes.copy_(self.host, non_blocking=True)
+
+
+class StepGraph:
+    """`fn` (no arguments, reads and writes only static buffers) captured as a CUDA graph, or run eagerly.
+
+    Capture follows torch's recipe: a few eager runs on a side stream (lazy initialisation, cuBLAS
+    workspaces, autotuning), then one capture on that stream into a pool shared by every graph of the runner.
+    Generators the function draws from must be registered with the graph so that replays advance them.
+    """
+
+    WARMUP_RUNS = 2
+
+    def __init__(self, fn: Callable[[], None], *, capture: bool, pool: Any = None,
+                 generators: Sequence[torch.Generator] = ()) -> None:
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if not capture:
+            return
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        self.graph = graph
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def pool(self) -> Any:
+        return self.graph.pool() if self.graph is not None else None
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()

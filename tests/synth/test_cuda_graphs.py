@@ -1,0 +1,61 @@
+"""CUDA graphs of the decode step and sampling: replaying them gives the tokens the eager step gives.
+
+Opt-in (a CUDA device): `pytest -m gpu tests/synth/test_cuda_graphs.py`; skipped elsewhere. On the CPU the same
+static-buffer functions run eagerly through the same `StepGraph` interface (every other engine test)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from synth import default_voice
+from synth.api import EngineConfig, SamplingParams, SegmentRequest, Variant
+from synth.engine import Engine
+from synth.loading import random_bundle
+
+from tests.synth.conftest import Collector
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")]
+
+TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short one.", "A fourth, different text.",
+         "Fifth text here please.", "Number six is on its way."]
+
+
+def _tokens(variant: Variant, dtype: str, graphs: str) -> tuple[dict[str, list[int]], Engine]:
+    bundle = random_bundle(variant, "tiny", torch.device("cuda"))  # one per engine: the runner casts it in place
+    torch.manual_seed(0)
+    engine = Engine(bundle, EngineConfig(variant=variant, weights="random-tiny", device="cuda", dtype=dtype,
+                                         max_slots=8, max_context_tokens=512, cuda_graphs=graphs),
+                    render_audio=False)
+    engine.voices.add(default_voice(bundle))
+    engine.start()
+    col = Collector()
+    try:
+        assert engine.wait_ready(300), engine.failure
+        ids = []
+        for i, text in enumerate(TEXTS):  # a seeded batch, two voices' worth of parameters
+            params = replace(SamplingParams.defaults(variant), seed=100 + i, max_new_tokens=40)
+            rid = f"g{i}"
+            engine.submit(SegmentRequest(request_id=rid, text=text, params=params, sink=col.sink_for(rid)))
+            ids.append(rid)
+        col.wait_done(ids, 300)
+        return {rid: col.tokens(rid) for rid in ids}, engine
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_graph_replay_tokens_equal_eager_tokens(variant: Variant, dtype: str) -> None:
+    eager, eager_engine = _tokens(variant, dtype, "off")
+    graphed, graphed_engine = _tokens(variant, dtype, "on")
+    runner = graphed_engine.runner
+    assert runner.use_graphs and not eager_engine.runner.use_graphs
+    assert runner._decode_graphs and all(g.captured for g in runner._decode_graphs.values())
+    assert runner._sample_graphs and all(g.captured for g in runner._sample_graphs.values())
+    assert len(runner._decode_graphs) == len(runner.row_buckets) * len(runner.key_buckets)  # all at start-up
+    assert graphed == eager
+    assert len({tuple(t) for t in eager.values()}) == len(eager)  # the seeds really differ
