@@ -134,7 +134,7 @@ def voice_from_conds(voice_id: str, conds: dict[str, Any], device: torch.device)
 
 def _norm_loudness(wav: npt.NDArray[np.float64], sample_rate_hz: int) -> npt.NDArray[np.float64]:
     """Turbo normalises the reference to -27 LUFS before anything else (tts_turbo.norm_loudness)."""
-    import pyloudnorm  # type: ignore[import-untyped]
+    import pyloudnorm
 
     try:
         loudness = pyloudnorm.Meter(sample_rate_hz).integrated_loudness(wav)

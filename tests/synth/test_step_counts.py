@@ -5,9 +5,8 @@
   bucket for Turbo's one row per segment and English's two);
 - a step reads one value set back from the device (the sampled ids) and sends its inputs in at most one copy.
 
-The engine on main fails all three (the counts are in the issue and in scripts/bench_engine.py --ops): they
-are marked xfail(strict=True) until the static-buffer engine lands, so that an unexpected pass fails too.
-The counter itself is checked here on known code, so a counter that saw nothing could not make them pass.
+The engine before the static-buffer step failed all three (its counts: BENCHMARKS.md, issue 14). The counter
+itself is checked here on known code, so a counter that saw nothing could not make them pass.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ from tests.synth.op_counts import StepCounts, StepProbe, count_step, measure_dec
 
 MAX_SLOTS = 32
 VARIANTS: list[Variant] = ["english", "turbo"]
-ISSUE_14 = pytest.mark.xfail(strict=True, reason="issue 14: the decode step of main builds its inputs from Python "
-                                                 "lists and loops over voices and rows (static-buffer engine)")
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -84,7 +81,6 @@ def test_probe_counts_real_decode_steps(probed: tuple[Engine, StepProbe]) -> Non
 
 # --- the contract -------------------------------------------------------------------------------------------
 
-@ISSUE_14
 def test_ops_per_step_do_not_grow_with_distinct_voices(probed: tuple[Engine, StepProbe]) -> None:
     engine, probe = probed
     for n in (8, MAX_SLOTS):
@@ -93,7 +89,6 @@ def test_ops_per_step_do_not_grow_with_distinct_voices(probed: tuple[Engine, Ste
             f"{n} segments: {one_voice.ops} ops per step on 1 voice, {own_voices.ops} on {n} voices")
 
 
-@ISSUE_14
 def test_ops_per_step_do_not_grow_with_rows_inside_a_bucket(probed: tuple[Engine, StepProbe]) -> None:
     engine, probe = probed
     for fewer, more in ((5, 8), (17, MAX_SLOTS)):
@@ -101,7 +96,6 @@ def test_ops_per_step_do_not_grow_with_rows_inside_a_bucket(probed: tuple[Engine
         assert high.ops == low.ops, f"{low.ops} ops per step at {fewer} segments, {high.ops} at {more}"
 
 
-@ISSUE_14
 def test_one_host_sync_per_step(probed: tuple[Engine, StepProbe]) -> None:
     engine, probe = probed
     for n_segments, n_voices in ((1, 1), (8, 8), (MAX_SLOTS, MAX_SLOTS)):
