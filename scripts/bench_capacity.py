@@ -220,7 +220,8 @@ class Server:
     def __init__(self, repo: Path, args: argparse.Namespace, extra: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.data_dir = tempfile.TemporaryDirectory(prefix="bench_capacity_")
-        env = {**os.environ, "PYTHONPATH": str(repo), "AGENT_SERVER_DATA_DIR": self.data_dir.name,
+        python_path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))  # the checkout first
+        env = {**os.environ, "PYTHONPATH": python_path, "AGENT_SERVER_DATA_DIR": self.data_dir.name,
                "PYTHONUNBUFFERED": "1"}
         env.pop("AGENT_SERVER_ENGINE_FACTORY", None)
         command = [sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port", str(self.port),

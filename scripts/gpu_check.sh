@@ -36,35 +36,41 @@ else
 fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
           'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
+STAGES=${GPU_STAGES:-1 2 3 4}  # a rerun can take fewer
 stage() { echo; echo "== $1 ($(date +%T))"; }
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-stage "1. engine tests on $DEVICE"
-SYNTH_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "gpu or not gpu" \
-    tests/synth/test_cuda_graphs.py tests/synth/test_t3_runner.py tests/synth/test_reference_equivalence.py \
-    tests/synth/test_engine_equivalence.py 2>&1 | tail -12 | tee "$OUT_DIR/tests.txt"
+if want 1; then
+    stage "1. engine tests on $DEVICE"
+    SYNTH_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "gpu or not gpu" \
+        tests/synth/test_t3_runner.py tests/synth/test_reference_equivalence.py tests/synth/test_engine_equivalence.py \
+        2>&1 | tail -12 | tee "$OUT_DIR/tests.txt"
+fi
 graphs=auto  # CPU: eager; CUDA: on, unless the replay test fails
 [ "$DEVICE" = cuda ] && graphs=on
 if [ "$DEVICE" = cuda ] && ! SYNTH_TEST_DEVICE=cuda timeout 45 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings \
-        -m gpu tests/synth/test_cuda_graphs.py >/dev/null 2>&1; then
+        -m gpu tests/synth/test_cuda_graphs.py > "$OUT_DIR/cuda_graphs.txt" 2>&1; then
     graphs=off; echo "CUDA graphs failed their test: the server stages run with --cuda-graphs off" | tee -a "$OUT_DIR/tests.txt"
 fi
 
-stage "2. decode step, $SIZE, a voice per segment"
 step() {  # variant dtype graphs
     timeout 60 "$PY" scripts/bench_decode_step.py --device "$DEVICE" --size "$SIZE" --variant "$1" --dtype "$2" \
         --cuda-graphs "$3" --sessions $STEP_SESSIONS --voices each --steps 20 \
         --json "$OUT_DIR/step_$1_$2_graphs-$3.json" 2>&1 | grep '^{' | tee -a "$OUT_DIR/steps.txt"
 }
-step turbo float32 off
-[ "$DEVICE" = cuda ] && step turbo "$DTYPE" "$graphs"
+want 2 && stage "2. decode step, $SIZE, a voice per segment" && step turbo float32 off
 
-stage "3. server capacity, Turbo, old vs new"
-old=(); [ -d .gpu_old/agent_server ] && old=(--repo "old=.gpu_old" --server-args-for "old=--device $DEVICE")
-timeout 200 "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" --sessions $CAPACITY_SESSIONS \
-    "${old[@]}" --repo new=. --server-args-for "new=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs" \
-    --server-start-timeout-s 100 --out "$OUT_DIR/capacity_turbo" -- --max-slots "$SLOTS" 2>&1 | tail -16 \
-    | tee "$OUT_DIR/capacity.txt"
+if want 3; then
+    stage "3. server capacity, Turbo, old vs new"
+    old=(); [ -d .gpu_old/agent_server ] && old=(--repo "old=.gpu_old" --server-args-for "old=--device $DEVICE")
+    timeout 200 "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" --sessions $CAPACITY_SESSIONS \
+        "${old[@]}" --repo new=. --server-args-for "new=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs" \
+        --server-start-timeout-s 100 --out "$OUT_DIR/capacity_turbo" -- --max-slots "$SLOTS" 2>&1 | tail -16 \
+        | tee "$OUT_DIR/capacity.txt"
+fi
 
-stage "4. decode step: fp32 with graphs, English"
-if [ "$DEVICE" = cuda ]; then step turbo float32 "$graphs"; step english "$DTYPE" "$graphs"; fi
+if want 4 && [ "$DEVICE" = cuda ]; then
+    stage "4. decode step with graphs (if they passed): Turbo $DTYPE and fp32, English $DTYPE"
+    step turbo "$DTYPE" "$graphs"; step turbo float32 "$graphs"; step english "$DTYPE" "$graphs"
+fi
 stage "done"

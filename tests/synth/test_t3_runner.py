@@ -10,7 +10,7 @@ from synth.api import Variant
 from synth.kv_cache import PrefixKV
 from synth.t3_runner import PrefillItem, T3Runner
 
-from tests.synth.conftest import synthetic_voice, tiny_bundle
+from tests.synth.conftest import TEST_DEVICE, synthetic_voice, tiny_bundle
 
 # fp32, tiny model: the runner changes the shapes of the matmuls (prefix once, then packed new positions,
 # attention in two key blocks under one softmax) and adds masking, which moves logits by rounding only
@@ -68,6 +68,8 @@ def test_shared_prefix_packed_prefill_and_decode_match_full_forwards(variant: Va
         _close(step[row:row + 1], _full(t3, conds[i], tails[i], nxt))
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU guarantee (row-invariant attention and GEMMs); on CUDA a "
+                    "row's bits hold within one (row bucket, key bucket) pair only: t3_runner's docstring")
 @pytest.mark.parametrize("variant", ["english", "turbo"])
 def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Variant) -> None:
     """CPU determinism: a row's logits do not depend on the bucket its step runs in (rows [0, R), keys
