@@ -179,8 +179,9 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int, cpu_weights: str = "
                                                     max_new_tokens=n_tokens)))
         assert finished.wait(3600)
         if attempt == "measured":
-            # the step that emitted the first chunk is the first one recorded after it
-            k = next(i for i, st in enumerate(steps) if st.at_monotonic_s >= marks["chunk"])
+            # the step that emitted the first chunk is the first one recorded after it; none when the vocoder's
+            # thread finished that chunk after T3 had generated the whole (short) segment
+            k = next((i for i, st in enumerate(steps) if st.at_monotonic_s >= marks["chunk"]), len(steps) - 1)
             decode_ms = sorted(st.decode_ms for st in steps[1:k + 1])
             sampled = generated[:k + 1]  # one token per step up to the first chunk
             dropped = sum(t >= SPEECH_VOCAB_SIZE for t in sampled)
