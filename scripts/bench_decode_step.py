@@ -10,31 +10,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's synth and tests
 
 from synth.api import EngineConfig, SamplingParams, SegmentRequest
 from synth.engine import Engine
 from synth.loading import random_bundle
 from synth.voices import Voice
 
+from tests.synth.op_counter import OpCounter
+
 TEXT = "The quick brown fox jumps over the lazy dog."
 WARM_STEPS = 3
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _voice(bundle: Any, voice_id: str, seed: int) -> Voice:
@@ -63,7 +57,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
         engine._step()
     for _ in range(WARM_STEPS):
         engine._step()
-    counter = _Ops()
+    counter = OpCounter()
     with counter:
         engine._step()
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -74,7 +68,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / steps
     n_layers = engine.runner.n_layers
-    ops = sum(counter.ops.values())
+    ops = counter.total
     return {"variant": variant, "sessions": sessions, "voices": voices, "ops_per_step": ops,
             "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
             "running": len(engine.scheduler.running)}
