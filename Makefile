@@ -22,4 +22,4 @@ test: browser-deps scale-deps lint
 
 lint: install
 	.venv/bin/python -m mypy
-	.venv/bin/python -m ruff check agent_server tests/agent_server tests/conftest.py tests/deploy tests/services.py
+	.venv/bin/python -m ruff check agent_server synth tests/agent_server tests/synth tests/conftest.py tests/deploy tests/services.py

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 DEFAULT_VOICE_ID = "default"
 
 
-def default_voice(bundle: "ModelBundle") -> "Voice":
+def default_voice(bundle: ModelBundle) -> Voice:
     """The checkpoint's built-in voice (conds.pt); with none, a deterministic synthetic reference clip."""
     from synth.presets import synthetic_reference_wav
     from synth.voices import make_voice, voice_from_conds
@@ -30,7 +30,7 @@ def default_voice(bundle: "ModelBundle") -> "Voice":
     return voice
 
 
-def build_engine(config: EngineConfig, *, render_audio: bool = True) -> "Engine":
+def build_engine(config: EngineConfig, *, render_audio: bool = True) -> Engine:
     """Load the models (slow) and return an Engine that is not started yet."""
     from synth.engine import Engine
     from synth.loading import load_models
@@ -41,4 +41,4 @@ def build_engine(config: EngineConfig, *, render_audio: bool = True) -> "Engine"
     return engine
 
 
-__all__ = ["EngineConfig", "build_engine", "default_voice", "DEFAULT_VOICE_ID"]
+__all__ = ["DEFAULT_VOICE_ID", "EngineConfig", "build_engine", "default_voice"]

@@ -13,7 +13,6 @@ per analyzed segment per step.
 from __future__ import annotations
 
 import torch
-
 from chatterbox.models.t3.inference.alignment_stream_analyzer import LLAMA_ALIGNED_HEADS, AlignmentStreamAnalyzer
 
 ALIGNED_HEADS: tuple[tuple[int, int], ...] = tuple((int(layer), int(head)) for layer, head in LLAMA_ALIGNED_HEADS)

@@ -21,8 +21,7 @@ import functools
 import glob
 import logging
 import os
-
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -35,7 +34,7 @@ OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: release threads, keep the runtime in
 def _libgomp() -> ctypes.CDLL | None:
     """The libgomp torch itself loaded (its wheel ships one), or None for other OpenMP runtimes / platforms."""
     candidates = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
-    for path in candidates + ["libgomp.so.1"]:
+    for path in [*candidates, "libgomp.so.1"]:
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)  # only if already in the process
         except OSError:

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,7 @@ class EncoderPrefix:
             mu=torch.cat([p.mu for p in parts]),
             embedded_tail=torch.cat([p.embedded_tail for p in parts]),
             hidden_tail=torch.cat([p.hidden_tail for p in parts]),
-            layer_kv=tuple(torch.cat(layer) for layer in zip(*(p.layer_kv for p in parts))),
+            layer_kv=tuple(torch.cat(layer) for layer in zip(*(p.layer_kv for p in parts), strict=False)),
             key_mask=torch.cat([p.key_mask for p in parts]), token_layers=parts[0].token_layers)
 
     def left_padded(self, tokens: int) -> EncoderPrefix:

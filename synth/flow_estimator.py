@@ -55,9 +55,9 @@ class StepPrefix:
     def cat(parts: list[StepPrefix]) -> StepPrefix:
         """Rows of several prefixes as one batch (one op per tensor slot, whatever the number of parts)."""
         return StepPrefix(
-            keys=tuple(torch.cat(layer) for layer in zip(*(p.keys for p in parts))),
-            values=tuple(torch.cat(layer) for layer in zip(*(p.values for p in parts))),
-            conv_tails=tuple(torch.cat(conv) for conv in zip(*(p.conv_tails for p in parts))),
+            keys=tuple(torch.cat(layer) for layer in zip(*(p.keys for p in parts), strict=False)),
+            values=tuple(torch.cat(layer) for layer in zip(*(p.values for p in parts), strict=False)),
+            conv_tails=tuple(torch.cat(conv) for conv in zip(*(p.conv_tails for p in parts), strict=False)),
             key_mask=torch.cat([p.key_mask for p in parts]),
         )
 
@@ -133,7 +133,8 @@ class PrefixCachedEstimator:
         self.meanflow = bool(estimator.meanflow)
         self.time_embeddings = estimator.time_embeddings  # SinusoidalPosEmb (elementwise)
         mlp = estimator.time_mlp
-        self.time_linear_1, self.time_linear_2 = ops.Linear.of(mlp.linear_1, invariant), ops.Linear.of(mlp.linear_2, invariant)
+        self.time_linear_1 = ops.Linear.of(mlp.linear_1, invariant)
+        self.time_linear_2 = ops.Linear.of(mlp.linear_2, invariant)
         self.time_act = mlp.act
         self.time_mixer = ops.Linear.of(estimator.time_embed_mixer, invariant) if self.meanflow else None
         self.down = (_ResnetBlock(down_resnet, invariant), [_TransformerBlock(b, invariant) for b in down_tf],

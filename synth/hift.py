@@ -41,7 +41,7 @@ class _ResBlock:
             raise RuntimeError("expected linear-scale Snake activations")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        for conv1, conv2, alpha1, alpha2 in zip(self.convs1, self.convs2, self.alphas1, self.alphas2):
+        for conv1, conv2, alpha1, alpha2 in zip(self.convs1, self.convs2, self.alphas1, self.alphas2, strict=False):
             xt = _conv_same(conv1, _snake(x, alpha1))
             xt = _conv_same(conv2, _snake(xt, alpha2))
             x = xt + x

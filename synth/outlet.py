@@ -65,7 +65,7 @@ class Outlet:
                 self._close()
             try:
                 self._sink(output)
-            except Exception:  # noqa: BLE001 - a client's sink must not take the engine down
+            except Exception:
                 log.exception("sink of %s raised; cancelling it", self.request_id)
                 self._state = OutletState.CANCELLING if not terminal else OutletState.CLOSED
                 return Delivery.SINK_FAILED

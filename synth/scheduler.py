@@ -115,7 +115,7 @@ class Scheduler:
         """Record sampled ids; returns the segments whose generation ended this step (rows released)."""
         assert len(result.token_ids) == len(plan.sampled)
         ended: list[SegmentState] = []
-        for state, token in zip(plan.sampled, result.token_ids):
+        for state, token in zip(plan.sampled, result.token_ids, strict=False):
             if state.status != Status.RUNNING:  # cancelled during the step: its token is dropped
                 continue
             assert all(self._row_owner.get(r) is state for r in state.rows), "stale slot"

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Literal
-
-import torch
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import s3tokenizer.model_v2 as s3tok_v2
+import torch
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.s3gen import s3gen as s3gen_module
 
 Preset = Literal["tiny", "full"]
 
 # Keyword overrides applied to the library's own constructor calls when building the tiny preset.
-_TINY_ENCODER = dict(linear_units=64, num_blocks=1)  # width stays 512 (see module docstring)
-_TINY_ESTIMATOR = dict(channels=[32], attention_head_dim=16, num_heads=2, n_blocks=1, num_mid_blocks=1)
-_TINY_SPEAKER_ENCODER = dict(growth_rate=8, bn_size=2, init_channels=32)
-_TINY_HIFT = dict(base_channels=32)
-_TINY_F0_PREDICTOR = dict(cond_channels=32)
+_TINY_ENCODER = {"linear_units": 64, "num_blocks": 1}  # width stays 512 (see module docstring)
+_TINY_ESTIMATOR = {"channels": [32], "attention_head_dim": 16, "num_heads": 2, "n_blocks": 1, "num_mid_blocks": 1}
+_TINY_SPEAKER_ENCODER = {"growth_rate": 8, "bn_size": 2, "init_channels": 32}
+_TINY_HIFT = {"base_channels": 32}
+_TINY_F0_PREDICTOR = {"cond_channels": 32}
 _TINY_TOKENIZER_STATE = 128  # 2 heads of the fixed head size 64
 _TINY_TOKENIZER_HEADS = 2
 _TINY_TOKENIZER_LAYERS = 1

@@ -235,7 +235,7 @@ class StreamingVocoder:
         self._fade_in = _raised_cosine(crossfade_mel_frames * SAMPLES_PER_MEL_FRAME)  # [crossfade samples]
         self._trim_fade = s3gen.trim_fade.detach().float().cpu().numpy()  # [960]: 20 ms of silence, 20 ms rise
         self._time_embeddings = [self.estimator.time_embedding(t[None], r[None] if meanflow else None)
-                                 for t, r in zip(self._t_span[:-1], self._t_span[1:])]
+                                 for t, r in zip(self._t_span[:-1], self._t_span[1:], strict=False)]
         self._prompt_caches: OrderedDict[int, PromptCache] = OrderedDict()  # voice key -> cache, LRU order
         self._prompt_lock = threading.Lock()
         self.compiled = False
@@ -375,7 +375,7 @@ class StreamingVocoder:
             raise ValueError("a job of another vocoder's stream")
         mels = self._render_flow(jobs)  # per job: [2 * new tokens, 80], or None when nothing new is rendered
         waves = self._render_hift(jobs, mels)
-        return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves)]
+        return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves, strict=False)]
 
     @_without_grad
     def _render_flow(self, jobs: Sequence[RenderJob]) -> list[Pcm | None]:
@@ -391,7 +391,7 @@ class StreamingVocoder:
         for (cached, bucket_tokens), indices in sorted(groups.items()):
             group = self._batch_bucket([jobs[i] for i in indices])
             mel = self._flow_group(group, cached, bucket_tokens).float().cpu().numpy()  # [B, frames, 80]
-            for row, (index, job) in enumerate(zip(indices, group)):
+            for row, (index, job) in enumerate(zip(indices, group, strict=False)):
                 stream = job.stream
                 offset = 0 if cached else stream.voice.prompt_frames
                 keep = (stream.mel_tokens - job.window_first) * MEL_FRAMES_PER_TOKEN + offset
@@ -479,9 +479,10 @@ class StreamingVocoder:
                      ) -> list[tuple[Pcm, Pcm] | None]:
         """HiFT on [held frames | new frames] of each job with new frames -> (wav, source) (host float32)."""
         groups: dict[int, list[int]] = {}
-        for index, (job, mel) in enumerate(zip(jobs, mels)):
+        for index, (job, mel) in enumerate(zip(jobs, mels, strict=False)):
             if mel is not None:
-                groups.setdefault(_round_up(mel.shape[0] + job.stream.held_frames, HIFT_BUCKET_FRAMES), []).append(index)
+                frames = mel.shape[0] + job.stream.held_frames
+                groups.setdefault(_round_up(frames, HIFT_BUCKET_FRAMES), []).append(index)
         out: list[tuple[Pcm, Pcm] | None] = [None] * len(jobs)
         for bucket, indices in sorted(groups.items()):
             group = self._batch_bucket([(jobs[i], mels[i]) for i in indices])

@@ -260,7 +260,7 @@ class VocoderWorker:
                         self._render(jobs)
                     elif self._speeches:
                         self._drain(block=True, timeout_s=PENDING_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - report, fail what is open, never hang
+        except Exception as exc:
             log.exception("vocoder worker died")
             self.failure = f"{type(exc).__name__}: {exc}"
             for speech in list(self._speeches.values()):
@@ -367,20 +367,20 @@ class VocoderWorker:
         outputs: list[Pcm | None] = []
         try:
             outputs.extend(self.vocoder.render([job for _, job in tick]))
-        except Exception:  # noqa: BLE001 - find the stream that fails, render the others
+        except Exception:
             log.exception("batched render of %d streams failed; rendering them one by one", len(tick))
             outputs = []
             for speech, job in tick:
                 try:
                     outputs.append(self.vocoder.render([job])[0])
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     log.exception("render of %s failed", speech.request_id)
                     self._fail(speech, f"vocoder failure: {type(exc).__name__}: {exc}")
                     outputs.append(None)
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         audio_s = 0.0
         now_s = time.monotonic()
-        for (speech, job), pcm in zip(tick, outputs):
+        for (speech, job), pcm in zip(tick, outputs, strict=False):
             if pcm is None or speech.request_id not in self._speeches:
                 continue
             audio_s += pcm.size / OUTPUT_SAMPLE_RATE_HZ
@@ -448,7 +448,7 @@ class VocoderWorker:
                 if stream is not None:
                     stream.synchronize()  # the worker's stream reads the cache next
                 message = _VoiceReady(voice.key, prepared, prompt)
-            except Exception as exc:  # noqa: BLE001 - a bad voice fails its own requests, not the worker
+            except Exception as exc:
                 log.exception("preparing the vocoder prompt of voice %s failed", voice.voice_id)
                 message = _VoiceReady(voice.key, None, error=f"{type(exc).__name__}: {exc}")
             self._inbox.put(message)

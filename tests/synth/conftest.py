@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -12,8 +13,6 @@ from synth.api import AudioChunk, EngineConfig, EngineOutput, EventKind, Segment
 from synth.engine import Engine
 from synth.loading import ModelBundle, random_bundle
 from synth.voices import Voice
-
-import os
 
 # CPU by default; scripts/gpu_check.sh runs the same tests with SYNTH_TEST_DEVICE=cuda.
 TEST_DEVICE = os.environ.get("SYNTH_TEST_DEVICE", "cpu")
@@ -41,9 +40,9 @@ class Collector:
 
     events: dict[str, list[EngineOutput]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    done: "queue.Queue[str]" = field(default_factory=queue.Queue)
+    done: queue.Queue[str] = field(default_factory=queue.Queue)
 
-    def sink_for(self, request_id: str):  # noqa: ANN201
+    def sink_for(self, request_id: str):
         def sink(output: EngineOutput) -> None:
             with self.lock:
                 self.events.setdefault(request_id, []).append(output)

@@ -9,17 +9,15 @@ chain, the repetition-penalty history or the random stream would change the samp
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from synth.api import EventKind, SamplingParams, SegmentRequest, Variant
 from synth.engine import Engine
-from synth.text import text_token_ids
-
 from synth.loading import random_bundle
+from synth.text import text_token_ids
 
 from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, synthetic_voice, tiny_bundle
 
@@ -39,13 +37,13 @@ def _cases(variant: Variant) -> list[Case]:
              "Numbers like 3.14 and 42 appear here.", "Is this the real life? Is this just fantasy?",
              "One more, with feeling", "Last one: a slightly longer sentence to make the prefill differ."]
     tweaks = [
-        dict(),
-        dict(temperature=0.6, repetition_penalty=1.5),
-        dict(temperature=1.0, top_p=0.9),
-        dict(min_p=0.1, repetition_penalty=1.0),
-        dict(cfg_weight=0.0) if variant != "turbo" else dict(top_k=50),
-        dict(cfg_weight=1.2, exaggeration=0.9) if variant != "turbo" else dict(top_k=0, top_p=1.0),
-        dict(temperature=1.3, top_p=0.8, repetition_penalty=2.0),
+        {},
+        {"temperature": 0.6, "repetition_penalty": 1.5},
+        {"temperature": 1.0, "top_p": 0.9},
+        {"min_p": 0.1, "repetition_penalty": 1.0},
+        {"cfg_weight": 0.0} if variant != "turbo" else {"top_k": 50},
+        {"cfg_weight": 1.2, "exaggeration": 0.9} if variant != "turbo" else {"top_k": 0, "top_p": 1.0},
+        {"temperature": 1.3, "top_p": 0.8, "repetition_penalty": 2.0},
     ]
     languages = [None] * 7 if variant != "multilingual" else ["en", "fr", "de", "ja", "es", "it", "en"]
     return [
@@ -121,7 +119,7 @@ if TEST_DEVICE == "cpu" and "AVX512" in torch.backends.cpu.get_cpu_capability():
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"{v}-{w}" for v, w in SETUPS])
-def variant_setup(request: pytest.FixtureRequest):  # noqa: ANN201
+def variant_setup(request: pytest.FixtureRequest):
     variant: Variant
     variant, cpu_weights = request.param
     bundle = tiny_bundle(variant) if cpu_weights == "fp32" else random_bundle(variant, "tiny", torch.device("cpu"))
@@ -138,7 +136,7 @@ def variant_setup(request: pytest.FixtureRequest):  # noqa: ANN201
 
 
 @pytest.mark.parametrize("schedule", ["all_at_once", "staggered", "one_at_a_time"])
-def test_batched_tokens_equal_sequential_reference(variant_setup, schedule: str) -> None:  # noqa: ANN001
+def test_batched_tokens_equal_sequential_reference(variant_setup, schedule: str) -> None:
     variant, engine, cases, reference = variant_setup
     collector = Collector()
     _run_schedule(engine, collector, cases, schedule)
@@ -150,7 +148,7 @@ def test_batched_tokens_equal_sequential_reference(variant_setup, schedule: str)
     assert sum(len(reference[c.request_id]) >= 20 for c in cases) >= 5
 
 
-def test_all_slots_free_after_run(variant_setup) -> None:  # noqa: ANN001
+def test_all_slots_free_after_run(variant_setup) -> None:
     _, engine, cases, _ = variant_setup
     collector = Collector()
     _run_schedule(engine, collector, cases[:3], "all_at_once")

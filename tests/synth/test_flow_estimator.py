@@ -42,7 +42,8 @@ def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask
     x, mu, cond, spks = inputs(1, prompt_frames + window_frames, seed=2)
     t, r = torch.tensor([0.5]), torch.tensor([0.75])
     time_emb = mine.time_embedding(t, r if mine.meanflow else None)
-    cl = lambda a: a.transpose(1, 2)
+    def cl(a):
+        return a.transpose(1, 2)
     with torch.inference_mode():
         _, prefix = mine.record(cl(x[:, :, :prompt_frames]), cl(mu[:, :, :prompt_frames]), time_emb, spks,
                                 cl(cond[:, :, :prompt_frames]))
@@ -62,7 +63,8 @@ def test_padded_rows_and_left_padded_prefixes_change_nothing(estimator: torch.nn
     frames (masked) give the row's own result (to float rounding: attention over more keys sums in another
     order; a stream's padded length is its own, so in the vocoder this never depends on its batch)."""
     mine = PrefixCachedEstimator(estimator, True)
-    cl = lambda a: a.transpose(1, 2)
+    def cl(a):
+        return a.transpose(1, 2)
     t = torch.tensor([0.4])
     time_emb = mine.time_embedding(t, t if mine.meanflow else None)
     x, mu, cond, spks = inputs(1, 30 + 17, seed=3)

@@ -92,12 +92,12 @@ def test_round_to_bf16_is_idempotent_and_required() -> None:
 
 
 @needs_avx512
-def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+def test_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("AGENT_SERVER_KERNEL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     linear_bf16w._library.cache_clear()
     try:
-        with pytest.raises(linear_bf16w.KernelUnavailable, match="failed|compiler"):
+        with pytest.raises(linear_bf16w.KernelUnavailable, match=r"failed|compiler"):
             linear_bf16w.available(raise_error=True)
         assert not linear_bf16w.available()
     finally:

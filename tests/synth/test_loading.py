@@ -48,7 +48,7 @@ def test_builtin_voice_is_loaded(tmp_path: Path) -> None:
 
 def test_missing_files_are_named(tmp_path: Path) -> None:
     (tmp_path / "t3_cfg.safetensors").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="ve.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"ve\.safetensors"):
         load_models("english", str(tmp_path), device="cpu")
 
 

@@ -18,7 +18,7 @@ def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True,
 
 
 def _scheduler(**kw: int) -> Scheduler:
-    cfg = dict(max_slots=2, max_rows=4, max_waiting=2, prefill_budget=2, usable_len=100)
+    cfg = {"max_slots": 2, "max_rows": 4, "max_waiting": 2, "prefill_budget": 2, "usable_len": 100}
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg))
 

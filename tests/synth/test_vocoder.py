@@ -25,6 +25,7 @@ from synth.vocoder import (
     VocoderStream,
     VocoderVoice,
 )
+
 from tests.synth.op_counter import count_ops
 
 SAMPLE_RATE_HZ = 24_000
@@ -137,7 +138,7 @@ def test_same_seed_same_pcm_other_seed_other_pcm(tiny: Setup) -> None:
     _, a = stream(tiny, tokens, SCHEDULES["growing"], seed=11)
     _, b = stream(tiny, tokens, SCHEDULES["growing"], seed=11)
     _, c = stream(tiny, tokens, SCHEDULES["growing"], seed=12)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=False))
     assert not np.allclose(np.concatenate(a), np.concatenate(c))
 
 
@@ -436,7 +437,8 @@ def test_tiny_s3gen_is_the_library_class_deterministic_and_works(tiny: Setup) ->
     assert type(s3gen) is S3Gen and not s3gen.training and s3gen.meanflow == tiny.meanflow
     torch.manual_seed(0)
     again = build_s3gen("tiny", tiny.meanflow)
-    assert all(torch.equal(a, b) for a, b in zip(s3gen.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(s3gen.state_dict().values(), again.state_dict().values(),
+                                                         strict=True))
     tokens = torch.tensor([utterance(25)])
     wav, _ = s3gen.inference(tokens, ref_dict=tiny.ref_dict, n_cfm_timesteps=tiny.steps)
     assert wav.shape == (1, 25 * SAMPLES_PER_TOKEN) and torch.isfinite(wav).all()
@@ -525,7 +527,7 @@ def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: Voco
     assert any(job.new_tokens == 0 for job in jobs) == (tiny.silence == 0) and any(job.final for job in jobs)
     batched = vocoder.render(jobs)  # type: ignore[arg-type]
     singles = [vocoder.render([s.next_job(24)])[0] for s in alone]  # type: ignore[list-item]
-    for s, single, together in zip(alone, singles, batched):
+    for _s, single, together in zip(alone, singles, batched, strict=False):
         assert single.size == together.size
         if row_invariant:
             assert np.array_equal(single, together)
@@ -533,7 +535,7 @@ def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: Voco
             np.testing.assert_allclose(together, single, rtol=0, atol=1e-5)
     follow = [s.next_job(24) for s in batch]
     follow_alone = [s.next_job(24) for s in alone]
-    for job, job_alone in zip(follow, follow_alone):
+    for job, job_alone in zip(follow, follow_alone, strict=False):
         assert (job is None) == (job_alone is None)
         if job is not None and job_alone is not None:
             a, b = vocoder.render([job])[0], vocoder.render([job_alone])[0]
@@ -596,5 +598,5 @@ def test_compiled_renders_what_eager_renders(tiny: Setup) -> None:
         streams = [advanced_stream(vocoder, voice, seed=i, tokens=utterance(50, seed=i), chunks=[12], final=False)
                    for i in range(3)]
         outputs.append(vocoder.render([s.next_job(24) for s in streams]))  # type: ignore[misc]
-    for eager, compiled_pcm in zip(*outputs):
+    for eager, compiled_pcm in zip(*outputs, strict=False):
         assert eager.size > 0 and np.array_equal(eager, compiled_pcm)

@@ -16,6 +16,7 @@ from synth.outlet import Outlet
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import StreamingVocoder
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
+
 from tests.synth.conftest import Collector
 from tests.synth.test_vocoder import reference_wav, utterance
 
