@@ -119,6 +119,11 @@ def test_jambonz_query() -> None:
         with pytest.raises(FieldError) as exc:
             jambonz.parse_query({"sampleRate": bad})
         assert exc.value.field == "sampleRate"
+    assert jambonz.parse_query({"seed": "5"}).seed == 5 and jambonz.parse_query({}).seed is None  # our extension
+    for bad in ("x", "-1", "1.5", "¹"):
+        with pytest.raises(FieldError) as exc:
+            jambonz.parse_query({"seed": bad})
+        assert exc.value.field == "seed"
 
 
 # ---- Twilio -----------------------------------------------------------------------------------------
@@ -379,6 +384,13 @@ def test_jambonz_stream_errors(served: Served) -> None:
     with ws_connect(served.ws + "/v1/jambonz/stream?sampleRate=11025") as ws:
         error = json_of(ws.recv(timeout=10))
         assert error["type"] == "error" and "sampleRate" in error["error"]
+    with ws_connect(served.ws + "/v1/jambonz/stream?seed=abc") as ws:
+        error = json_of(ws.recv(timeout=10))
+        assert error["type"] == "error" and "seed" in error["error"]
+    with httpx.Client(timeout=30.0) as http:
+        response = http.post(served.http + "/v1/jambonz/tts?seed=abc", json={"text": "Hi.", "type": "text"},
+                             headers={"authorization": "Bearer jambonz-key"})
+    assert response.status_code == 400 and "seed" in response.text
     with ws_connect(served.ws + "/v1/jambonz/stream") as ws:
         assert json_of(ws.recv(timeout=10))["data"]["sample_rate"] == 8_000  # a call's rate by default
         send_json(ws, {"type": "speak", "text": "x"})
