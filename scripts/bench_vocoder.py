@@ -169,7 +169,8 @@ TICK_SHAPES = {"first_chunk_12": ((), 12), "chunk_24": ((12,), 24), "chunk_48": 
 
 
 def _clone(s: VocoderStream) -> VocoderStream:
-    return VocoderStream(vocoder=s.vocoder, voice=s.voice, seed=s.seed, tokens=list(s.tokens), final=s.final,
+    return VocoderStream(vocoder=s.vocoder, voice=s.voice, seed=s.seed, reproducible=s.reproducible,
+                         tokens=list(s.tokens), final=s.final,
                          mel_tokens=s.mel_tokens, emitted_samples=s.emitted_samples, prompt=s.prompt,
                          held_mel=None if s.held_mel is None else s.held_mel.copy(),
                          held_source=None if s.held_source is None else s.held_source.copy(),

@@ -17,6 +17,10 @@ the shape classes S3Gen meets: odd and small column counts, 1-3 rows). So on the
   shapes, measured on the 2-core development machine;
 - a transposed convolution is one `baddbmm` to [B, T, k * out] and an overlap-add of the k taps (F.fold).
 
+A render nobody needs to reproduce (no client seed) may run the library's kernels on the CPU too, inside
+`library_kernels()` (this thread only): oneDNN's convolutions and MKL's GEMMs without the padding, 2-3x faster on
+a lone stream's render (BENCHMARKS.md, issue 15), with bits that depend on the batch.
+
 On CUDA the same classes call cuBLAS/cuDNN (`F.linear`, `F.conv1d`, `F.conv_transpose1d`): fastest, and what
 `torch.compile` / CUDA graphs capture; a row's last bits may then depend on its batch (see BENCHMARKS.md).
 
@@ -26,7 +30,9 @@ modules stay untouched and chatterbox's own inference keeps running them as ship
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,6 +49,25 @@ GEMM_COLUMN_MULTIPLE = 16
 # were first measured on did not). So a lone matrix is run with a zero companion and cut back: the product costs
 # twice as much for a stream rendered alone, and its bits are the ones it gets in any batch.
 MIN_GEMM_BATCH = 2
+
+
+_kernels = threading.local()  # .library: this thread runs the library's kernels in ops built row-invariant
+
+
+@contextmanager
+def library_kernels(enabled: bool = True) -> Iterator[None]:
+    """Within the block, on this thread, ops built row-invariant run the library's kernels instead (when
+    `enabled`): for work whose bits need not be reproducible. Nests; restores the previous choice on exit."""
+    previous = getattr(_kernels, "library", False)
+    _kernels.library = enabled
+    try:
+        yield
+    finally:
+        _kernels.library = previous
+
+
+def _invariant_now(built_invariant: bool) -> bool:
+    return built_invariant and not getattr(_kernels, "library", False)
 
 
 def _batched(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +101,7 @@ class Linear:
         self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.invariant:
+        if not _invariant_now(self.invariant):
             return F.linear(x, self.weight, self.bias)
         squeeze = x.dim() == 2
         x3 = x[:, None] if squeeze else x  # [B, T, in]
@@ -131,7 +156,7 @@ class Conv1d:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_len = self.out_len(x.shape[1])
-        if not self.invariant:
+        if not _invariant_now(self.invariant):
             y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
             return y.transpose(1, 2)
         if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
@@ -177,7 +202,7 @@ class ConvTranspose1d:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch, in_len, _ = x.shape
-        if not self.invariant:
+        if not _invariant_now(self.invariant):
             y = F.conv_transpose1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride,
                                    padding=self.padding)
             return y.transpose(1, 2)

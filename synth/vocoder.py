@@ -16,8 +16,10 @@ group on padded, masked tensors, and nothing in a render is per stream except ho
 the torch ops of a tick do not grow with the number of streams (tests/synth/test_vocoder.py counts them).
 A stream's audio does not depend on what it is batched with: padding is masked out (flow) or fixed by the
 stream's own length (HiFT's bucket), its noise is drawn from its own seed by position (`synth/counter_noise.py`,
-no global RNG), and on the CPU every matrix product is row-invariant (`synth/invariant_ops.py`), so a seeded
-stream gives the same bits alone or among 63 others.
+no global RNG), and on the CPU every matrix product of a reproducible stream (the client gave the seed) is
+row-invariant (`synth/invariant_ops.py`), so a seeded stream gives the same bits alone or among 63 others. The
+other streams of a tick render in a batch of their own through the library's kernels (oneDNN, MKL: 2-3x faster
+on this CPU, to float rounding of the same values).
 
 Prompt cache (`cache_prompt=True`, the default): the voice prompt's activations are computed once per voice,
 in the encoder (`synth/flow_encoder.py`) and in the estimator at every Euler step (`synth/flow_estimator.py`),
@@ -29,7 +31,7 @@ than MIN_PREFIX_TOKENS) every render runs the library's exact one-shot semantics
 What a stream guarantees:
 - total samples = 960 x (tokens added + appended silence), whatever the render schedule;
 - its PCM is a pure function of (voice, seed, tokens, render boundaries): same inputs, bitwise same PCM, whatever
-  else runs and on whichever thread (CPU);
+  else runs and on whichever thread (CPU), when opened `reproducible` (the default); otherwise to float rounding;
 - rendering everything at once gives exactly `oneshot()`;
 - other schedules give the same length and differ from `oneshot()` by about as much as two one-shot renders
   that differ only in HiFT's random source, plus the flow's windowing.
@@ -55,7 +57,7 @@ import torch.nn.functional as F
 from chatterbox.models.s3gen import S3Gen
 from chatterbox.models.s3gen.const import S3GEN_SIL, S3GEN_SR
 
-from synth import counter_noise
+from synth import counter_noise, invariant_ops
 from synth.flow_encoder import (
     MIN_PREFIX_TOKENS,
     EncoderPrefix,
@@ -358,10 +360,12 @@ class StreamingVocoder:
 
     # --- streams -----------------------------------------------------------------------------------------
 
-    def open(self, voice: VocoderVoice, seed: int) -> VocoderStream:
+    def open(self, voice: VocoderVoice, seed: int, reproducible: bool = True) -> VocoderStream:
+        """A stream; `reproducible=False` (nobody asked for this seed's audio again) lets its renders run the
+        library's faster kernels on the CPU, whose bits depend on the batch."""
         if not 0 <= seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
-        return VocoderStream(vocoder=self, voice=voice, seed=seed)
+        return VocoderStream(vocoder=self, voice=voice, seed=seed, reproducible=reproducible)
 
     # --- the batched render ------------------------------------------------------------------------------
 
@@ -373,9 +377,18 @@ class StreamingVocoder:
             raise ValueError("one job per stream per render")
         if any(job.stream.vocoder is not self for job in jobs):
             raise ValueError("a job of another vocoder's stream")
-        mels = self._render_flow(jobs)  # per job: [2 * new tokens, 80], or None when nothing new is rendered
-        waves = self._render_hift(jobs, mels)
-        return [job.stream._emit(job, mel, wave) for job, mel, wave in zip(jobs, mels, waves, strict=False)]
+        out: list[Pcm] = [np.zeros(0, dtype=np.float32)] * len(jobs)
+        for reproducible in (True, False):  # at most two batches: row-invariant kernels, then the library's
+            indices = [i for i, job in enumerate(jobs) if job.stream.reproducible == reproducible]
+            if not indices:
+                continue
+            part = [jobs[i] for i in indices]
+            with invariant_ops.library_kernels(not reproducible):
+                mels = self._render_flow(part)  # per job: [2 * new tokens, 80], or None when nothing new is rendered
+                waves = self._render_hift(part, mels)
+            for index, job, mel, wave in zip(indices, part, mels, waves, strict=True):
+                out[index] = job.stream._emit(job, mel, wave)
+        return out
 
     @_without_grad
     def _render_flow(self, jobs: Sequence[RenderJob]) -> list[Pcm | None]:
@@ -535,6 +548,7 @@ class VocoderStream:
     vocoder: StreamingVocoder
     voice: VocoderVoice
     seed: int
+    reproducible: bool = True  # row-invariant kernels: bitwise the same PCM in any batch (CPU)
     tokens: list[int] = field(default_factory=list)  # every token added (+ appended silence once final)
     final: bool = False  # every token is in (the silence appended)
     mel_tokens: int = 0  # tokens whose mel frames have been rendered (and handed to HiFT)
@@ -612,7 +626,8 @@ class VocoderStream:
 
     def oneshot(self) -> Pcm:
         """All tokens added so far rendered in one window and one HiFT call, with this stream's noise."""
-        twin = VocoderStream(vocoder=self.vocoder, voice=self.voice, seed=self.seed, tokens=list(self.tokens),
+        twin = VocoderStream(vocoder=self.vocoder, voice=self.voice, seed=self.seed, reproducible=self.reproducible,
+                             tokens=list(self.tokens),
                              final=True, prompt=self.prompt or self.vocoder.prompt_cache(self.voice))
         if not twin.tokens:
             return np.zeros(0, dtype=np.float32)

@@ -334,7 +334,7 @@ class VocoderWorker:
                     self._start_stream(speech, ready.voice, ready.prompt)
 
     def _start_stream(self, speech: Speech, voice: VocoderVoice, prompt: PromptCache | None) -> None:
-        stream = self.vocoder.open(voice, speech.spec.seed)
+        stream = self.vocoder.open(voice, speech.spec.seed, reproducible=speech.spec.reproducible)
         stream.prompt = prompt  # the stream holds it: an eviction from the budget does not take it away
         speech.stream = stream
         try:

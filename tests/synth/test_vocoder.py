@@ -542,6 +542,32 @@ def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: Voco
             assert np.array_equal(a, b) if row_invariant else np.allclose(a, b, rtol=0, atol=1e-5)
 
 
+def test_unseeded_streams_render_apart_through_the_library_kernels(tiny: Setup, second_voice: VocoderVoice) -> None:
+    """A tick mixing reproducible streams (the client gave the seed) with others: the reproducible ones stay
+    bitwise their lone render (row-invariant kernels), the others run in a batch of their own through the
+    library's kernels (`F.conv1d`, `F.linear` in the tick, absent from a reproducible-only one)
+    and agree with the row-invariant render of the same stream to float rounding."""
+    batch = mixed_streams(tiny, second_voice)
+    for index, s in enumerate(batch):
+        s.reproducible = index % 2 == 0
+    reference = [dataclasses.replace(clone(s), reproducible=True) for s in batch]
+    jobs = [s.next_job(24) for s in batch]
+    with count_ops() as mixed_ops:
+        rendered = tiny.vocoder.render(jobs)  # type: ignore[arg-type]
+    seeded_jobs = [s.next_job(24) for s in reference]
+    with count_ops() as seeded_ops:
+        expected = tiny.vocoder.render(seeded_jobs)  # type: ignore[arg-type]
+    library_ops = ("aten.conv1d", "aten.convolution", "aten.linear")  # the name the dispatcher shows varies
+    assert sum(mixed_ops.ops[op] for op in library_ops) > 0 and sum(seeded_ops.ops[op] for op in library_ops) == 0
+    for s, got, want in zip(batch, rendered, expected, strict=True):
+        assert got.size == want.size
+        if s.reproducible:
+            assert np.array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert any(not np.array_equal(got, want) for got, want in zip(rendered, expected, strict=True))
+
+
 def test_ops_per_tick_do_not_grow_with_streams(tiny: Setup, second_voice: VocoderVoice) -> None:
     """A render tick runs the same aten ops for 1, 4 and 16 streams due at once (two voices among them): the
     batch is built on the host and every tensor op covers all rows."""

@@ -14,7 +14,7 @@ import torch
 from synth.api import EventKind, ListenerClock
 from synth.outlet import Outlet
 from synth.tiny_s3gen import build_s3gen
-from synth.vocoder import StreamingVocoder
+from synth.vocoder import StreamingVocoder, VocoderStream, VocoderVoice
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
 
 from tests.synth.conftest import Collector
@@ -87,6 +87,28 @@ def test_streams_speak_through_their_outlets(setup: Setup, worker: VocoderWorker
     assert col.kinds("s1") == [EventKind.DONE]
     assert pcm(col, "s1").size == 40 * 960
     assert [c.speech_tokens for c in col.chunks("s1")][:3] == [6, 8, 16]  # the seeded schedule
+
+
+def test_streams_without_a_client_seed_open_unreproducible(setup: Setup, worker: VocoderWorker,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker opens a stream reproducible only when the client gave the seed: the others may render through
+    the library's faster kernels (StreamingVocoder.render), seeded ones keep the row-invariant ones."""
+    opened: dict[int, bool] = {}
+    real_open = setup.vocoder.open
+
+    def spy(voice: VocoderVoice, seed: int, reproducible: bool = True) -> VocoderStream:
+        opened[seed] = reproducible
+        return real_open(voice, seed, reproducible)
+
+    monkeypatch.setattr(setup.vocoder, "open", spy)
+    col = Collector()
+    tokens = utterance(20, seed=2)
+    worker.feed([open_stream(setup, col, "seeded", setup.voices[0], seed=11, reproducible=True),
+                 open_stream(setup, col, "unseeded", setup.voices[0], seed=12, reproducible=False),
+                 final("seeded", tokens, 20), final("unseeded", tokens, 20)])
+    col.wait_done(["seeded", "unseeded"])
+    assert opened == {11: True, 12: False}
+    assert pcm(col, "seeded").size == pcm(col, "unseeded").size == 20 * 960
 
 
 def test_cancel_mid_render_drops_that_streams_audio_only(setup: Setup) -> None:
