@@ -120,6 +120,7 @@ class T3Runner:
         elif packed_linears and PackedLinears.available(device, dtype):
             self.linears = PackedLinears(projections(t3))
         self.is_gpt = bool(t3.is_gpt)
+        self._gelu_tanh = self.is_gpt and type(t3.tfmr.h[0].mlp.act).__name__ in ("NewGELUActivation", "GELUTanh")
         self.device = device
         self.dtype = dtype
         cfg = t3.cfg
@@ -449,5 +450,13 @@ class T3Runner:
             q, k, v = (t.view(n_batch, n_new, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
             o = attend(i, q, k, v)
             h = h + lin(block.attn.c_proj, o.transpose(1, 2).reshape(n_batch, n_new, dim))
-            h = h + lin(block.mlp.c_proj, block.mlp.act(lin(block.mlp.c_fc, block.ln_2(h))))  # GPT2MLP (eval)
+            h = h + lin(block.mlp.c_proj, self._gpt2_act(lin(block.mlp.c_fc, block.ln_2(h))))  # GPT2MLP (eval)
         return tfmr.ln_f(h)
+
+    def _gpt2_act(self, x: torch.Tensor) -> torch.Tensor:
+        """GPT-2's "gelu_new" (transformers' NewGELUActivation: 8 ops, spelled out in Python) as the one fused op
+        it equals up to rounding, F.gelu(approximate="tanh"): 7 ops fewer per layer and step. Any other
+        activation runs as the checkpoint's config names it."""
+        if self._gelu_tanh:
+            return F.gelu(x, approximate="tanh")
+        return cast(torch.Tensor, self.t3.tfmr.h[0].mlp.act(x))
