@@ -589,6 +589,11 @@ class VocoderStream:
             self.tokens.extend([SILENCE_TOKEN] * self.vocoder.append_silence_tokens)
             self.final = True
 
+    @property
+    def ready_tokens(self) -> int:
+        """Tokens of audio a render could put out now: the most `next_job(n)` accepts before the stream is final."""
+        return max(0, self.renderable_until - self.emitted_tokens - self.vocoder.hold_tokens)
+
     def next_job(self, chunk_tokens: int | None = None) -> RenderJob | None:
         """The next render: `chunk_tokens` more tokens of audio out (None: as many as are renderable), capped at
         max_chunk_tokens; None when not enough tokens are in yet (or the stream is finished)."""

@@ -69,10 +69,15 @@ PREPARER_THREADS = 1
 class ChunkPolicy:
     """How much audio each render of a stream produces, and which due streams render first.
 
-    - A listener with nothing buffered (the first chunk of a turn, or one that ran dry) gets a small chunk:
-      that is time to first audio.
-    - Otherwise the chunk is about as long as what the listener holds (clamped to [first, max]): a stream with
-      seconds buffered renders long, efficient chunks, late; one about to run dry renders a short one first.
+    - A segment's first chunk, when the listener holds less than one (a turn's first audio, or a segment that
+      starts after a dry spell), is small: that is time to first audio.
+    - A listener that holds audio gets a chunk about as long as what it holds (clamped to [first, max]): a
+      stream with seconds buffered renders long, efficient chunks, late.
+    - A listener that has run dry (or holds less than a first chunk) after the segment's first chunk gets
+      everything renderable now (at least a first chunk, at most max), rendered first. Not a small chunk: on a
+      loaded machine a small chunk puts out less audio than its render takes, so the listener stays dry and
+      every later chunk is small too (measured: 12-token renders only, 0.85 audio-s/s at 4 sessions, where the
+      fixed schedule gave 1.16); rendering what is there catches up in fewer, cheaper renders per token.
     - Seeded requests keep the fixed schedule (first, then `schedule_tokens`), whatever the listener does: the
       protocol promises the same audio for the same seed, and chunk boundaries change the audio (slightly).
     - Due streams render in the order of how soon their listener runs dry; listeners that hold nothing render
@@ -83,12 +88,15 @@ class ChunkPolicy:
     schedule_tokens: tuple[int, ...] = (24, 48, 96)
     max_chunk_tokens: int = 96
 
-    def chunk_tokens(self, chunks_emitted: int, buffered_s: float, reproducible: bool) -> int:
+    def chunk_tokens(self, chunks_emitted: int, buffered_s: float, reproducible: bool, ready_tokens: int = 0) -> int:
+        """Tokens of audio the stream's next render puts out; `ready_tokens`: how many it could put out now."""
         if reproducible:
             if chunks_emitted == 0:
                 return self.first_chunk_tokens
             return self.schedule_tokens[min(chunks_emitted - 1, len(self.schedule_tokens) - 1)]
         held_tokens = int(max(0.0, buffered_s) * SPEECH_TOKENS_PER_S)
+        if held_tokens < self.first_chunk_tokens and chunks_emitted > 0:  # ran dry: catch up with what is there
+            return max(self.first_chunk_tokens, min(self.max_chunk_tokens, ready_tokens))
         return max(self.first_chunk_tokens, min(self.max_chunk_tokens, held_tokens))
 
 
@@ -353,7 +361,8 @@ class VocoderWorker:
             if stream is None:
                 continue
             buffered_s = speech.buffered_s(now_s)
-            chunk = self.policy.chunk_tokens(speech.chunks_emitted, buffered_s, speech.spec.reproducible)
+            chunk = self.policy.chunk_tokens(speech.chunks_emitted, buffered_s, speech.spec.reproducible,
+                                             stream.ready_tokens)
             job = stream.next_job(chunk)
             if job is not None:
                 due.append((buffered_s, speech.spec.admitted_s, speech, job))

@@ -214,12 +214,25 @@ def test_the_listener_about_to_run_dry_renders_first(setup: Setup, worker: Vocod
     narrow._drain(block=False)
     narrow._start_stream(narrow._speeches["dry"], voice, setup.vocoder.prompt_cache(voice))
     assert [speech.request_id for speech, _ in narrow._due(now)] == ["dry"]  # it renders alone, first
-    # and chunk sizes follow what each holds: 0.2 s -> the smallest chunk; 4 s -> the largest
-    assert POLICY.chunk_tokens(3, 0.2, reproducible=False) == 6
+    # and chunk sizes follow what each holds: 4 s -> the largest; 0.5 s -> that much; a listener holding less
+    # than a first chunk after the segment's first chunk -> everything ready (at least a first chunk, at most
+    # max); a segment's first chunk -> the small one whatever is ready
     assert POLICY.chunk_tokens(3, 4.0, reproducible=False) == 16
     assert POLICY.chunk_tokens(3, 0.5, reproducible=False) == 12
+    assert POLICY.chunk_tokens(3, 0.2, reproducible=False) == 6
+    assert POLICY.chunk_tokens(3, 0.2, reproducible=False, ready_tokens=11) == 11
+    assert POLICY.chunk_tokens(3, -2.0, reproducible=False, ready_tokens=40) == 16
+    assert POLICY.chunk_tokens(0, 0.0, reproducible=False, ready_tokens=40) == 6
+    assert POLICY.chunk_tokens(3, 0.5, reproducible=False, ready_tokens=40) == 12  # not dry: what it holds
     assert POLICY.chunk_tokens(3, 4.0, reproducible=True) == 16 and POLICY.chunk_tokens(1, 4.0, True) == 8
     assert POLICY.chunk_tokens(0, 4.0, reproducible=True) == 6
+    # the worker hands the policy what is ready: the dry stream, past its first chunk, renders the most it can
+    # (a small first chunk would stop at hold + 6)
+    dry = narrow._speeches["dry"]
+    assert dry.stream is not None and dry.stream.ready_tokens > POLICY.max_chunk_tokens
+    dry.chunks_emitted = 1
+    (_, job), = narrow._due(now)
+    assert job.stop == dry.stream.mel_tokens + setup.vocoder.max_chunk_tokens  # the largest render there is
 
 
 def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
