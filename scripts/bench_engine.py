@@ -98,8 +98,13 @@ def reference_on_runner_kernels(bundle: ModelBundle, runner: T3Runner) -> Iterat
         yield False
         return
     modules = projections(bundle.t3)
+    linears = runner.linears
+    # the runner runs some projections fused (Llama's q, k, v): pack the library's own ones the same way for this
+    missing = [m for m in modules if not linears.covers(m)]
+    extra = type(linears)(missing) if missing else None
     for module in modules:
-        module.forward = functools.partial(runner.linears, module)  # instance attribute shadows the class's
+        kernels = linears if linears.covers(module) or extra is None else extra
+        module.forward = functools.partial(kernels, module)  # instance attribute shadows the class's
     try:
         yield True
     finally:

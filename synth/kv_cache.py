@@ -45,10 +45,13 @@ class PrefixKV:
 class SlotKVCache:
     def __init__(self, *, n_layers: int, max_rows: int, n_heads: int, max_len: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        shape = (max_rows, n_heads, max_len, head_dim)
-        # keys[layer], values[layer]: [max_rows, H, max_len, D]
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        shape = (n_layers, max_rows, n_heads, max_len, head_dim)
+        # all_keys, all_values: [layers, max_rows, H, max_len, D] (a step slices its bucket once for every layer);
+        # keys[layer], values[layer]: [max_rows, H, max_len, D] views of them
+        self.all_keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.all_values = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys = list(self.all_keys.unbind(0))
+        self.values = list(self.all_values.unbind(0))
         self.max_rows = max_rows
         self.max_len = max_len
         self.scratch_pos = max_len - 1  # never part of a real sequence
@@ -56,7 +59,7 @@ class SlotKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in (self.all_keys, self.all_values))
 
     def install_prefix(self, row: int, prefix: PrefixKV, n_positions: int) -> None:
         """Copy prefix positions [0, n_positions) into positions [0, n_positions) of `row`, every layer."""

@@ -160,6 +160,9 @@ class Bf16WeightLinears:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p, _, _ in self._packed.values())
 
+    def covers(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._packed
+
     def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed, out_features, bias = self._packed[id(module)]
         return linear(x, packed, out_features, bias)

@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from synth.kv_cache import PrefixKV, SlotKVCache
 from synth.linear_bf16w import Bf16WeightLinears
@@ -91,6 +90,9 @@ class PackedLinears:
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
+    def covers(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._packed
+
     def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._packed[id(module)]
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -108,17 +110,47 @@ def projections(t3: T3) -> list[torch.nn.Module]:
     return [m for block in blocks for m in block] + [t3.speech_head]
 
 
+def fuse_qkv_(t3: T3) -> list[torch.nn.Linear]:
+    """One projection per Llama layer for q, k and v: a linear layer whose weight is [q; k; v] (rows), so a
+    step runs one GEMM where it ran three. The library's q/k/v modules are re-pointed at views of it (the same
+    values, one copy in memory), so chatterbox's own inference keeps running them as shipped."""
+    fused = []
+    for layer in t3.tfmr.layers:
+        parts = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        weights = [cast(torch.Tensor, p.weight).detach() for p in parts]
+        biases = [None if p.bias is None else cast(torch.Tensor, p.bias).detach() for p in parts]
+        weight = torch.cat(weights)  # [(H + 2 Hkv) D, dim]
+        bias = None if any(b is None for b in biases) else torch.cat(cast(list[torch.Tensor], biases))
+        module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            module.bias = torch.nn.Parameter(bias, requires_grad=False)
+        start = 0
+        for part, part_weight, part_bias in zip(parts, weights, biases, strict=True):
+            rows = part_weight.shape[0]
+            part.weight.data = weight[start:start + rows]
+            if bias is not None and part_bias is not None:
+                part.bias.data = bias[start:start + rows]
+            start += rows
+        fused.append(module.eval())
+    return fused
+
+
 class T3Runner:
     def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
                  packed_linears: bool = True, bf16_weights: bool = False, cuda_graphs: bool = False) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
+        self.qkv = [] if t3.is_gpt else fuse_qkv_(self.t3)  # Llama: one q/k/v projection per layer
+        split = {id(m) for layer in ([] if t3.is_gpt else self.t3.tfmr.layers)
+                 for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)}
+        own = [m for m in projections(self.t3) if id(m) not in split] + list(self.qkv)  # what a step runs
         self.linears: PackedLinears | Bf16WeightLinears | None = None
         if bf16_weights:  # the caller rounded the projections (linear_bf16w.round_to_bf16_)
             if device.type != "cpu" or dtype != torch.float32:
                 raise ValueError("bf16-stored weights are a CPU fp32 mode (on a GPU, use dtype bfloat16)")
-            self.linears = Bf16WeightLinears(projections(t3))
+            self.linears = Bf16WeightLinears(own)
         elif packed_linears and PackedLinears.available(device, dtype):
-            self.linears = PackedLinears(projections(t3))
+            self.linears = PackedLinears(own)
         self.is_gpt = bool(t3.is_gpt)
         self._gelu_tanh = self.is_gpt and type(t3.tfmr.h[0].mlp.act).__name__ in ("NewGELUActivation", "GELUTanh")
         self.device = device
@@ -126,6 +158,9 @@ class T3Runner:
         cfg = t3.cfg
         self.n_layers = cfg.num_hidden_layers if not self.is_gpt else cfg.n_layer
         self.n_heads = cfg.num_attention_heads if not self.is_gpt else cfg.n_head
+        self.n_kv_heads = self.n_heads if self.is_gpt else cfg.num_key_value_heads
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError("grouped-query attention is not supported (chatterbox's T3 has none)")
         self.head_dim = cfg.hidden_size // self.n_heads if self.is_gpt else cfg.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.cache = SlotKVCache(n_layers=self.n_layers, max_rows=max_rows, n_heads=self.n_heads, max_len=max_len,
@@ -297,28 +332,30 @@ class T3Runner:
         embeds = self.speech_embeds(token, inp.device_int("speech_pos")[:n_rows]).to(self.dtype)  # [R, 1, dim]
         mask = (self._key_index[None, :n_keys] < keys_visible[:, None])[:, None, None, :]  # [R, 1, 1, L]
         hidden_keys = self._key_index[None, :n_keys] >= keys_visible[:, None]  # [R, L]: ~mask, computed once
+        hidden = hidden_keys[:, None, None, :]  # [R, 1, 1, L]
+        all_keys = cache.all_keys[:, :n_rows, :, :n_keys]  # [layers, R, H, L, D]: the bucket, once per step
+        all_values = cache.all_values[:, :n_rows, :, :n_keys]
         captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
         if capture:
             self.captured_decode = {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(layer, rows, write, k[:, :, 0], v[:, :, 0])
-            keys = cache.keys[layer][:n_rows, :, :n_keys]  # [R, H, L, D]
-            values = cache.values[layer][:n_rows, :, :n_keys]
+            keys, values = all_keys[layer], all_values[layer]  # [R, H, L, D]
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
                 if captured_layer == layer:
                     scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
                     scores = scores.masked_fill(hidden_keys, float("-inf"))  # [R, L]
                     self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
-            return self._attention(q, keys, values, mask, hidden_keys)  # [R, H, 1, D]
+            return self._attention(q, keys, values, mask, hidden)  # [R, H, 1, D]
 
-        hidden = self._layers(embeds, pos[:, None], attend)
-        self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, hidden[:, -1]))
+        last = self._layers(embeds, pos[:, None], attend)
+        self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, last[:, -1]))
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                   hidden_keys: torch.Tensor) -> torch.Tensor:
+                   hidden: torch.Tensor) -> torch.Tensor:
         """One attention call for the step: q [R, H, 1, D] over keys, values [R, H, L, D] where mask [R, 1, 1, L]
-        (hidden_keys [R, L] = ~mask).
+        (hidden [R, 1, 1, L] = ~mask).
 
         CUDA: SDPA (its kernels accumulate scores and softmax in fp32 whatever the dtype). CPU: the same
         arithmetic spelled out in fp32 (matmul, masked softmax, matmul), because the CPU SDPA kernel is not
@@ -326,9 +363,12 @@ class T3Runner:
         give a row the same bits for any row and key bucket (tests/synth/test_t3_runner.py)."""
         if q.is_cuda:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()).mul_(self.scale)  # [R, H, 1, L] fp32
-        probs = torch.softmax(scores.masked_fill_(hidden_keys[:, None, None, :], float("-inf")), dim=-1)
-        return torch.matmul(probs, values.float()).to(q.dtype)
+        if q.dtype != torch.float32:  # (in fp32 the casts are no-ops, but each is still an op per layer)
+            q, keys, values = q.float(), keys.float(), values.float()
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale)  # [R, H, 1, L] fp32
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        out = torch.matmul(probs, values)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None) -> None:
         """Sampling over static buffers, every row with its own parameters, seen set and generator."""
@@ -424,21 +464,30 @@ class T3Runner:
         return self._gpt2_layers(h, pos, attend) if self.is_gpt else self._llama_layers(h, pos, attend)
 
     def _llama_layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """LlamaDecoderLayer's forward, in fewer ops: one q/k/v projection (`fuse_qkv_`), RMSNorm as the fused
+        F.rms_norm (LlamaRMSNorm's six ops, to rounding), RoPE on q and k at once with rotate_half(x) * sin
+        written as roll(x, D / 2) * (sin with its first half negated) (the same bits)."""
         tfmr, lin = self.t3.tfmr, self._lin
         n_batch, n_new, _ = h.shape
-        cos, sin = tfmr.rotary_emb(h, pos)
+        n_q, n_kv, half = self.n_heads, self.n_kv_heads, self.head_dim // 2
+        cos, sin = tfmr.rotary_emb(h, pos)  # [B, S, D]
+        cos = cos[:, None]  # [B, 1, S, D]: every head
+        sin_rotated = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         for i, layer in enumerate(tfmr.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(h)
-            q = lin(attn.q_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-            k = lin(attn.k_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
-            v = lin(attn.v_proj, x).view(n_batch, n_new, -1, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = attend(i, q, k, v)
+            x = self._rms_norm(layer.input_layernorm, h)
+            qkv = lin(self.qkv[i], x).view(n_batch, n_new, n_q + 2 * n_kv, self.head_dim).transpose(1, 2)
+            qk = qkv[:, :n_q + n_kv]  # [B, H + Hkv, S, D]
+            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_rotated
+            o = attend(i, qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv:])
             h = h + lin(attn.o_proj, o.transpose(1, 2).reshape(n_batch, n_new, -1))
-            x = layer.post_attention_layernorm(h)
+            x = self._rms_norm(layer.post_attention_layernorm, h)
             h = h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))  # LlamaMLP
-        return tfmr.norm(h)
+        return self._rms_norm(tfmr.norm, h)
+
+    @staticmethod
+    def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), cast(torch.Tensor, norm.weight), float(cast(Any, norm).variance_epsilon))
 
     def _gpt2_layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         tfmr, lin = self.t3.tfmr, self._lin
@@ -446,8 +495,8 @@ class T3Runner:
         h = h + tfmr.wpe(pos)
         for i, block in enumerate(tfmr.h):
             x = block.ln_1(h)
-            q, k, v = lin(block.attn.c_attn, x).split(dim, dim=2)
-            q, k, v = (t.view(n_batch, n_new, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            qkv = lin(block.attn.c_attn, x).view(n_batch, n_new, 3, self.n_heads, self.head_dim)  # (q | k | v)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]: 3 view ops where there were 7
             o = attend(i, q, k, v)
             h = h + lin(block.attn.c_proj, o.transpose(1, 2).reshape(n_batch, n_new, dim))
             h = h + lin(block.mlp.c_proj, self._gpt2_act(lin(block.mlp.c_fc, block.ln_2(h))))  # GPT2MLP (eval)
