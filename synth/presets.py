@@ -220,7 +220,9 @@ def write_turbo_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    # sorted: alphabet() comes in hash-set order, which changes from process to process (and from call to call):
+    # unsorted, every random Turbo bundle tokenized the same text differently
+    byte_vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     byte_vocab["<|endoftext|>"] = len(byte_vocab)
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
