@@ -58,7 +58,11 @@ class NativeClient:
     @classmethod
     async def connect(cls, url: str, **kwargs: Any) -> NativeClient:
         ws = await connect(url, max_size=None, compression=None, **kwargs)
-        hello = orjson.loads(await ws.recv())
+        try:
+            hello = orjson.loads(await ws.recv())
+        except BaseException:
+            await ws.close()  # a server that closes before its hello must not leave our socket to the GC
+            raise
         return cls(ws, hello)
 
     async def close(self) -> None:
