@@ -14,6 +14,7 @@ WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
 DTYPES = ("float32", "bfloat16", "float16")
 CPU_WEIGHTS = ("fp32", "bf16")
 CUDA_GRAPHS = ("auto", "on", "off")
+ON_OFF = ("on", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 AUTH_MODES = ("auto", "on", "off")
 MAX_INACTIVITY_TIMEOUT_S = 180.0
@@ -37,6 +38,9 @@ class Settings:
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
     threads: str = "auto"
+    # CPU: lend the decode thread's cores to the vocoder for a turn's first chunk and while the decode is idle
+    # (synth/cpu_threads.CoreLease): "on" or "off".
+    lend_threads: str = "on"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
     max_slots: int = 16  # engine: segments generating at once
     # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
@@ -130,6 +134,8 @@ class Settings:
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
+        if self.lend_threads not in ON_OFF:
+            raise ValueError(f"lend_threads must be one of {', '.join(ON_OFF)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 < self.port < 65536):
@@ -177,6 +183,7 @@ class Settings:
             alignment_analyzer=self.alignment_analyzer,
             decode_threads=decode_threads,
             vocoder_threads=vocoder_threads,
+            lend_threads=self.lend_threads == "on",
         )
 
     @property
@@ -195,6 +202,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
     "cuda_graphs": ("AGENT_SERVER_CUDA_GRAPHS",),
     "threads": ("AGENT_SERVER_THREADS",),
+    "lend_threads": ("AGENT_SERVER_LEND_THREADS",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
     "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),

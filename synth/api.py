@@ -331,4 +331,7 @@ class EngineConfig:
     # CPU threads of the decode thread and of the vocoder worker (0: automatic, synth/cpu_threads.py).
     decode_threads: int = 0
     vocoder_threads: int = 0
+    # CPU: the decode thread's cores lent to the vocoder for a turn's first chunk and while the decode has no
+    # work (synth/cpu_threads.CoreLease); off: each keeps its own count.
+    lend_threads: bool = True
     vocoder_max_batch: int = 0  # streams rendered in one vocoder tick at most (0: 4 on a CPU, 64 on a GPU)

@@ -21,6 +21,7 @@ import functools
 import glob
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -107,3 +108,88 @@ def fixed_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+class CoreLease:
+    """The decode thread's CPU threads lent to the vocoder worker for the render ticks that need them most.
+
+    The split above keeps the two teams from outnumbering the cores, but a static split wastes a core whenever
+    one side waits, and the two sides do not gain alike from a second thread (measured on the 2-core machine,
+    BENCHMARKS.md): a decode step of 1-8 rows is a chain of memory-bound matrix-vector products, 0-17 % faster
+    on 2 threads; a render is convolutions, 1.45x faster. So only the vocoder borrows, and only for a tick
+    whose audio a listener is waiting for with nothing to play:
+
+    - the decode thread is idle (no segment holds a slot): nothing is lost;
+    - `urgent`: the tick renders a segment's first chunk for a listener that holds no audio (time to first
+      audio). The decode pauses for that tick: its next step waits for the render to end.
+
+    While lent, the decode thread does not compute, so the threads in use never exceed the split's total (the
+    OpenMP-collapse rule above holds). A borrowing tick first waits for a running decode step to end (at most
+    one step). The decode's own count never changes; a seeded stream's audio does not change with the
+    vocoder's, because its reproducible render path is thread-count invariant (tests/synth/test_vocoder.py,
+    test_invariant_ops.py).
+    Disabled (`enabled=False`, or a GPU), every method is a no-op and both sides keep their own counts.
+    """
+
+    def __init__(self, decode_threads: int, vocoder_threads: int, enabled: bool) -> None:
+        self.decode_threads = decode_threads
+        self.vocoder_threads = vocoder_threads
+        self.enabled = enabled
+        self._cond = threading.Condition()
+        self._decode_stepping = False  # the decode thread is inside a step
+        self._decode_idle = True  # no segment holds a slot (the decode thread waits for work)
+        self._lent = False  # the vocoder holds the decode's threads
+        self.lent_ticks = 0  # ticks rendered on borrowed threads (tests and stats read it)
+        self.decode_waits = 0  # decode steps that waited for a lent tick
+
+    # --- the decode thread --------------------------------------------------------------------------------
+
+    def decode_idle(self) -> None:
+        """The decode thread has no work and is about to wait for some."""
+        with self._cond:
+            self._decode_idle = True
+
+    @contextlib.contextmanager
+    def decode_step(self) -> Iterator[None]:
+        """Around one decode step with work: waits while the vocoder holds the decode's threads."""
+        if not self.enabled:
+            yield
+            return
+        with self._cond:
+            self._decode_idle = False
+            if self._lent:
+                self.decode_waits += 1
+                self._cond.wait_for(lambda: not self._lent)
+            self._decode_stepping = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._decode_stepping = False
+                self._cond.notify_all()
+
+    # --- the vocoder thread --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def render(self, urgent: bool) -> Iterator[int]:
+        """Around one render tick; yields the thread count it runs with (set on the calling thread)."""
+        borrow = False
+        if self.enabled:
+            with self._cond:
+                borrow = urgent or self._decode_idle
+                if borrow:
+                    self._lent = True  # from now on no step starts; wait for the running one
+                    self._cond.wait_for(lambda: not self._decode_stepping)
+        if not borrow:
+            yield self.vocoder_threads
+            return
+        threads = self.vocoder_threads + self.decode_threads
+        torch.set_num_threads(threads)
+        try:
+            yield threads
+        finally:
+            torch.set_num_threads(self.vocoder_threads)
+            with self._cond:
+                self._lent = False
+                self.lent_ticks += 1
+                self._cond.notify_all()

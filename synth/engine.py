@@ -18,6 +18,7 @@ audio itself; each request's output goes through its Outlet (synth/outlet.py), w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -46,7 +47,7 @@ from synth.api import (
     ThreadBudget,
     max_tokens_for_text,
 )
-from synth.cpu_threads import available_cores, release_openmp_pool, use_threads
+from synth.cpu_threads import CoreLease, available_cores, release_openmp_pool, use_threads
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
@@ -134,6 +135,9 @@ class Engine(EngineLike):
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama))
         self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
+        # the decode's threads lent to the vocoder's urgent ticks (CPU only: on a GPU the threads only launch)
+        self.lease = CoreLease(self.threads.decode, self.threads.vocoder,
+                               enabled=config.lend_threads and self.device.type == "cpu" and render_audio)
         self.vocoder: Any = None  # synth.vocoder.StreamingVocoder when rendering audio
         self.vocoder_worker: VocoderWorker | None = None
         if render_audio:
@@ -219,6 +223,8 @@ class Engine(EngineLike):
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
+            "lend_threads": self.lease.enabled, "lent_ticks": self.lease.lent_ticks,
+            "decode_waits_for_lent_ticks": self.lease.decode_waits,
         }
 
     @property
@@ -276,11 +282,14 @@ class Engine(EngineLike):
             self._fail_all(Status.FAILED, f"engine failure: {self.failure}")
 
     def _step(self) -> None:
+        if self.scheduler.idle:
+            self.lease.decode_idle()  # the vocoder may borrow this thread's cores meanwhile
         self._drain_inbox(block=self.scheduler.idle)
-        plan = self.scheduler.schedule()
-        t0 = time.perf_counter()
-        token_ids, prefill_ms = self._execute(plan)  # the one host sync of the step
-        t1 = time.perf_counter()
+        with self.lease.decode_step() if not self.scheduler.idle else contextlib.nullcontext():
+            plan = self.scheduler.schedule()
+            t0 = time.perf_counter()
+            token_ids, prefill_ms = self._execute(plan)  # the one host sync of the step
+            t1 = time.perf_counter()
         self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
         ended = self.scheduler.update(plan, StepResult(token_ids))
         self._after_update(plan, ended)
@@ -299,7 +308,8 @@ class Engine(EngineLike):
                 elif cancels_only:
                     deferred.append(item)
                 elif isinstance(item, _PrepareVoice):
-                    self._prepare_voice(item.voice)
+                    with self.lease.decode_step():  # computes: not while the vocoder holds the cores
+                        self._prepare_voice(item.voice)
                 else:
                     self._admit(item)
                 item = self._inbox.get_nowait()
@@ -628,7 +638,7 @@ class Engine(EngineLike):
                              max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
         max_batch = config.vocoder_max_batch or VOCODER_MAX_BATCH.get(self.device.type, VOCODER_MAX_BATCH["cpu"])
         return vocoder, VocoderWorker(vocoder, policy, threads=self.threads.vocoder, max_batch=max_batch,
-                                      on_sink_failed=self.cancel)
+                                      on_sink_failed=self.cancel, lease=self.lease)
 
     def _warmup(self) -> None:
         """Prepare every voice known at start (the default included) before declaring ready: T3 prefixes here,

@@ -43,7 +43,7 @@ from synth.api import (
     ListenerClock,
     SegmentEvent,
 )
-from synth.cpu_threads import use_threads
+from synth.cpu_threads import CoreLease, use_threads
 from synth.outlet import Delivery, Outlet
 from synth.vocoder import (
     PromptCache,
@@ -180,12 +180,14 @@ class RenderStats:
 
 class VocoderWorker:
     def __init__(self, vocoder: StreamingVocoder, policy: ChunkPolicy, *, threads: int, max_batch: int,
-                 on_sink_failed: Callable[[str], None], max_pending_steps: int = MAX_PENDING_STEPS) -> None:
+                 on_sink_failed: Callable[[str], None], max_pending_steps: int = MAX_PENDING_STEPS,
+                 lease: CoreLease | None = None) -> None:
         if max_batch < 1 or threads < 1:
             raise ValueError("max_batch and threads must be >= 1")
         self.vocoder = vocoder
         self.policy = policy
         self.threads = threads
+        self.lease = lease if lease is not None else CoreLease(0, threads, enabled=False)
         self.max_batch = max_batch
         self._on_sink_failed = on_sink_failed
         self._inbox: queue.Queue[_Message] = queue.Queue()
@@ -265,7 +267,8 @@ class VocoderWorker:
                     self._drain(block=not self._speeches)
                     jobs = self._due(time.monotonic())
                     if jobs:
-                        self._render(jobs)
+                        with self.lease.render(urgent=self._first_audio(jobs, time.monotonic())):
+                            self._render(jobs)
                     elif self._speeches:
                         self._drain(block=True, timeout_s=PENDING_WAIT_S)
         except Exception as exc:
@@ -370,6 +373,12 @@ class VocoderWorker:
         if due and due[0][0] <= 0.0:
             due = [item for item in due if item[0] <= 0.0]
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
+
+    @staticmethod
+    def _first_audio(tick: list[tuple[Speech, RenderJob]], now_s: float) -> bool:
+        """The tick renders a segment's first chunk for a listener that holds no audio: someone waits in silence
+        for it (time to first audio), so it may borrow the decode's threads (CoreLease)."""
+        return any(speech.chunks_emitted == 0 and speech.buffered_s(now_s) <= 0.0 for speech, _ in tick)
 
     def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from synth.api import SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKi
 from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
 from synth.request import SPEECH_VOCAB_SIZE
 
-from tests.synth.conftest import Collector, make_engine, synthetic_voice, tiny_bundle
+from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, synthetic_voice, tiny_bundle
 from tests.synth.op_counter import count_ops
 
 TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short one.", "A fourth, different text.",
@@ -437,3 +437,31 @@ def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(var
     assert sum(one_voice.values()) == sum(eight_voices.values()) == sum(fewer_rows.values())
     assert one_voice == eight_voices == fewer_rows
     assert one_voice["aten._local_scalar_dense"] == 0
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread lending")
+def test_a_lone_first_chunk_renders_on_lent_threads_with_the_same_pcm(engine: Engine) -> None:
+    """CPU: a turn's first chunk borrows the decode's threads (synth/cpu_threads.CoreLease); a seeded segment's
+    audio is the same as from an engine that never lends."""
+    lent_before = engine.lease.lent_ticks
+    lent = Collector()
+    engine.submit(_request(lent, "lent", TEXTS[2], seed=77))
+    lent.wait_done(["lent"])
+    assert engine.lease.lent_ticks > lent_before and engine.status()["lend_threads"] is True
+    bundle = tiny_bundle("english")
+    from synth import default_voice
+
+    static = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                         chunk_schedule_tokens=(8, 16), lend_threads=False)
+    static.voices.add(default_voice(bundle))
+    static.start()
+    try:
+        assert static.wait_ready(120)
+        col = Collector()
+        static.submit(_request(col, "static", TEXTS[2], seed=77))
+        col.wait_done(["static"])
+        assert static.lease.lent_ticks == 0 and static.status()["lent_ticks"] == 0
+        assert col.tokens("static") == lent.tokens("lent")
+        assert np.array_equal(_pcm(col, "static"), _pcm(lent, "lent"))
+    finally:
+        static.stop()

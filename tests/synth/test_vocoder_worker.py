@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -14,8 +14,8 @@ import torch
 from synth.api import EventKind, ListenerClock
 from synth.outlet import Outlet
 from synth.tiny_s3gen import build_s3gen
-from synth.vocoder import StreamingVocoder, VocoderStream, VocoderVoice
-from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, VocoderWorker
+from synth.vocoder import RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
+from synth.vocoder_worker import ChunkPolicy, Feed, Speech, StreamOpen, VocoderWorker
 
 from tests.synth.conftest import Collector
 from tests.synth.test_vocoder import reference_wav, utterance
@@ -245,3 +245,25 @@ def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
     assert not idle._feed_slots.acquire(blocking=False)  # a third feed would wait
     idle._drain(block=False)
     assert idle._feed_slots.acquire(blocking=False)
+
+
+def test_a_first_chunk_for_a_silent_listener_is_what_borrows_the_decodes_threads(setup: Setup) -> None:
+    """CoreLease's `urgent`: a tick with a segment's first chunk whose listener holds nothing (a turn's first
+    audio, or a segment after a dry spell); not a later chunk, not a first chunk the listener can wait for."""
+    col, now = Collector(), 1000.0
+    holding, dry = ListenerClock(), ListenerClock()
+    holding.report(sent_audio_s=3.0, started_monotonic_s=now - 1.0)  # holds 2 s
+    dry.report(sent_audio_s=1.0, started_monotonic_s=now - 2.0)  # ran dry 1 s ago
+
+    def speech(rid: str, listener: ListenerClock | None, chunks: int) -> Speech:
+        state = Speech(spec=open_stream(setup, col, rid, setup.voices[0], 1, listener, reproducible=False))
+        state.chunks_emitted = chunks
+        return state
+
+    job = cast(RenderJob, None)  # the decision reads the streams only
+    first_turn, later = speech("first", None, 0), speech("later", None, 2)
+    later.emitted_s, later.first_chunk_s = 0.5, now - 1.0  # its own chunks ran out
+    assert VocoderWorker._first_audio([(first_turn, job)], now)
+    assert VocoderWorker._first_audio([(later, job), (speech("after a gap", dry, 0), job)], now)
+    assert not VocoderWorker._first_audio([(later, job)], now)  # dry, but past its first chunk
+    assert not VocoderWorker._first_audio([(speech("next sentence", holding, 0), job)], now)
