@@ -120,8 +120,8 @@ class CoreLease:
     whose audio a listener is waiting for with nothing to play:
 
     - the decode thread is idle (no segment holds a slot): nothing is lost;
-    - `urgent`: the tick renders a segment's first chunk for a listener that holds no audio (time to first
-      audio). The decode pauses for that tick: its next step waits for the render to end.
+    - `urgent`: the tick renders a turn's first audio (a segment's first chunk for a listener that has been sent
+      nothing yet: time to first audio). The decode pauses for that tick: its next step waits for the render.
 
     While lent, the decode thread does not compute, so the threads in use never exceed the split's total (the
     OpenMP-collapse rule above holds). A borrowing tick first waits for a running decode step to end (at most

@@ -375,10 +375,18 @@ class VocoderWorker:
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
 
     @staticmethod
+    @staticmethod
     def _first_audio(tick: list[tuple[Speech, RenderJob]], now_s: float) -> bool:
-        """The tick renders a segment's first chunk for a listener that holds no audio: someone waits in silence
-        for it (time to first audio), so it may borrow the decode's threads (CoreLease)."""
-        return any(speech.chunks_emitted == 0 and speech.buffered_s(now_s) <= 0.0 for speech, _ in tick)
+        """The tick renders a turn's first audio: a segment's first chunk for a listener that has been sent
+        nothing yet (no playback report; without a listener clock, any segment's first chunk). Someone waits in
+        silence for it (time to first audio), so it may borrow the decode's threads (CoreLease). Not a later
+        segment's first chunk after a dry spell: under load listeners run dry often, and pausing the decode for
+        each of those renders costs more audio than it saves (measured, BENCHMARKS.md)."""
+        for speech, _ in tick:
+            listener = speech.spec.listener
+            if speech.chunks_emitted == 0 and (listener is None or listener.buffered_s(now_s) is None):
+                return True
+        return False
 
     def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:
         t0 = time.perf_counter()

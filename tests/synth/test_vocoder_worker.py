@@ -247,11 +247,11 @@ def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
     assert idle._feed_slots.acquire(blocking=False)
 
 
-def test_a_first_chunk_for_a_silent_listener_is_what_borrows_the_decodes_threads(setup: Setup) -> None:
-    """CoreLease's `urgent`: a tick with a segment's first chunk whose listener holds nothing (a turn's first
-    audio, or a segment after a dry spell); not a later chunk, not a first chunk the listener can wait for."""
+def test_a_turns_first_audio_is_what_borrows_the_decodes_threads(setup: Setup) -> None:
+    """CoreLease's `urgent`: a tick with a segment's first chunk for a listener that has been sent nothing (a
+    turn's first audio); not a later chunk, not a later segment's first chunk (dry or not)."""
     col, now = Collector(), 1000.0
-    holding, dry = ListenerClock(), ListenerClock()
+    fresh, holding, dry = ListenerClock(), ListenerClock(), ListenerClock()
     holding.report(sent_audio_s=3.0, started_monotonic_s=now - 1.0)  # holds 2 s
     dry.report(sent_audio_s=1.0, started_monotonic_s=now - 2.0)  # ran dry 1 s ago
 
@@ -261,9 +261,10 @@ def test_a_first_chunk_for_a_silent_listener_is_what_borrows_the_decodes_threads
         return state
 
     job = cast(RenderJob, None)  # the decision reads the streams only
-    first_turn, later = speech("first", None, 0), speech("later", None, 2)
+    later = speech("later", None, 2)
     later.emitted_s, later.first_chunk_s = 0.5, now - 1.0  # its own chunks ran out
-    assert VocoderWorker._first_audio([(first_turn, job)], now)
-    assert VocoderWorker._first_audio([(later, job), (speech("after a gap", dry, 0), job)], now)
+    assert VocoderWorker._first_audio([(speech("no clock", None, 0), job)], now)
+    assert VocoderWorker._first_audio([(later, job), (speech("turn", fresh, 0), job)], now)
     assert not VocoderWorker._first_audio([(later, job)], now)  # dry, but past its first chunk
+    assert not VocoderWorker._first_audio([(speech("after a gap", dry, 0), job)], now)
     assert not VocoderWorker._first_audio([(speech("next sentence", holding, 0), job)], now)
