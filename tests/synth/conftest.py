@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from synth.api import AudioChunk, EngineConfig, EngineOutput, EventKind, SegmentEvent, Variant
+from synth.api import AudioChunk, EngineConfig, EngineOutput, EventKind, SegmentEvent, Sink, Variant
 from synth.engine import Engine
 from synth.loading import ModelBundle, random_bundle
 from synth.voices import Voice
@@ -42,7 +42,7 @@ class Collector:
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: queue.Queue[str] = field(default_factory=queue.Queue)
 
-    def sink_for(self, request_id: str):
+    def sink_for(self, request_id: str) -> Sink:
         def sink(output: EngineOutput) -> None:
             with self.lock:
                 self.events.setdefault(request_id, []).append(output)

@@ -11,9 +11,9 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: untyped __init_subclass__
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is untyped
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -7,10 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from chatterbox.models.t3.inference.alignment_stream_analyzer import AlignmentStreamAnalyzer
 
 import synth.alignment
 from synth.api import EngineConfig, EngineError, SamplingParams, SegmentRequest
 from synth.engine import Engine
+from synth.loading import ModelBundle
 from synth.presets import TINY_ALIGNED_LLAMA, build_t3
 from synth.text import text_token_ids
 
@@ -29,7 +31,7 @@ N_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
-def aligned_bundle():
+def aligned_bundle() -> ModelBundle:
     base = tiny_bundle("multilingual")
     torch.manual_seed(0)
     return dataclasses.replace(base, t3=build_t3("multilingual", "tiny", backbone=TINY_ALIGNED_LLAMA).to(base.device))
@@ -40,11 +42,11 @@ def _params(seed: int, temperature: float, cfg: float) -> SamplingParams:
                                cfg_weight=cfg, max_new_tokens=N_TOKENS)
 
 
-def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
-    created: list = []
+def test_engine_analyzer_matches_reference(aligned_bundle: ModelBundle, monkeypatch: pytest.MonkeyPatch) -> None:
+    created: list[AlignmentStreamAnalyzer] = []
     original = synth.alignment.new_analyzer
 
-    def recording(*args, **kwargs):
+    def recording(*args: int, **kwargs: int) -> AlignmentStreamAnalyzer:
         analyzer = original(*args, **kwargs)
         created.append(analyzer)
         return analyzer
@@ -90,7 +92,7 @@ def test_engine_analyzer_matches_reference(aligned_bundle, monkeypatch) -> None:
         assert ours[rid].text_position == reference.text_position and ours[rid].complete == reference.complete
 
 
-def test_analyzer_is_refused_where_it_cannot_run(aligned_bundle) -> None:
+def test_analyzer_is_refused_where_it_cannot_run(aligned_bundle: ModelBundle) -> None:
     with pytest.raises(EngineError, match="multilingual model only"):
         Engine(tiny_bundle("english"), EngineConfig(variant="english", alignment_analyzer=True), render_audio=False)
     with pytest.raises(EngineError, match="lacks"):  # the 2-layer tiny preset has no layer 9, 12 or 13

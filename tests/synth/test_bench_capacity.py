@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_bench_capacity_runs_on_tiny_weights(tmp_path: Path) -> None:
 
 def test_playback_counts_dry_time() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_capacity
+    bench_capacity = importlib.import_module("bench_capacity")  # scripts/ is on sys.path at run time only
 
     # frames of 0.5 s: the second arrives on time, the third 0.3 s after the second has finished playing
     frames = [(10.0, 0.5), (10.4, 0.5), (11.3, 0.5), (11.5, 0.5)]

@@ -6,15 +6,29 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import NoReturn
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
-from synth.api import SAMPLES_PER_SPEECH_TOKEN, AudioChunk, EngineError, EventKind, SamplingParams, SegmentRequest
+from synth.api import (
+    SAMPLES_PER_SPEECH_TOKEN,
+    AudioChunk,
+    EngineError,
+    EventKind,
+    SamplingParams,
+    SegmentRequest,
+    Variant,
+)
 from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
+from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE
+from synth.vocoder import VocoderVoice
+from synth.voices import Voice
 
 from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, synthetic_voice, tiny_bundle
 from tests.synth.op_counter import count_ops
@@ -24,7 +38,7 @@ TEXTS = ["Hello world, this is a test.", "Another sentence to speak!", "Short on
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine() -> Iterator[Engine]:
     eng = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
                       chunk_schedule_tokens=(8, 16))
     bundle = tiny_bundle("english")
@@ -46,7 +60,7 @@ def _request(collector: Collector, rid: str, text: str, seed: int, n_tokens: int
                           **kw)  # type: ignore[arg-type]
 
 
-def _pcm(collector: Collector, rid: str) -> np.ndarray:
+def _pcm(collector: Collector, rid: str) -> npt.NDArray[np.float32]:
     chunks = collector.chunks(rid)
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     return np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.float32)
@@ -156,7 +170,7 @@ def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
     fired = threading.Event()
     original = eng.runner.decode
 
-    def broken_decode(*args: object, **kwargs: object) -> None:
+    def broken_decode(*args: object, **kwargs: object) -> NoReturn:
         fired.set()
         raise RuntimeError("simulated CUDA error")
 
@@ -186,7 +200,8 @@ def test_text_longer_than_the_cache_is_refused_at_submit_not_in_the_engine() -> 
 def test_derived_kv_length_fits_the_longest_segment() -> None:
     from synth.api import HARD_MAX_NEW_TOKENS, MAX_SEGMENT_TEXT_TOKENS
 
-    for variant, prefix in (("english", 34), ("turbo", 376)):
+    cases: tuple[tuple[Variant, int], ...] = (("english", 34), ("turbo", 376))
+    for variant, prefix in cases:
         eng = make_engine(variant, render_audio=False, max_slots=1, max_context_tokens=0)
         assert eng.prefix_positions == prefix
         # the conditioning is a shared prefix, not part of the slot: a slot holds text + BOS block + speech
@@ -195,12 +210,12 @@ def test_derived_kv_length_fits_the_longest_segment() -> None:
         assert eng.runner.cache.max_len % 64 == 0
 
 
-def _swap_voices(bundle, n: int) -> list[dict[str, object]]:
+def _swap_voices(bundle: ModelBundle, n: int) -> list[dict[str, object]]:
     """Conditioning for n cloned voices whose T3 and S3Gen conditioning both differ."""
     from synth import default_voice
 
     base = default_voice(bundle)
-    voices = []
+    voices: list[dict[str, object]] = []
     for cycle in range(n):
         noise = torch.randn(base.s3gen_ref["embedding"].shape, generator=torch.Generator().manual_seed(cycle))
         ref = {**base.s3gen_ref, "embedding": base.s3gen_ref["embedding"] + noise.to(base.s3gen_ref["embedding"])}
@@ -210,12 +225,10 @@ def _swap_voices(bundle, n: int) -> list[dict[str, object]]:
 
 
 def test_a_voice_removed_and_re_added_under_its_id_speaks_with_its_new_conditioning(engine: Engine) -> None:
-    from synth.voices import Voice
-
     # Whether CPython gives the new object the freed one's address depends on its allocator's pool order, so
     # cycle until it has happened twice (about every other cycle here); the bug needs that reuse to show.
     conditioning = _swap_voices(tiny_bundle("english"), 16)
-    swapped: list[tuple[list[int], np.ndarray]] = []
+    swapped: list[tuple[list[int], npt.NDArray[np.float32]]] = []
     addresses: set[int] = set()
     for cycle, fields in enumerate(conditioning):
         if len(swapped) - len(addresses) >= 2:  # reuses so far
@@ -254,7 +267,7 @@ def test_a_voice_removed_and_re_added_under_its_id_speaks_with_its_new_condition
         fresh.stop()
 
 
-def _run_sequence(engine: Engine, delays_s: list[float]) -> dict[str, tuple[list[int], np.ndarray]]:
+def _run_sequence(engine: Engine, delays_s: list[float]) -> dict[str, tuple[list[int], npt.NDArray[np.float32]]]:
     """The same sequence of calls, with the given pauses between them: three seeded segments on the default
     voice, a voice uploaded while they speak, two seeded segments on it (and one more on the default)."""
     from synth.presets import synthetic_reference_wav
@@ -313,10 +326,10 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
 
     vocoder = engine.vocoder
     started, release = threading.Event(), threading.Event()
-    original = vocoder.prepare_voice
+    original: Callable[[dict[str, object]], VocoderVoice] = vocoder.prepare_voice
     uploaded: dict[str, object] = {}
 
-    def held(ref: dict[str, object]):
+    def held(ref: dict[str, object]) -> VocoderVoice:
         if ref is uploaded.get("ref"):
             started.set()
             assert release.wait(300)
@@ -324,7 +337,7 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
 
     original_add = engine.voices.add
 
-    def remember(voice):
+    def remember(voice: Voice) -> None:
         uploaded["ref"] = voice.s3gen_ref
         return original_add(voice)
 
@@ -358,14 +371,14 @@ def test_adding_a_voice_while_four_streams_speak_stalls_none_of_them(engine: Eng
 
 @pytest.mark.parametrize("variant", ["english", "turbo"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_engine_speaks_a_segment_to_the_end(variant: str, dtype: str) -> None:
+def test_half_precision_engine_speaks_a_segment_to_the_end(variant: Variant, dtype: str) -> None:
     """Conditioning, prefixes and KV cache in the runner's dtype; logits, sampling and the vocoder in fp32.
     (Before the fix, the fp32 T3Cond met a bf16 T3: "mat1 and mat2 must have the same dtype".)"""
     from synth import default_voice
     from synth.loading import random_bundle
 
     bundle = random_bundle(variant, "tiny", torch.device("cpu"))  # the runner casts its T3 in place
-    eng = make_engine(variant, render_audio=True, max_slots=2, bundle=bundle, dtype=dtype,  # type: ignore[arg-type]
+    eng = make_engine(variant, render_audio=True, max_slots=2, bundle=bundle, dtype=dtype,
                       first_chunk_tokens=6, chunk_schedule_tokens=(8, 16))
     eng.voices.add(default_voice(bundle))
     eng.start()
@@ -374,7 +387,7 @@ def test_half_precision_engine_speaks_a_segment_to_the_end(variant: str, dtype: 
         assert eng.runner.cache.keys[0].dtype == getattr(torch, dtype)
         assert all(p.keys[0].dtype == getattr(torch, dtype) for p in eng._prefixes.values())
         col = Collector()
-        params = replace(SamplingParams.defaults(variant), seed=11, max_new_tokens=20)  # type: ignore[arg-type]
+        params = replace(SamplingParams.defaults(variant), seed=11, max_new_tokens=20)
         eng.submit(SegmentRequest(request_id="half", text=TEXTS[0], params=params, sink=col.sink_for("half")))
         col.wait_done(["half"])
         assert col.kinds("half") == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE]
@@ -391,10 +404,10 @@ def test_a_warm_up_that_fails_leaves_the_engine_not_ready_with_the_reason() -> N
     eng = make_engine("english", render_audio=False, max_slots=2)
     eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))
 
-    def broken_decode(*args: object, **kwargs: object) -> None:
+    def broken_decode(*args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("simulated: no kernel for this dtype")
 
-    eng.runner.decode = broken_decode  # type: ignore[method-assign,assignment]
+    eng.runner.decode = broken_decode  # type: ignore[method-assign]
     eng.start()
     try:
         assert not eng.wait_ready(60)

@@ -9,7 +9,9 @@ chain, the repetition-penalty history or the random stream would change the samp
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import cast
 
 import pytest
 import torch
@@ -66,7 +68,7 @@ def _reference_tokens(variant: Variant, case: Case, engine: Engine) -> list[int]
         out = t3.inference_turbo(voice.t3_cond(p.exaggeration, bundle.device), ids, temperature=p.temperature,
                                  top_k=p.top_k, top_p=p.top_p, repetition_penalty=p.repetition_penalty,
                                  max_gen_len=p.max_new_tokens - 1)
-        return out[0].tolist()
+        return cast(list[int], out[0].tolist())
     hp = t3.hp
     if variant == "multilingual":
         # The reference always attaches the alignment analyzer to multilingual models (layer 9+, which the
@@ -80,7 +82,7 @@ def _reference_tokens(variant: Variant, case: Case, engine: Engine) -> list[int]
                            repetition_penalty=p.repetition_penalty, min_p=p.min_p, top_p=p.top_p)
     finally:
         t3.hp = hp
-    return out[0].tolist()
+    return cast(list[int], out[0].tolist())
 
 
 def _engine_tokens(variant: Variant, tokens: list[int]) -> list[int]:
@@ -116,10 +118,12 @@ def _run_schedule(engine: Engine, collector: Collector, cases: list[Case], sched
 SETUPS = [("english", "fp32"), ("turbo", "fp32"), ("multilingual", "fp32")]
 if TEST_DEVICE == "cpu" and "AVX512" in torch.backends.cpu.get_cpu_capability():  # the kernel's CPUs
     SETUPS += [("english", "bf16"), ("turbo", "bf16")]
+# the variant, its started engine, its cases and their reference tokens by request id
+VariantSetup = tuple[Variant, Engine, list[Case], dict[str, list[int]]]
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"{v}-{w}" for v, w in SETUPS])
-def variant_setup(request: pytest.FixtureRequest):
+def variant_setup(request: pytest.FixtureRequest) -> Iterator[VariantSetup]:
     variant: Variant
     variant, cpu_weights = request.param
     bundle = tiny_bundle(variant) if cpu_weights == "fp32" else random_bundle(variant, "tiny", torch.device("cpu"))
@@ -136,7 +140,7 @@ def variant_setup(request: pytest.FixtureRequest):
 
 
 @pytest.mark.parametrize("schedule", ["all_at_once", "staggered", "one_at_a_time"])
-def test_batched_tokens_equal_sequential_reference(variant_setup, schedule: str) -> None:
+def test_batched_tokens_equal_sequential_reference(variant_setup: VariantSetup, schedule: str) -> None:
     variant, engine, cases, reference = variant_setup
     collector = Collector()
     _run_schedule(engine, collector, cases, schedule)
@@ -148,7 +152,7 @@ def test_batched_tokens_equal_sequential_reference(variant_setup, schedule: str)
     assert sum(len(reference[c.request_id]) >= 20 for c in cases) >= 5
 
 
-def test_all_slots_free_after_run(variant_setup) -> None:
+def test_all_slots_free_after_run(variant_setup: VariantSetup) -> None:
     _, engine, cases, _ = variant_setup
     collector = Collector()
     _run_schedule(engine, collector, cases[:3], "all_at_once")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chatterbox.models.s3gen.decoder import ConditionalDecoder
 
 from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
 from synth.tiny_s3gen import build_s3gen
 
 
 @pytest.fixture(scope="module", params=["english", "turbo"])
-def estimator(request: pytest.FixtureRequest) -> torch.nn.Module:
+def estimator(request: pytest.FixtureRequest) -> ConditionalDecoder:
     torch.manual_seed(0)
     return build_s3gen("tiny", meanflow=request.param == "turbo").flow.decoder.estimator
 
@@ -22,7 +23,7 @@ def inputs(rows: int, frames: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("invariant", [True, False])
-def test_is_the_library_estimator(estimator: torch.nn.Module, invariant: bool) -> None:
+def test_is_the_library_estimator(estimator: ConditionalDecoder, invariant: bool) -> None:
     mine = PrefixCachedEstimator(estimator, invariant)
     x, mu, cond, spks = inputs(2, 37, seed=1)
     t, r = torch.tensor([0.3]), torch.tensor([0.7])
@@ -34,7 +35,7 @@ def test_is_the_library_estimator(estimator: torch.nn.Module, invariant: bool) -
     torch.testing.assert_close(ours.transpose(1, 2), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask(estimator: torch.nn.Module) -> None:
+def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask(estimator: ConditionalDecoder) -> None:
     """record(prompt) then the window after it equals the library on [prompt | window] with static_chunk_size =
     prompt frames (its chunk mask: prompt frames see the prompt only, the window sees everything)."""
     mine = PrefixCachedEstimator(estimator, True)
@@ -42,7 +43,7 @@ def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask
     x, mu, cond, spks = inputs(1, prompt_frames + window_frames, seed=2)
     t, r = torch.tensor([0.5]), torch.tensor([0.75])
     time_emb = mine.time_embedding(t, r if mine.meanflow else None)
-    def cl(a):
+    def cl(a: torch.Tensor) -> torch.Tensor:
         return a.transpose(1, 2)
     with torch.inference_mode():
         _, prefix = mine.record(cl(x[:, :, :prompt_frames]), cl(mu[:, :, :prompt_frames]), time_emb, spks,
@@ -58,12 +59,12 @@ def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask
     torch.testing.assert_close(cl(window), reference[:, :, prompt_frames:], rtol=1e-5, atol=1e-5)
 
 
-def test_padded_rows_and_left_padded_prefixes_change_nothing(estimator: torch.nn.Module) -> None:
+def test_padded_rows_and_left_padded_prefixes_change_nothing(estimator: ConditionalDecoder) -> None:
     """A row padded to a longer window (masked, with junk in the padding) and a prefix left-padded to more
     frames (masked) give the row's own result (to float rounding: attention over more keys sums in another
     order; a stream's padded length is its own, so in the vocoder this never depends on its batch)."""
     mine = PrefixCachedEstimator(estimator, True)
-    def cl(a):
+    def cl(a: torch.Tensor) -> torch.Tensor:
         return a.transpose(1, 2)
     t = torch.tensor([0.4])
     time_emb = mine.time_embedding(t, t if mine.meanflow else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from chatterbox.models.s3gen.hifigan import HiFTGenerator
 
 from synth.hift import BatchedHift
 from synth.tiny_s3gen import build_s3gen
@@ -14,7 +15,7 @@ CARRIED_FRAMES = 8
 
 
 @pytest.fixture(scope="module")
-def hift() -> torch.nn.Module:
+def hift() -> HiFTGenerator:
     torch.manual_seed(0)
     return build_s3gen("tiny", meanflow=False).mel2wav
 
@@ -32,7 +33,7 @@ def library_draws(harmonics: int, samples: int, seed: int) -> tuple[torch.Tensor
 
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("carried", [True, False])
-def test_is_the_library_hift(hift: torch.nn.Module, invariant: bool, carried: bool) -> None:
+def test_is_the_library_hift(hift: HiFTGenerator, invariant: bool, carried: bool) -> None:
     mine = BatchedHift(hift, invariant)
     g = torch.Generator().manual_seed(1)
     mel = torch.randn(1, 80, FRAMES, generator=g) * 2 - 5
@@ -50,7 +51,7 @@ def test_is_the_library_hift(hift: torch.nn.Module, invariant: bool, carried: bo
         assert torch.equal(source[:, :cache.shape[2]], cache[:, 0])
 
 
-def test_rows_are_independent(hift: torch.nn.Module) -> None:
+def test_rows_are_independent(hift: HiFTGenerator) -> None:
     """Each row's waveform is its own: alone or in a batch of 4 with others (other mels, draws, carried
     sources), bitwise."""
     mine = BatchedHift(hift, True)

@@ -3,6 +3,8 @@ rows batched with it (nor on its position in the batch)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from synth import invariant_ops as ops
 BATCHES = (1, 2, 3, 8)
 
 
-def _rows_invariant(fn, x: torch.Tensor) -> bool:
+def _rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
     """fn on each row alone, on prefixes of the batch, and on the batch reversed, gives the batch's rows."""
     full = fn(x)
     alone = all(torch.equal(fn(x[b:b + 1])[0], full[b]) for b in range(x.shape[0]))

@@ -35,15 +35,16 @@ def test_checkpoint_dir_roundtrip(tmp_path: Path, variant: Variant) -> None:
 
 
 def test_builtin_voice_is_loaded(tmp_path: Path) -> None:
-    conds = {"t3": {"speaker_emb": torch.randn(1, 256), "cond_prompt_speech_tokens": torch.randint(0, 6561, (1, 150)),
-                    "emotion_adv": 0.5 * torch.ones(1, 1, 1)},
-             "gen": {"prompt_token": torch.randint(0, 6561, (1, 50)), "prompt_token_len": torch.tensor([50]),
-                     "prompt_feat": torch.randn(1, 100, 80), "prompt_feat_len": None,
-                     "embedding": torch.randn(1, 192)}}
+    t3_conds = {"speaker_emb": torch.randn(1, 256), "cond_prompt_speech_tokens": torch.randint(0, 6561, (1, 150)),
+                "emotion_adv": 0.5 * torch.ones(1, 1, 1)}
+    conds: dict[str, object] = {
+        "t3": t3_conds,
+        "gen": {"prompt_token": torch.randint(0, 6561, (1, 50)), "prompt_token_len": torch.tensor([50]),
+                "prompt_feat": torch.randn(1, 100, 80), "prompt_feat_len": None, "embedding": torch.randn(1, 192)}}
     ckpt = write_checkpoint(tmp_path / "ckpt", "english", "tiny", builtin_voice=conds)
     bundle = load_models("english", str(ckpt), device="cpu")
     assert bundle.builtin_conds is not None
-    assert torch.equal(bundle.builtin_conds["t3"]["speaker_emb"], conds["t3"]["speaker_emb"])
+    assert torch.equal(bundle.builtin_conds["t3"]["speaker_emb"], t3_conds["speaker_emb"])
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from synth.api import SamplingParams, SegmentRequest
 from synth.outlet import Outlet
@@ -18,7 +19,7 @@ def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True,
 
 
 def _scheduler(**kw: int) -> Scheduler:
-    cfg = {"max_slots": 2, "max_rows": 4, "max_waiting": 2, "prefill_budget": 2, "usable_len": 100}
+    cfg: dict[str, Any] = {"max_slots": 2, "max_rows": 4, "max_waiting": 2, "prefill_budget": 2, "usable_len": 100}
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg))
 

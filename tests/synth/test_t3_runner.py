@@ -3,8 +3,11 @@ the same T3 (HF's own module over the whole row, as the reference builds it)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
+from chatterbox.models.t3 import T3
 
 from synth.api import Variant
 from synth.kv_cache import PrefixKV
@@ -20,11 +23,11 @@ PREFIX_TOLERANCE = 1e-4
 TEXTS = {"english": ([255, 12, 13, 14, 15, 16, 0], [255, 40, 41, 0]), "turbo": ([12, 13, 14, 15, 16], [40, 41, 42])}
 
 
-def _full(t3, *parts: torch.Tensor) -> torch.Tensor:
+def _full(t3: T3, *parts: torch.Tensor) -> torch.Tensor:
     """Last-position logits of HF's own forward over the concatenated [1, *, dim] parts."""
     with torch.inference_mode():
         hidden = t3.tfmr(inputs_embeds=torch.cat(parts, dim=1)).last_hidden_state
-        return t3.speech_head(hidden[:, -1])
+        return cast(torch.Tensor, t3.speech_head(hidden[:, -1]))
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:

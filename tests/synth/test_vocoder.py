@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from chatterbox.models.s3gen import S3Gen
+from chatterbox.models.s3gen.flow import CausalMaskedDiffWithXvec
 from chatterbox.models.s3gen.transformer import upsample_encoder
 
 from synth import counter_noise
@@ -20,6 +22,7 @@ from synth.vocoder import (
     FLOW_BUCKET_TOKENS,
     SAMPLES_PER_TOKEN,
     SILENCE_TOKEN,
+    Pcm,
     RenderJob,
     StreamingVocoder,
     VocoderStream,
@@ -34,16 +37,17 @@ UTTERANCE_TOKENS = 84
 VARIANTS = {"english": (10, False, 0), "turbo": (2, True, 3)}  # steps, meanflow, appended silence tokens
 
 
-def reference_wav(seconds: float = 3.0) -> np.ndarray:
+def reference_wav(seconds: float = 3.0) -> Pcm:
     t_s = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
     noise = np.random.default_rng(0).standard_normal(t_s.size)
-    return (0.3 * np.sin(2 * np.pi * 180 * t_s) + 0.05 * noise).astype(np.float32)
+    wav: Pcm = (0.3 * np.sin(2 * np.pi * 180 * t_s) + 0.05 * noise).astype(np.float32)
+    return wav
 
 
 @dataclasses.dataclass
 class Setup:
-    s3gen: torch.nn.Module
-    ref_dict: dict
+    s3gen: S3Gen
+    ref_dict: dict[str, Any]
     vocoder: StreamingVocoder
     voice: VocoderVoice
     steps: int
@@ -67,7 +71,7 @@ def utterance(n: int = UTTERANCE_TOKENS, seed: int = 3) -> list[int]:
 
 
 def stream(tiny: Setup, tokens: list[int], schedule: list[int], seed: int = 7,
-           vocoder: StreamingVocoder | None = None) -> tuple[VocoderStream, list[np.ndarray]]:
+           vocoder: StreamingVocoder | None = None) -> tuple[VocoderStream, list[Pcm]]:
     """Push `tokens` in pushes of the given sizes (the last push is final); returns the stream and chunks."""
     assert sum(schedule) == len(tokens)
     s = (vocoder or tiny.vocoder).open(tiny.voice, seed=seed)
@@ -80,7 +84,7 @@ def stream(tiny: Setup, tokens: list[int], schedule: list[int], seed: int = 7,
     return s, chunks
 
 
-def relative_error(x: np.ndarray, reference: np.ndarray) -> float:
+def relative_error(x: Pcm, reference: Pcm) -> float:
     return float(np.linalg.norm(x - reference) / np.linalg.norm(reference))
 
 
@@ -163,12 +167,12 @@ def flow_noise(seed: int, frames: int) -> torch.Tensor:
     return counter_noise.normal_run(keys, torch.tensor([0]), frames * 80).view(1, frames, 80).transpose(1, 2)
 
 
-def capture_flow_mels(vocoder: StreamingVocoder) -> tuple[list[np.ndarray], object]:
+def capture_flow_mels(vocoder: StreamingVocoder) -> tuple[list[Pcm], object]:
     """Record every mel the vocoder's flow hands to HiFT (restore with `del vocoder._render_flow`)."""
-    rendered: list[np.ndarray] = []
+    rendered: list[Pcm] = []
     original = vocoder._render_flow
 
-    def capture(jobs):
+    def capture(jobs: Sequence[RenderJob]) -> list[Pcm | None]:
         mels = original(jobs)
         rendered.extend(m for m in mels if m is not None)
         return mels
@@ -177,7 +181,7 @@ def capture_flow_mels(vocoder: StreamingVocoder) -> tuple[list[np.ndarray], obje
     return rendered, original
 
 
-def hift_with_seed(tiny: Setup, mel: np.ndarray, seed: int) -> np.ndarray:
+def hift_with_seed(tiny: Setup, mel: Pcm, seed: int) -> Pcm:
     """The one-shot HiFT call on `mel` [M, 80] with another stream's source noise (trim fade applied)."""
     other = tiny.vocoder.open(tiny.voice, seed=seed)
     job = RenderJob(stream=other, window_first=0, stop=0, final=True)
@@ -232,7 +236,7 @@ def test_other_schedule_same_length_and_same_bound(tiny: Setup) -> None:
     assert relative_error(b, oneshot) < 0.15 and relative_error(a, b) < 0.15
 
 
-def assert_no_seams(pcm: np.ndarray, chunks: list[np.ndarray]) -> None:
+def assert_no_seams(pcm: Pcm, chunks: list[Pcm]) -> None:
     """Every join's sample step stays within the signal's own step distribution (its 99.9th percentile).
 
     Measured (tiny): the largest join step is 0.5-0.9 x the median step, the 99.9th percentile 1.5-2.4 x;
@@ -307,7 +311,7 @@ def test_uncached_render_is_the_library_flow(tiny: Setup) -> None:
 
 
 @contextlib.contextmanager
-def library_encoder_with_prompt_alone(flow: torch.nn.Module, prompt: torch.Tensor) -> Iterator[None]:
+def library_encoder_with_prompt_alone(flow: CausalMaskedDiffWithXvec, prompt: torch.Tensor) -> Iterator[None]:
     """The library's own encoder, run on [prompt | window], with prompt positions seeing only the prompt.
 
     Its attention masks are replaced by a prefix mask (prompt positions see the prompt; the window sees
@@ -343,11 +347,11 @@ def library_encoder_with_prompt_alone(flow: torch.nn.Module, prompt: torch.Tenso
     assert len(calls) == 2
 
 
-def library_encode(flow: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def library_encode(flow: CausalMaskedDiffWithXvec, tokens: torch.Tensor) -> torch.Tensor:
     """tokens [1, N] -> mu [1, 80, 2N] by the library's encoder, as flow.inference does (batch 1, no padding)."""
     with torch.inference_mode():
         h, _ = flow.encoder(flow.input_embedding(tokens), torch.tensor([tokens.shape[1]]))  # [1, 2N, 512]
-        return flow.encoder_proj(h).transpose(1, 2).contiguous()
+        return cast(torch.Tensor, flow.encoder_proj(h).transpose(1, 2).contiguous())
 
 
 def prompt_alone_mu(vocoder: StreamingVocoder, voice: VocoderVoice, window: list[int]) -> torch.Tensor:
@@ -360,7 +364,9 @@ def prompt_alone_mu(vocoder: StreamingVocoder, voice: VocoderVoice, window: list
 
 def encode_after_prompt(vocoder: StreamingVocoder, voice: VocoderVoice, window: list[int]) -> torch.Tensor:
     """mu [1, 80, 2W] of the window by the prefix-cached encoder."""
-    prefix = vocoder.prompt_cache(voice).encoder
+    cache = vocoder.prompt_cache(voice)
+    assert cache is not None
+    prefix = cache.encoder
     mu = vocoder.encoder.encode(prefix, torch.tensor([window]), torch.tensor([len(window)]))
     return mu.transpose(1, 2)
 
@@ -378,8 +384,10 @@ def test_encoder_prefix_cache_is_the_library_encoder_with_the_prompt_alone(tiny:
     torch.testing.assert_close(cached, reference, rtol=1e-5, atol=1e-5)
     unmasked = library_encode(flow, torch.cat([voice.prompt_tokens, torch.tensor([window])], dim=1))
     assert not torch.allclose(unmasked[:, :, voice.prompt_frames:], reference, atol=1e-3)
-    torch.testing.assert_close(vocoder.prompt_cache(voice).encoder.mu.transpose(1, 2),
-                               library_encode(flow, voice.prompt_tokens), rtol=1e-5, atol=1e-5)
+    cache = vocoder.prompt_cache(voice)
+    assert cache is not None
+    torch.testing.assert_close(cache.encoder.mu.transpose(1, 2), library_encode(flow, voice.prompt_tokens),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_prompt_cache_is_exact(tiny: Setup) -> None:
@@ -521,11 +529,12 @@ def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: Voco
         prompt_max_tokens=PROMPT_TOKENS, row_invariant=False)
     batch = mixed_streams(tiny, second_voice, vocoder)
     alone = [clone(s) for s in batch]
-    jobs = [s.next_job(24) for s in batch]
-    assert all(job is not None for job in jobs)
+    maybe_jobs = [s.next_job(24) for s in batch]
+    assert all(job is not None for job in maybe_jobs)
+    jobs = [job for job in maybe_jobs if job is not None]
     assert len({(job.stop - job.window_first + 7) // 8 for job in jobs}) >= 3  # several flow buckets
     assert any(job.new_tokens == 0 for job in jobs) == (tiny.silence == 0) and any(job.final for job in jobs)
-    batched = vocoder.render(jobs)  # type: ignore[arg-type]
+    batched = vocoder.render(jobs)
     singles = [vocoder.render([s.next_job(24)])[0] for s in alone]  # type: ignore[list-item]
     for _s, single, together in zip(alone, singles, batched, strict=False):
         assert single.size == together.size
@@ -600,6 +609,7 @@ def test_renders_and_prompt_caches_do_not_depend_on_the_thread_count(tiny: Setup
             voice = vocoder.prepare_voice(tiny.ref_dict)
             _, chunks = stream(tiny, utterance(), SCHEDULES["growing"], vocoder=vocoder)
             cache = vocoder.prompt_cache(voice)
+            assert cache is not None
             outputs.append((np.concatenate(chunks), cache.steps[-1].keys[0], cache.encoder.layer_kv[-1]))
     finally:
         torch.set_num_threads(saved)

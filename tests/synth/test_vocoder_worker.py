@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -14,7 +14,7 @@ import torch
 from synth.api import EventKind, ListenerClock
 from synth.outlet import Outlet
 from synth.tiny_s3gen import build_s3gen
-from synth.vocoder import RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
+from synth.vocoder import Pcm, RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
 from synth.vocoder_worker import ChunkPolicy, Feed, Speech, StreamOpen, VocoderWorker
 
 from tests.synth.conftest import Collector
@@ -71,7 +71,7 @@ def final(rid: str, tokens: list[int], total: int) -> Feed:
     return Feed(rid, tuple(tokens), final=True, speech_tokens=total, finish_reason="eos")
 
 
-def pcm(collector: Collector, rid: str) -> np.ndarray:
+def pcm(collector: Collector, rid: str) -> Pcm:
     chunks = collector.chunks(rid)
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     return np.concatenate([c.pcm for c in chunks]) if chunks else np.zeros(0, np.float32)
@@ -116,10 +116,10 @@ def test_cancel_mid_render_drops_that_streams_audio_only(setup: Setup) -> None:
     dropped (its outlet), and the worker renders it no more; the other two get every chunk and finish."""
     vocoder = setup.vocoder
     in_render, release = threading.Event(), threading.Event()
-    rendered: list[list[str]] = []
+    rendered: list[list[int]] = []
     original = vocoder.render
 
-    def held_render(jobs):
+    def held_render(jobs: Sequence[RenderJob]) -> list[Pcm]:
         rendered.append([job.stream.seed for job in jobs])
         if len(rendered) == 1:
             in_render.set()
@@ -158,11 +158,11 @@ def test_a_voice_being_prepared_stalls_no_other_stream(setup: Setup) -> None:
     started, release = threading.Event(), threading.Event()
     original = vocoder.prepare_voice
 
-    def slow_prepare(ref: dict[str, Any]):
-        if ref is setup.voices[1].s3gen_ref:
+    def slow_prepare(ref_dict: dict[str, Any]) -> VocoderVoice:
+        if ref_dict is setup.voices[1].s3gen_ref:
             started.set()
             assert release.wait(120)
-        return original(ref)
+        return original(ref_dict)
 
     vocoder.prepare_voice = slow_prepare  # type: ignore[method-assign]
     worker = VocoderWorker(vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("variant", ["english", "turbo"])
-def test_conditioning_is_the_same_whatever_the_callers_thread_count(variant: str) -> None:
+def test_conditioning_is_the_same_whatever_the_callers_thread_count(variant: Variant) -> None:
     """Computed with 1 or 2 torch threads on the caller's side, or on a fresh thread: the same content hash
     (torch's FFTs give other bits with other thread counts; make_voice fixes its own). The caller's count is
     left as it was."""
