@@ -12,7 +12,10 @@
 # with chatterbox's reference; (2) the decode step of full-size Turbo, a voice per segment: ms and ops per step,
 # fp32 eager and bf16 with graphs; (3) the real server's capacity, Turbo, N sessions streaming an LLM reply
 # (first audio, audio seconds per second, underruns), old code beside new; (4) more decode steps: Turbo fp32
-# with graphs, English bf16 with graphs.
+# with graphs, English bf16 with graphs; (5) the vocoder's batched render ticks, eager vs compiled (torch.compile,
+# a CUDA graph per (batch, bucket)), Turbo, 24-token chunks.
+# Stages 1-4 take up to ~10 min on the H200 and stage 5 up to ~4 (each compiled batch size compiles once): two
+# device calls back to back, GPU_STAGES="1 2 3 4" then GPU_STAGES=5, so that each fits one command's 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda
@@ -29,10 +32,12 @@ if [ "$DEVICE" = cuda ]; then
     export PYTHONPATH=/tmp/site:$PWD
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
     SIZE=full; DTYPE=bfloat16; STEP_SESSIONS="1 8 64"; CAPACITY_SESSIONS="1 16 64"; SLOTS=64
+    RENDER_BATCHES="1 8 32 64"
 else
     PY=.venv/bin/python
     export PYTHONPATH=$PWD
     SIZE=tiny; DTYPE=float32; STEP_SESSIONS="1 4"; CAPACITY_SESSIONS="1 2"; SLOTS=16
+    RENDER_BATCHES="1"  # the CPU's inductor takes about a minute per compiled shape
 fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
           'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
@@ -72,5 +77,12 @@ fi
 if want 4 && [ "$DEVICE" = cuda ]; then
     stage "4. decode step with graphs (if they passed): Turbo $DTYPE and fp32, English $DTYPE"
     step turbo "$DTYPE" "$graphs"; step turbo float32 "$graphs"; step english "$DTYPE" "$graphs"
+fi
+if want 5; then
+    stage "5. vocoder render ticks, Turbo, eager vs compiled, batches $RENDER_BATCHES"
+    # its per-batch lines are in the log as they come, so a stage cut short by its bound keeps what it measured
+    timeout 230 "$PY" scripts/bench_vocoder.py --mode batched --device "$DEVICE" --preset "$SIZE" --variants turbo \
+        --shapes chunk_24 --batch-sizes $RENDER_BATCHES --compile --reps 5 --out "$OUT_DIR/vocoder_batched.json" 2>&1 \
+        | grep -E "compiled|eager_ms|^turbo|^variant" | tee "$OUT_DIR/vocoder.txt"
 fi
 stage "done"
