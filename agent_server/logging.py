@@ -81,7 +81,8 @@ def _dumps(obj: Any, **_: Any) -> str:
 
 
 def configure_logging(level: str = "info", *, stream: Any = None) -> None:
-    """Route structlog and the standard library (uvicorn included) to one JSON-lines handler."""
+    """Route structlog, the standard library (uvicorn included) and Python warnings (a library's deprecation
+    notice, say) to one JSON-lines handler: nothing else is written to stderr between the JSON lines."""
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
@@ -108,6 +109,7 @@ def configure_logging(level: str = "info", *, stream: Any = None) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(LEVELS[level])
+    logging.captureWarnings(True)  # warnings.warn(...) -> logger "py.warnings", level warning
     for name in UVICORN_LOGGERS:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []
