@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", "dtype", "T3 weights dtype", choices=DTYPES)
     add("--cpu-weights", "cpu_weights", "CPU with float32: bf16 stores T3's projection weights as bfloat16 "
         "(rounded once, fp32 math; 2-3x faster decoding of one segment)", choices=CPU_WEIGHTS)
+    add("--cpu-vocoder", "cpu_vocoder", "CPU with AVX512-BF16 or AMX: bf16 runs S3Gen's linear layers and "
+        "convolutions as bfloat16 products (fp32 in between; about 2x the audio per second, close to but not "
+        "bit-identical with fp32)", choices=CPU_WEIGHTS)
     add("--cuda-graphs", "cuda_graphs", "capture the decode step and sampling as CUDA graphs per batch bucket at "
         "start-up: auto (on with CUDA), on, off", choices=CUDA_GRAPHS)
     add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "

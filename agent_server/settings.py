@@ -32,6 +32,7 @@ class Settings:
     # CPU, float32 only: "bf16" stores T3's projection weights as bfloat16 (rounded once) and computes in fp32:
     # one segment decodes 2-3x faster on a CPU (half the bytes streamed per step); see BENCHMARKS.md.
     cpu_weights: str = "fp32"
+    cpu_vocoder: str = "fp32"
     # The decode step and sampling as CUDA graphs, one per row / key bucket, captured at start-up: "auto" (on
     # with a CUDA device), "on" (requires one), "off" (eager, the CPU's path).
     cuda_graphs: str = "auto"
@@ -131,6 +132,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.cpu_weights not in CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}")
+        if self.cpu_vocoder not in CPU_WEIGHTS:
+            raise ValueError(f"cpu_vocoder must be one of {', '.join(CPU_WEIGHTS)}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
@@ -178,6 +181,7 @@ class Settings:
             device=self.device,
             dtype=self.dtype,
             cpu_weights=self.cpu_weights,
+            cpu_vocoder=self.cpu_vocoder,
             cuda_graphs=self.cuda_graphs,
             max_slots=self.max_slots,
             alignment_analyzer=self.alignment_analyzer,
@@ -200,6 +204,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "device": ("AGENT_SERVER_DEVICE",),
     "dtype": ("AGENT_SERVER_DTYPE",),
     "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
+    "cpu_vocoder": ("AGENT_SERVER_CPU_VOCODER",),
     "cuda_graphs": ("AGENT_SERVER_CUDA_GRAPHS",),
     "threads": ("AGENT_SERVER_THREADS",),
     "lend_threads": ("AGENT_SERVER_LEND_THREADS",),

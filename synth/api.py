@@ -312,6 +312,11 @@ class EngineConfig:
     # runs them in fp32 on those exact values: half the bytes per decode step, so one segment decodes ~2-3x faster
     # (BENCHMARKS.md). Lossy only in that rounding (an fp32 checkpoint's weights move by <= 2^-9 relative).
     cpu_weights: str = "fp32"  # "fp32" | "bf16"
+    # CPU only, S3Gen in float32: "bf16" runs the vocoder's linear layers and convolutions as bfloat16 products
+    # with float32 results (synth/invariant_ops.Kernels), about 2x the render throughput on a CPU with
+    # AVX512-BF16 or AMX (BENCHMARKS.md, issue 15). The audio moves by bf16 rounding (~1e-2 relative); seeded
+    # streams still give the same bits alone or batched.
+    cpu_vocoder: str = "fp32"  # "fp32" | "bf16"
     max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
     # KV positions per row after the voice's conditioning (text + BOS block + speech; each row also holds a copy

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from synth import alignment, linear_bf16w
+from synth import alignment, invariant_ops, linear_bf16w
 from synth.api import (
     HARD_MAX_NEW_TOKENS,
     MAX_SEGMENT_TEXT_TOKENS,
@@ -116,6 +116,7 @@ class Engine(EngineLike):
         after_prefix = config.max_context_tokens or MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1
         max_len = _round_up(self.prefix_positions + after_prefix, KV_LEN_MULTIPLE)
         bf16_weights = self._round_weights_for(config)
+        self.vocoder_gemm_dtype = self._vocoder_gemm_dtype_for(config)
         self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype,
                                bf16_weights=bf16_weights, cuda_graphs=self._graphs_for(config))
         # text tokens one segment may have: its row keeps room for the BOS block and at least one speech token
@@ -218,7 +219,7 @@ class Engine(EngineLike):
         return {
             "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
             "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
-            "cpu_weights": self.config.cpu_weights,
+            "cpu_weights": self.config.cpu_weights, "cpu_vocoder": self.config.cpu_vocoder,
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
@@ -616,6 +617,19 @@ class Engine(EngineLike):
                         "values; the model is no longer bit-identical to the checkpoint)", changed)
         return True
 
+    def _vocoder_gemm_dtype_for(self, config: EngineConfig) -> torch.dtype:
+        """cpu_vocoder="bf16": S3Gen's products in bfloat16 (CPU only, where the CPU runs them natively)."""
+        if config.cpu_vocoder == "fp32":
+            return torch.float32
+        if config.cpu_vocoder != "bf16":
+            raise EngineError(f"cpu_vocoder must be 'fp32' or 'bf16', not {config.cpu_vocoder!r}")
+        if self.device.type != "cpu":
+            raise EngineError("cpu_vocoder='bf16' is for the CPU")
+        if not invariant_ops.bf16_gemms_supported():
+            raise EngineError("cpu_vocoder='bf16' needs a CPU with AVX512-BF16 or AMX (bf16 products elsewhere are "
+                              "slower than fp32); use cpu_vocoder='fp32'")
+        return torch.bfloat16
+
     def _graphs_for(self, config: EngineConfig) -> bool:
         """cuda_graphs: "auto" = on for a CUDA device; "on" needs one; with the alignment analyzer the
         analysed steps run eagerly anyway (they read attention probabilities back)."""
@@ -633,7 +647,8 @@ class Engine(EngineLike):
         schedule = config.chunk_schedule_tokens
         vocoder = StreamingVocoder(self.bundle.s3gen, n_cfm_timesteps=2 if turbo else 10, meanflow=turbo,
                                    append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0,
-                                   max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
+                                   max_chunk_tokens=max((config.first_chunk_tokens, *schedule)),
+                                   gemm_dtype=self.vocoder_gemm_dtype)
         policy = ChunkPolicy(first_chunk_tokens=config.first_chunk_tokens, schedule_tokens=schedule,
                              max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
         max_batch = config.vocoder_max_batch or VOCODER_MAX_BATCH.get(self.device.type, VOCODER_MAX_BATCH["cpu"])

@@ -116,26 +116,26 @@ def nbytes_of(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class _Layer:
-    def __init__(self, layer: Any, invariant: bool) -> None:
+    def __init__(self, layer: Any, kernels: ops.Kernels) -> None:
         attn = layer.self_attn
         self.norm_mha, self.norm_ff, self.ff_scale = layer.norm_mha, layer.norm_ff, float(layer.ff_scale)
         self.heads, self.d_k = int(attn.h), int(attn.d_k)
-        self.linear_q, self.linear_k, self.linear_v = (ops.Linear.of(attn.linear_q, invariant),
-                                                       ops.Linear.of(attn.linear_k, invariant),
-                                                       ops.Linear.of(attn.linear_v, invariant))
-        self.linear_out, self.linear_pos = ops.Linear.of(attn.linear_out, invariant), ops.Linear.of(attn.linear_pos,
-                                                                                                    invariant)
+        self.linear_q, self.linear_k, self.linear_v = (ops.Linear.of(attn.linear_q, kernels),
+                                                       ops.Linear.of(attn.linear_k, kernels),
+                                                       ops.Linear.of(attn.linear_v, kernels))
+        self.linear_out, self.linear_pos = ops.Linear.of(attn.linear_out, kernels), ops.Linear.of(attn.linear_pos,
+                                                                                                    kernels)
         self.pos_bias_u, self.pos_bias_v = attn.pos_bias_u, attn.pos_bias_v  # [H, d_k]
         ff = layer.feed_forward
-        self.ff_in, self.ff_activation, self.ff_out = ops.Linear.of(ff.w_1, invariant), ff.activation, \
-            ops.Linear.of(ff.w_2, invariant)
+        self.ff_in, self.ff_activation, self.ff_out = ops.Linear.of(ff.w_1, kernels), ff.activation, \
+            ops.Linear.of(ff.w_2, kernels)
 
 
 class PrefixCachedEncoder:
     """Encodes prompts once and windows after them, in batches, with one flow's encoder (callers set the grad
     mode: inference mode, or no_grad under torch.compile)."""
 
-    def __init__(self, flow: Any, invariant: bool) -> None:
+    def __init__(self, flow: Any, kernels: ops.Kernels) -> None:
         encoder = flow.encoder
         if not isinstance(encoder, UpsampleConformerEncoder):
             raise TypeError(f"prefix cache expects UpsampleConformerEncoder, got {type(encoder).__name__}")
@@ -154,18 +154,19 @@ class PrefixCachedEncoder:
             raise RuntimeError("unexpected upsampling conv")
         self.input_embedding = flow.input_embedding
         self.lookahead_tokens = int(lookahead.pre_lookahead_len)
-        self.embed_linear, self.embed_norm = ops.Linear.of(encoder.embed.out[0], invariant), encoder.embed.out[1]
+        self.embed_linear, self.embed_norm = ops.Linear.of(encoder.embed.out[0], kernels), encoder.embed.out[1]
         self.embed_positions: EspnetRelPositionalEncoding = encoder.embed.pos_enc
-        self.lookahead_conv1 = ops.Conv1d(lookahead.conv1, invariant)
-        self.lookahead_conv2 = ops.Conv1d(lookahead.conv2, invariant)
-        self.token_layers = [_Layer(layer, invariant) for layer in encoder.encoders]
-        self.up_conv = ops.Conv1d(encoder.up_layer.conv, invariant)
-        self.up_linear, self.up_norm = ops.Linear.of(encoder.up_embed.out[0], invariant), encoder.up_embed.out[1]
+        self.lookahead_conv1 = ops.Conv1d(lookahead.conv1, kernels)
+        self.lookahead_conv2 = ops.Conv1d(lookahead.conv2, kernels)
+        self.token_layers = [_Layer(layer, kernels) for layer in encoder.encoders]
+        self.up_conv = ops.Conv1d(encoder.up_layer.conv, kernels)
+        self.up_linear, self.up_norm = ops.Linear.of(encoder.up_embed.out[0], kernels), encoder.up_embed.out[1]
         self.up_positions: EspnetRelPositionalEncoding = encoder.up_embed.pos_enc
-        self.frame_layers = [_Layer(layer, invariant) for layer in encoder.up_encoders]
+        self.frame_layers = [_Layer(layer, kernels) for layer in encoder.up_encoders]
         self.after_norm = encoder.after_norm
-        self.proj = ops.Linear.of(flow.encoder_proj, invariant)
+        self.proj = ops.Linear.of(flow.encoder_proj, kernels)
         self.width = int(self.embed_linear.out_features)
+        self.dtype = flow.encoder_proj.weight.dtype  # activations' (the products may run lower: ops.Kernels)
         for positions in (self.embed_positions, self.up_positions):
             positions.extend_pe(torch.empty(1, POSITION_TABLE_POSITIONS, device=flow.encoder_proj.weight.device))
 
@@ -183,7 +184,7 @@ class PrefixCachedEncoder:
         if tokens.shape[0] != 1 or tokens.shape[1] < MIN_PREFIX_TOKENS:
             raise ValueError(f"a cached prompt needs batch 1 and >= {MIN_PREFIX_TOKENS} tokens, "
                              f"got {tuple(tokens.shape)}")
-        dtype = self.proj.weight.dtype
+        dtype = self.dtype
         lengths = torch.tensor([tokens.shape[1]], device=tokens.device)
         mu, kept = self._encode(self.empty_prefix(1, tokens.device, dtype), tokens, lengths, keep=True)
         assert kept is not None

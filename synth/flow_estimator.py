@@ -91,17 +91,17 @@ class _Recorder:
 
 
 class _ResnetBlock:
-    def __init__(self, block: Any, invariant: bool) -> None:
+    def __init__(self, block: Any, kernels: ops.Kernels) -> None:
         if not (isinstance(block, CausalResnetBlock1D) and isinstance(block.block1, CausalBlock1D)):
             raise TypeError("the cached estimator expects causal ResNet blocks")
-        self.conv1, self.norm1 = ops.Conv1d(block.block1.block[0], invariant), block.block1.block[2]
-        self.conv2, self.norm2 = ops.Conv1d(block.block2.block[0], invariant), block.block2.block[2]
-        self.time_proj = ops.Linear.of(block.mlp[1], invariant)  # after Mish
-        self.res_conv = ops.Linear.of(block.res_conv, invariant)
+        self.conv1, self.norm1 = ops.Conv1d(block.block1.block[0], kernels), block.block1.block[2]
+        self.conv2, self.norm2 = ops.Conv1d(block.block2.block[0], kernels), block.block2.block[2]
+        self.time_proj = ops.Linear.of(block.mlp[1], kernels)  # after Mish
+        self.res_conv = ops.Linear.of(block.res_conv, kernels)
 
 
 class _TransformerBlock:
-    def __init__(self, block: Any, invariant: bool) -> None:
+    def __init__(self, block: Any, kernels: ops.Kernels) -> None:
         attn = block.attn1
         plain = (block.attn2 is None and not block.use_ada_layer_norm and not block.use_ada_layer_norm_zero
                  and block._chunk_size is None and attn.spatial_norm is None and attn.group_norm is None
@@ -110,18 +110,18 @@ class _TransformerBlock:
             raise RuntimeError("the cached estimator expects plain self-attention transformer blocks")
         self.norm1, self.norm3 = block.norm1, block.norm3
         self.heads = int(attn.heads)
-        self.to_q, self.to_k, self.to_v = (ops.Linear.of(attn.to_q, invariant), ops.Linear.of(attn.to_k, invariant),
-                                           ops.Linear.of(attn.to_v, invariant))
-        self.to_out = ops.Linear.of(attn.to_out[0], invariant)
+        self.to_q, self.to_k, self.to_v = (ops.Linear.of(attn.to_q, kernels), ops.Linear.of(attn.to_k, kernels),
+                                           ops.Linear.of(attn.to_v, kernels))
+        self.to_out = ops.Linear.of(attn.to_out[0], kernels)
         gelu, out = block.ff.net[0], block.ff.net[2]
-        self.ff_in, self.ff_approximate, self.ff_out = ops.Linear.of(gelu.proj, invariant), gelu.approximate, \
-            ops.Linear.of(out, invariant)
+        self.ff_in, self.ff_approximate, self.ff_out = ops.Linear.of(gelu.proj, kernels), gelu.approximate, \
+            ops.Linear.of(out, kernels)
 
 
 class PrefixCachedEstimator:
     """The estimator of one flow as a pure function; `record` for prompts, `__call__` for windows after them."""
 
-    def __init__(self, estimator: Any, invariant: bool) -> None:
+    def __init__(self, estimator: Any, kernels: ops.Kernels) -> None:
         if not isinstance(estimator, ConditionalDecoder) or not estimator.causal:
             raise TypeError("the cached estimator expects chatterbox's causal ConditionalDecoder")
         if len(estimator.down_blocks) != 1 or len(estimator.up_blocks) != 1:
@@ -133,19 +133,19 @@ class PrefixCachedEstimator:
         self.meanflow = bool(estimator.meanflow)
         self.time_embeddings = estimator.time_embeddings  # SinusoidalPosEmb (elementwise)
         mlp = estimator.time_mlp
-        self.time_linear_1 = ops.Linear.of(mlp.linear_1, invariant)
-        self.time_linear_2 = ops.Linear.of(mlp.linear_2, invariant)
+        self.time_linear_1 = ops.Linear.of(mlp.linear_1, kernels)
+        self.time_linear_2 = ops.Linear.of(mlp.linear_2, kernels)
         self.time_act = mlp.act
-        self.time_mixer = ops.Linear.of(estimator.time_embed_mixer, invariant) if self.meanflow else None
-        self.down = (_ResnetBlock(down_resnet, invariant), [_TransformerBlock(b, invariant) for b in down_tf],
-                     ops.Conv1d(downsample, invariant))
-        self.mid = [(_ResnetBlock(resnet, invariant), [_TransformerBlock(b, invariant) for b in tfs])
+        self.time_mixer = ops.Linear.of(estimator.time_embed_mixer, kernels) if self.meanflow else None
+        self.down = (_ResnetBlock(down_resnet, kernels), [_TransformerBlock(b, kernels) for b in down_tf],
+                     ops.Conv1d(downsample, kernels))
+        self.mid = [(_ResnetBlock(resnet, kernels), [_TransformerBlock(b, kernels) for b in tfs])
                     for resnet, tfs in estimator.mid_blocks]
-        self.up = (_ResnetBlock(up_resnet, invariant), [_TransformerBlock(b, invariant) for b in up_tf],
-                   ops.Conv1d(upsample, invariant))
+        self.up = (_ResnetBlock(up_resnet, kernels), [_TransformerBlock(b, kernels) for b in up_tf],
+                   ops.Conv1d(upsample, kernels))
         final = estimator.final_block
-        self.final_conv, self.final_norm = ops.Conv1d(final.block[0], invariant), final.block[2]
-        self.final_proj = ops.Linear.of(estimator.final_proj, invariant)
+        self.final_conv, self.final_norm = ops.Conv1d(final.block[0], kernels), final.block[2]
+        self.final_proj = ops.Linear.of(estimator.final_proj, kernels)
         self.dtype = estimator.final_proj.weight.dtype
 
     @property

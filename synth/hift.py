@@ -32,9 +32,9 @@ SNAKE_EPSILON = 1e-9  # Snake's no_div_by_zero
 
 
 class _ResBlock:
-    def __init__(self, block: Any, invariant: bool) -> None:
-        self.convs1 = [ops.Conv1d(c, invariant) for c in block.convs1]
-        self.convs2 = [ops.Conv1d(c, invariant) for c in block.convs2]
+    def __init__(self, block: Any, kernels: ops.Kernels) -> None:
+        self.convs1 = [ops.Conv1d(c, kernels) for c in block.convs1]
+        self.convs2 = [ops.Conv1d(c, kernels) for c in block.convs2]
         self.alphas1 = [a.alpha.detach() for a in block.activations1]  # [C] each
         self.alphas2 = [a.alpha.detach() for a in block.activations2]
         if any(a.alpha_logscale for a in (*block.activations1, *block.activations2)):
@@ -51,7 +51,7 @@ class _ResBlock:
 class BatchedHift:
     """One HiFT generator's forward over a batch; holds no state between calls (any thread may call it)."""
 
-    def __init__(self, hift: Any, invariant: bool) -> None:
+    def __init__(self, hift: Any, kernels: ops.Kernels) -> None:
         if not isinstance(hift, HiFTGenerator):
             raise TypeError(f"expected chatterbox's HiFTGenerator, got {type(hift).__name__}")
         self.harmonics = int(hift.nb_harmonics) + 1
@@ -60,18 +60,18 @@ class BatchedHift:
         self.sine_amp, self.noise_std, self.voiced_threshold = float(sine.sine_amp), float(sine.noise_std), \
             float(sine.voiced_threshold)
         self.samples_per_frame = int(hift.f0_upsamp.scale_factor)
-        self.merge = ops.Linear.of(hift.m_source.l_linear, invariant)  # harmonics -> 1
+        self.merge = ops.Linear.of(hift.m_source.l_linear, kernels)  # harmonics -> 1
         f0 = hift.f0_predictor
-        self.f0_convs = [ops.Conv1d(m, invariant) for m in f0.condnet if isinstance(m, torch.nn.Conv1d)]
-        self.f0_classifier = ops.Linear.of(f0.classifier, invariant)
-        self.conv_pre = ops.Conv1d(hift.conv_pre, invariant)
-        self.ups = [ops.ConvTranspose1d(m, invariant) for m in hift.ups]
-        self.source_downs = [ops.Conv1d(m, invariant) for m in hift.source_downs]
+        self.f0_convs = [ops.Conv1d(m, kernels) for m in f0.condnet if isinstance(m, torch.nn.Conv1d)]
+        self.f0_classifier = ops.Linear.of(f0.classifier, kernels)
+        self.conv_pre = ops.Conv1d(hift.conv_pre, kernels)
+        self.ups = [ops.ConvTranspose1d(m, kernels) for m in hift.ups]
+        self.source_downs = [ops.Conv1d(m, kernels) for m in hift.source_downs]
         self.source_down_padding = [int(m.padding[0]) for m in hift.source_downs]
-        self.source_resblocks = [_ResBlock(b, invariant) for b in hift.source_resblocks]
-        self.resblocks = [_ResBlock(b, invariant) for b in hift.resblocks]
+        self.source_resblocks = [_ResBlock(b, kernels) for b in hift.source_resblocks]
+        self.resblocks = [_ResBlock(b, kernels) for b in hift.resblocks]
         self.kernels_per_level = int(hift.num_kernels)
-        self.conv_post = ops.Conv1d(hift.conv_post, invariant)
+        self.conv_post = ops.Conv1d(hift.conv_post, kernels)
         self.lrelu_slope = float(hift.lrelu_slope)
         self.audio_limit = float(hift.audio_limit)
         self.n_fft, self.hop = int(hift.istft_params["n_fft"]), int(hift.istft_params["hop_len"])
@@ -81,9 +81,10 @@ class BatchedHift:
         forward, inverse = _real_dft_matrices(self.n_fft)
         device = self.window.device
         # frame [n_fft] -> (real [bins] | imag [bins]), torch.stft's sign; and back, irfft's (imag of DC and Nyquist
-        # ignored), both as the same batch-invariant products as every other layer
-        self.dft = ops.Linear(forward.to(device), None, invariant)  # weight [2 bins, n_fft]
-        self.inverse_dft = ops.Linear(inverse.to(device), None, invariant)  # weight [n_fft, 2 bins]
+        # ignored), both as the same batch-invariant products as every other layer, always in float32 (cheap: 16
+        # points; the phase of the output's every sample goes through them)
+        self.dft = ops.Linear(forward.to(device), None, kernels.exact())  # weight [2 bins, n_fft]
+        self.inverse_dft = ops.Linear(inverse.to(device), None, kernels.exact())  # weight [n_fft, 2 bins]
         if not isinstance(hift.reflection_pad, torch.nn.ReflectionPad1d) or hift.reflection_pad.padding != (1, 0):
             raise RuntimeError("unexpected reflection pad")
 

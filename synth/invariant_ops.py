@@ -24,6 +24,13 @@ a lone stream's render (BENCHMARKS.md, issue 15), with bits that depend on the b
 On CUDA the same classes call cuBLAS/cuDNN (`F.linear`, `F.conv1d`, `F.conv_transpose1d`): fastest, and what
 `torch.compile` / CUDA graphs capture; a row's last bits may then depend on its batch (see BENCHMARKS.md).
 
+With `Kernels.gemm_dtype` bfloat16 (the CPU, `--cpu-vocoder bf16`), each product runs on bfloat16 inputs and
+weights (the weights rounded once) and comes back as float32, which is what everything between the products
+stays in; a convolution is then one product over its unfolded taps (a copy of k shifted views), not a sum of
+one product per tap, so its rounding happens once. oneDNN's bf16 GEMMs run 3-4x MKL's fp32 ones on an AVX512-BF16
+CPU (BENCHMARKS.md, issue 15), and keep a row's bits whatever the batch under the same padding rules
+(tests/synth/test_invariant_ops.py).
+
 Every layer is read once from the library's module (weight-norm parametrisations resolved), so the library's
 modules stay untouched and chatterbox's own inference keeps running them as shipped.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,23 +93,61 @@ def row_invariant_default(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """How a layer's products run: row-invariant (CPU) or the library's, and in which dtype (float32, or bfloat16
+    products with float32 results)."""
+
+    invariant: bool
+    gemm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.gemm_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gemm_dtype must be float32 or bfloat16, not {self.gemm_dtype}")
+
+    @property
+    def lowered(self) -> bool:
+        return self.gemm_dtype != torch.float32
+
+    def exact(self) -> Kernels:
+        """The same kernels with float32 products (for a layer whose precision matters more than its cost)."""
+        return Kernels(self.invariant)
+
+
+def bf16_gemms_supported() -> bool:
+    """Whether this CPU runs bfloat16 GEMMs natively (AVX512-BF16 or AMX); without, they are slower than fp32."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def _to_result(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A lowered product's result as float32, plus the (float32) bias."""
+    y = y.float()
+    return y if bias is None else y.add_(bias)
+
+
 class Linear:
     """y = x W^T + b over the last dim of x [B, T, in] (or [B, in])."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels) -> None:
         weight = weight.detach()  # [out, in]
         self.bias = None if bias is None else bias.detach()  # [out]
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
-        self.invariant = invariant
-        self.weight = weight.contiguous()  # [out, in] for F.linear
+        self.invariant = kernels.invariant
+        self.lowered = kernels.lowered
+        self.gemm_dtype = kernels.gemm_dtype
+        self.weight = weight.contiguous().to(self.gemm_dtype)  # [out, in] for F.linear
         # [in, out'] for baddbmm, out' padded to a multiple of 16 (see GEMM_COLUMN_MULTIPLE).
         self._columns = _gemm_columns(self.out_features)
-        self.weight_t = F.pad(weight.t(), (0, self._columns - self.out_features)).contiguous()
+        self.weight_t = F.pad(weight.t(), (0, self._columns - self.out_features)).contiguous().to(self.gemm_dtype)
         self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_features))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not _invariant_now(self.invariant):
+            if self.lowered:
+                return _to_result(F.linear(x.to(self.gemm_dtype), self.weight), self.bias)
             return F.linear(x, self.weight, self.bias)
         squeeze = x.dim() == 2
         x3 = x[:, None] if squeeze else x  # [B, T, in]
@@ -113,24 +159,26 @@ class Linear:
 
     def _product(self, x3: torch.Tensor) -> torch.Tensor:
         weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
+        if self.lowered:
+            return _to_result(torch.bmm(x3.to(self.gemm_dtype), weight), self._bias_padded)
         return torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
 
     @staticmethod
-    def of(module: Any, invariant: bool) -> Linear:
+    def of(module: Any, kernels: Kernels) -> Linear:
         """From an nn.Linear, or a kernel-1 nn.Conv1d (the linear layer it is, channels-last)."""
         weight = module.weight.detach()
         if isinstance(module, torch.nn.Conv1d):
             if module.kernel_size != (1,) or module.stride != (1,) or module.padding != (0,) or module.groups != 1:
                 raise ValueError("only a pointwise convolution is a linear layer")
             weight = weight[:, :, 0]
-        return Linear(weight, module.bias, invariant)
+        return Linear(weight, module.bias, kernels)
 
 
 class Conv1d:
     """A convolution on channels-last x [B, T, C_in] that is already padded: out [B, T_out, C_out] with
     T_out = (T - dilation * (kernel - 1) - 1) // stride + 1. Callers pad (zeros, a cached prefix, ...)."""
 
-    def __init__(self, module: Any, invariant: bool) -> None:
+    def __init__(self, module: Any, kernels: Kernels) -> None:
         if module.groups != 1:
             raise ValueError("grouped convolutions are not used by S3Gen")
         weight = module.weight.detach()  # [out, in, k] (weight norm resolved by the access)
@@ -140,11 +188,15 @@ class Conv1d:
         self.in_channels = int(weight.shape[1])
         self.out_channels = int(weight.shape[0])
         self.bias = None if module.bias is None else module.bias.detach()
-        self.invariant = invariant
-        self.weight = weight.contiguous()  # [out, in, k] for F.conv1d
+        self.invariant = kernels.invariant
+        self.lowered = kernels.lowered
+        self.gemm_dtype = kernels.gemm_dtype
+        self.weight = weight.contiguous().to(self.gemm_dtype)  # [out, in, k] for F.conv1d
         self._columns = _gemm_columns(self.out_channels)
         taps = weight.permute(2, 1, 0)  # [k, in, out]: one [in, out] matrix per tap
         self.taps = F.pad(taps, (0, self._columns - self.out_channels)).contiguous()  # [k, in, out']
+        if self.lowered:  # the taps stacked: one [k in, out'] matrix for the unfolded input
+            self.taps = self.taps.reshape(self.kernel * self.in_channels, self._columns).to(self.gemm_dtype)
         self._bias_padded = None if self.bias is None else F.pad(self.bias, (0, self._columns - self.out_channels))
 
     @property
@@ -157,12 +209,16 @@ class Conv1d:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_len = self.out_len(x.shape[1])
         if not _invariant_now(self.invariant):
+            if self.lowered:
+                y = F.conv1d(x.transpose(1, 2).to(self.gemm_dtype), self.weight, stride=self.stride,
+                             dilation=self.dilation)
+                return _to_result(y.transpose(1, 2), self.bias)
             y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
             return y.transpose(1, 2)
         if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
             x = F.pad(x, (0, 0, 0, (MIN_GEMM_ROWS - out_len) * self.stride))
             return self(x)[:, :out_len]
-        out = _batched(self._taps_product, x)
+        out = _batched(self._unfolded_product if self.lowered else self._taps_product, x)
         return out if self._columns == self.out_channels else out[:, :, :self.out_channels]
 
     def _taps_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,11 +236,24 @@ class Conv1d:
             out = torch.baddbmm(out, shifted, self.taps[tap].expand(batch, self.in_channels, self._columns))
         return out
 
+    def _unfolded_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Lowered: the k shifted views side by side [B, T_out, k C_in] (one copy, in the GEMM dtype) @ the stacked
+        taps -> [B, T_out, C_out'] float32 (T_out >= MIN_GEMM_ROWS)."""
+        batch, in_len, channels = x.shape
+        out_len = self.out_len(in_len)
+        x = x.to(self.gemm_dtype).contiguous()
+        time_stride, channel_stride = x.stride(1), x.stride(2)
+        windows = x.as_strided((batch, out_len, self.kernel, channels),
+                               (x.stride(0), time_stride * self.stride, time_stride * self.dilation, channel_stride))
+        unfolded = windows.reshape(batch, out_len, self.kernel * channels)
+        weight = self.taps.expand(batch, self.kernel * channels, self._columns)
+        return _to_result(torch.bmm(unfolded, weight), self._bias_padded)
+
 
 class ConvTranspose1d:
     """A transposed convolution on channels-last x [B, T, C_in] -> [B, (T - 1) * stride + k - 2 * padding, C_out]."""
 
-    def __init__(self, module: Any, invariant: bool) -> None:
+    def __init__(self, module: Any, kernels: Kernels) -> None:
         if module.groups != 1 or module.dilation[0] != 1 or module.output_padding[0] != 0:
             raise ValueError("only plain transposed convolutions are used by S3Gen")
         weight = module.weight.detach()  # [in, out, k]
@@ -194,21 +263,28 @@ class ConvTranspose1d:
         self.in_channels = int(weight.shape[0])
         self.out_channels = int(weight.shape[1])
         self.bias = None if module.bias is None else module.bias.detach()
-        self.invariant = invariant
-        self.weight = weight.contiguous()
+        self.invariant = kernels.invariant
+        self.lowered = kernels.lowered
+        self.gemm_dtype = kernels.gemm_dtype
+        self.weight = weight.contiguous().to(self.gemm_dtype)
         self.taps = weight.permute(0, 2, 1).reshape(self.in_channels, self.kernel * self.out_channels)  # [in, k out]
         self._columns = _gemm_columns(self.kernel * self.out_channels)
         self.taps = F.pad(self.taps, (0, self._columns - self.kernel * self.out_channels)).contiguous()
+        self.taps = self.taps.to(self.gemm_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         batch, in_len, _ = x.shape
         if not _invariant_now(self.invariant):
+            if self.lowered:
+                y = F.conv_transpose1d(x.transpose(1, 2).to(self.gemm_dtype), self.weight, stride=self.stride,
+                                       padding=self.padding)
+                return _to_result(y.transpose(1, 2), self.bias)
             y = F.conv_transpose1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride,
                                    padding=self.padding)
             return y.transpose(1, 2)
         if in_len < MIN_GEMM_ROWS:
             x = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - in_len))
-        taps = _batched(lambda xb: torch.bmm(xb, self.taps.expand(xb.shape[0], self.in_channels, self._columns)), x)
+        taps = _batched(self._taps_product, x)
         taps = taps[:, :in_len, :self.kernel * self.out_channels]
         taps = taps.reshape(batch, in_len, self.kernel, self.out_channels)  # [B, T, k, C_out]
         full_len = (in_len - 1) * self.stride + self.kernel
@@ -217,3 +293,8 @@ class ConvTranspose1d:
         out = F.fold(columns, output_size=(1, full_len), kernel_size=(1, self.kernel), stride=(1, self.stride))
         out = out[:, :, 0, self.padding:full_len - self.padding].transpose(1, 2)  # [B, T_out, C_out]
         return out if self.bias is None else out + self.bias
+
+    def _taps_product(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, C_in] @ [C_in, k C_out'] -> float32 (lowered: the product in the GEMM dtype)."""
+        product = torch.bmm(x.to(self.gemm_dtype), self.taps.expand(x.shape[0], self.in_channels, self._columns))
+        return _to_result(product, None) if self.lowered else product

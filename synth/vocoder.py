@@ -200,6 +200,7 @@ class StreamingVocoder:
         cache_prompt: bool = True,
         prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         row_invariant: bool | None = None,
+        gemm_dtype: torch.dtype = torch.float32,
     ) -> None:
         if n_cfm_timesteps < 1:
             raise ValueError("n_cfm_timesteps must be >= 1")
@@ -227,9 +228,13 @@ class StreamingVocoder:
         self.device, self.dtype = param.device, param.dtype
         invariant = row_invariant_default(self.device) if row_invariant is None else row_invariant
         self.row_invariant = invariant
-        self.encoder = PrefixCachedEncoder(flow, invariant)
-        self.estimator = PrefixCachedEstimator(flow.decoder.estimator, invariant)
-        self.hift = BatchedHift(s3gen.mel2wav, invariant)
+        if gemm_dtype != torch.float32 and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError("bfloat16 products (gemm_dtype) are for a float32 S3Gen on the CPU")
+        self.gemm_dtype = gemm_dtype
+        kernels = invariant_ops.Kernels(invariant, gemm_dtype)
+        self.encoder = PrefixCachedEncoder(flow, kernels)
+        self.estimator = PrefixCachedEstimator(flow.decoder.estimator, kernels)
+        self.hift = BatchedHift(s3gen.mel2wav, kernels)
         self.cache_prompt = cache_prompt
         self.cfg_rows = 1 if meanflow else 2  # English: rows (cond, uncond); the mean-flow decoder folds CFG in
         self._t_span = _time_span(n_cfm_timesteps, meanflow, flow.decoder.t_scheduler, self.device, self.dtype)

@@ -478,3 +478,41 @@ def test_a_lone_first_chunk_renders_on_lent_threads_with_the_same_pcm(engine: En
         assert np.array_equal(_pcm(col, "static"), _pcm(lent, "lent"))
     finally:
         static.stop()
+
+
+def test_cpu_vocoder_bf16_renders_the_same_tokens_as_audio_close_to_fp32(engine: Engine) -> None:
+    """`cpu_vocoder="bf16"`: the engine's vocoder runs bfloat16 products (status says so); a seeded segment
+    gets the same tokens as on the float32 engine and audio within bf16 rounding of its audio."""
+    from synth import default_voice, invariant_ops
+
+    if not invariant_ops.bf16_gemms_supported():
+        pytest.skip("this CPU has no native bf16 products (the engine refuses cpu_vocoder='bf16'; tested below)")
+    exact = Collector()
+    engine.submit(_request(exact, "fp32", TEXTS[2], seed=91))
+    exact.wait_done(["fp32"])
+    lowered = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                          chunk_schedule_tokens=(8, 16), cpu_vocoder="bf16")
+    lowered.voices.add(default_voice(tiny_bundle("english")))
+    lowered.start()
+    try:
+        assert lowered.wait_ready(120)
+        assert lowered.vocoder.gemm_dtype == torch.bfloat16 and lowered.status()["cpu_vocoder"] == "bf16"
+        col = Collector()
+        lowered.submit(_request(col, "bf16", TEXTS[2], seed=91))
+        col.wait_done(["bf16"])
+        assert col.tokens("bf16") == exact.tokens("fp32")
+        got, want = _pcm(col, "bf16"), _pcm(exact, "fp32")
+        assert got.size == want.size and not np.array_equal(got, want)
+        assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 0.02
+    finally:
+        lowered.stop()
+
+
+def test_cpu_vocoder_bf16_is_refused_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    from synth import invariant_ops
+
+    with pytest.raises(EngineError, match="'fp32' or 'bf16'"):
+        make_engine("turbo", render_audio=False, max_slots=1, cpu_vocoder="fp16")
+    monkeypatch.setattr(invariant_ops, "bf16_gemms_supported", lambda: False)
+    with pytest.raises(EngineError, match="AVX512-BF16 or AMX"):
+        make_engine("turbo", render_audio=False, max_slots=1, cpu_vocoder="bf16")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from chatterbox.models.s3gen.decoder import ConditionalDecoder
 
+from synth import invariant_ops as ops
 from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
 from synth.tiny_s3gen import build_s3gen
 
@@ -24,7 +25,7 @@ def inputs(rows: int, frames: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_is_the_library_estimator(estimator: ConditionalDecoder, invariant: bool) -> None:
-    mine = PrefixCachedEstimator(estimator, invariant)
+    mine = PrefixCachedEstimator(estimator, ops.Kernels(invariant))
     x, mu, cond, spks = inputs(2, 37, seed=1)
     t, r = torch.tensor([0.3]), torch.tensor([0.7])
     with torch.inference_mode():
@@ -38,7 +39,7 @@ def test_is_the_library_estimator(estimator: ConditionalDecoder, invariant: bool
 def test_window_after_a_recorded_prompt_is_the_library_under_a_prompt_chunk_mask(estimator: ConditionalDecoder) -> None:
     """record(prompt) then the window after it equals the library on [prompt | window] with static_chunk_size =
     prompt frames (its chunk mask: prompt frames see the prompt only, the window sees everything)."""
-    mine = PrefixCachedEstimator(estimator, True)
+    mine = PrefixCachedEstimator(estimator, ops.Kernels(True))
     prompt_frames, window_frames = 40, 24
     x, mu, cond, spks = inputs(1, prompt_frames + window_frames, seed=2)
     t, r = torch.tensor([0.5]), torch.tensor([0.75])
@@ -63,7 +64,7 @@ def test_padded_rows_and_left_padded_prefixes_change_nothing(estimator: Conditio
     """A row padded to a longer window (masked, with junk in the padding) and a prefix left-padded to more
     frames (masked) give the row's own result (to float rounding: attention over more keys sums in another
     order; a stream's padded length is its own, so in the vocoder this never depends on its batch)."""
-    mine = PrefixCachedEstimator(estimator, True)
+    mine = PrefixCachedEstimator(estimator, ops.Kernels(True))
     def cl(a: torch.Tensor) -> torch.Tensor:
         return a.transpose(1, 2)
     t = torch.tensor([0.4])

@@ -7,6 +7,7 @@ import pytest
 import torch
 from chatterbox.models.s3gen.hifigan import HiFTGenerator
 
+from synth import invariant_ops as ops
 from synth.hift import BatchedHift
 from synth.tiny_s3gen import build_s3gen
 
@@ -34,7 +35,7 @@ def library_draws(harmonics: int, samples: int, seed: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("carried", [True, False])
 def test_is_the_library_hift(hift: HiFTGenerator, invariant: bool, carried: bool) -> None:
-    mine = BatchedHift(hift, invariant)
+    mine = BatchedHift(hift, ops.Kernels(invariant))
     g = torch.Generator().manual_seed(1)
     mel = torch.randn(1, 80, FRAMES, generator=g) * 2 - 5
     cache = torch.randn(1, 1, CARRIED_FRAMES * 480 if carried else 0, generator=g) * 0.1
@@ -54,7 +55,7 @@ def test_is_the_library_hift(hift: HiFTGenerator, invariant: bool, carried: bool
 def test_rows_are_independent(hift: HiFTGenerator) -> None:
     """Each row's waveform is its own: alone or in a batch of 4 with others (other mels, draws, carried
     sources), bitwise."""
-    mine = BatchedHift(hift, True)
+    mine = BatchedHift(hift, ops.Kernels(True))
     g = torch.Generator().manual_seed(2)
     mels = torch.randn(4, FRAMES, 80, generator=g)
     phases = torch.rand(4, mine.harmonics, generator=g)
