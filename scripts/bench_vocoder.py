@@ -165,6 +165,7 @@ def bench_variant(variant: str, prompt_sweep: list[int]) -> dict:
 
 
 # (chunks rendered before, the tick's chunk): every stream of a tick is at the same point, so one bucket
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TICK_SHAPES = {"first_chunk_12": ((), 12), "chunk_24": ((12,), 24), "chunk_48": ((12, 24), 48)}
 
 
@@ -228,7 +229,8 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
     ref_dict = s3gen.embed_ref(synthetic_reference(REFERENCE_S, SAMPLE_RATE_HZ), SAMPLE_RATE_HZ, device=device)
 
     def new_vocoder() -> StreamingVocoder:
-        return StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence)
+        return StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence,
+                                gemm_dtype=GEMM_DTYPES[args.gemm_dtype])
 
     vocoder = new_vocoder()
     voice = vocoder.prepare_voice(ref_dict)
@@ -240,7 +242,8 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
             times_ms, outputs = _time_ticks(vocoder, streams, chunk, args.reps, device)
             alone = vocoder.render([_clone(streams[0]).next_job(chunk)])[0]  # type: ignore[list-item]
             audio_s = sum(o.size for o in outputs) / SAMPLE_RATE_HZ
-            row = {"variant": variant, "shape": shape, "batch": batch, "chunk_tokens": chunk, "before": before,
+            row = {"variant": variant, "gemm_dtype": args.gemm_dtype, "shape": shape, "batch": batch,
+                   "chunk_tokens": chunk, "before": before,
                    "eager_ms": times_ms, "eager_ms_median": float(np.median(times_ms)),
                    "eager_ms_per_stream": float(np.median(times_ms)) / batch,
                    "eager_audio_s_per_s": audio_s / (float(np.median(times_ms)) / 1e3),
@@ -319,6 +322,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="batched mode")
     parser.add_argument("--reps", type=int, default=5, help="batched mode: timed ticks per (shape, batch)")
     parser.add_argument("--compile", action="store_true", help="batched mode: also compiled (CUDA graphs on CUDA)")
+    parser.add_argument("--gemm-dtype", choices=sorted(GEMM_DTYPES), default="fp32",
+                        help="batched mode, CPU: the vocoder's products (bf16 = the server's --cpu-vocoder bf16)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(TICK_SHAPES), default=list(TICK_SHAPES),
                         help="batched mode: tick shapes (each (shape, batch) is one compilation with --compile)")
     args = parser.parse_args()
