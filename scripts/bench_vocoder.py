@@ -222,6 +222,31 @@ def _streams_at(vocoder: StreamingVocoder, voice: Any, batch: int, before: tuple
     return streams
 
 
+def lowered_pcm_error(s3gen: torch.nn.Module, ref_dict: dict, variant: str, gemm_dtype: torch.dtype) -> dict:
+    """The same seeded 100-token utterance streamed by the schedule through a float32 vocoder and one with
+    `gemm_dtype` products: how far the lowered audio is from the float32 audio."""
+    steps, meanflow, silence = VARIANTS[variant]
+    tokens = torch.randint(0, SPEECH_VOCAB_SIZE, (UTTERANCE_TOKENS,), generator=torch.Generator().manual_seed(5))
+    pcm = []
+    for dtype in (torch.float32, gemm_dtype):
+        vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence,
+                                   gemm_dtype=dtype)
+        stream = vocoder.open(vocoder.prepare_voice(ref_dict), seed=1)
+        chunks, start = [], 0
+        for size in SCHEDULE_TOKENS:
+            stop = min(start + size, len(tokens))
+            chunks.append(stream.push(tokens[start:stop].tolist(), final=stop == len(tokens))[0])
+            start = stop
+            if start == len(tokens):
+                break
+        pcm.append(np.concatenate(chunks))
+    exact, lowered = pcm
+    error = float(np.linalg.norm(lowered - exact) / np.linalg.norm(exact))
+    return {"pcm_rel_error_vs_fp32": error, "pcm_snr_db_vs_fp32": float(-20 * np.log10(error)),
+            "pcm_max_abs_diff_vs_fp32": float(np.abs(lowered - exact).max()),
+            "pcm_rms": float(np.sqrt(np.mean(exact ** 2)))}
+
+
 def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     steps, meanflow, silence = VARIANTS[variant]
     torch.manual_seed(0)
@@ -277,6 +302,11 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
                 row["compile_error"] = f"{type(exc).__name__}: {exc}"
             log.info("%s B=%d compiled: %s", row["shape"], row["batch"],
                      {k: v for k, v in row.items() if k.startswith("compil") and k != "compiled_ms"})
+    if args.gemm_dtype != "fp32":
+        error = lowered_pcm_error(s3gen, ref_dict, variant, GEMM_DTYPES[args.gemm_dtype])
+        log.info("%s %s audio vs fp32: %s", variant, args.gemm_dtype, error)
+        for row in results:
+            row.update(error)
     for row in results:
         del row["eager_stream0"]
     return results
