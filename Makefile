@@ -22,4 +22,5 @@ test: browser-deps scale-deps lint
 
 lint: install
 	.venv/bin/python -m mypy
-	.venv/bin/python -m ruff check agent_server synth tests/agent_server tests/synth tests/conftest.py tests/deploy tests/services.py
+	.venv/bin/python -m ruff check agent_server synth scripts tests/agent_server tests/synth tests/browser tests/conftest.py \
+		tests/deploy tests/services.py tests/test_layering.py

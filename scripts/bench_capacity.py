@@ -51,8 +51,9 @@ from websockets.asyncio.client import connect
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the client side always runs from this checkout (the servers from --repo)
 
-from agent_server.protocol import FRAME_HEADER_BYTES
-from tests.agent_server.native_client import llm_pieces
+from agent_server.protocol import FRAME_HEADER_BYTES  # noqa: E402  (after the sys.path line above)
+
+from tests.agent_server.native_client import llm_pieces  # noqa: E402
 
 SAMPLE_RATE_HZ = 24_000
 BYTES_PER_SAMPLE = 2  # pcm_s16le
@@ -162,7 +163,7 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
             await ws.send(orjson.dumps({"type": "end", "context_id": context}).decode())
             await asyncio.wait_for(done.wait(), timeout_s)
             reader.cancel()
-    except Exception as exc:  # noqa: BLE001 - a failed session is a result, not a crash of the benchmark
+    except Exception as exc:
         result.error = result.error or f"{type(exc).__name__}: {exc}"
     result.frames = len(frames)
     if frames:
@@ -187,11 +188,13 @@ async def one_round(url: str, sessions: int, args: argparse.Namespace, max_new_t
     ttfas = [r.ttfa_s for r in ok if r.ttfa_s is not None]
     dry = [r.underrun_s for r in ok]
     return RoundResult(
-        sessions=sessions, ok=len(ok), failed=len(results) - len(ok), errors=sorted({r.error for r in results if r.error}),
+        sessions=sessions, ok=len(ok), failed=len(results) - len(ok),
+        errors=sorted({r.error for r in results if r.error}),
         wall_s=wall_s, audio_s=audio_s, audio_s_per_wall_s=audio_s / wall_s,
         ttfa_p50_s=float(np.percentile(ttfas, 50)) if ttfas else None,
         ttfa_p95_s=float(np.percentile(ttfas, 95)) if ttfas else None,
-        underrun_mean_s=float(np.mean(dry)) if dry else 0.0, underrun_p95_s=float(np.percentile(dry, 95)) if dry else 0.0,
+        underrun_mean_s=float(np.mean(dry)) if dry else 0.0,
+        underrun_p95_s=float(np.percentile(dry, 95)) if dry else 0.0,
         underruns=sum(r.underruns for r in ok), sessions_with_underrun=sum(1 for r in ok if r.underruns))
 
 
@@ -350,7 +353,7 @@ def plot(runs: list[RepoRun], path: Path) -> bool:
         axes[2].plot(n, [r.underrun_mean_s for r in run.rounds], "o-", label=f"{run.label} mean")
         axes[2].plot(n, [r.underrun_p95_s for r in run.rounds], "s--", label=f"{run.label} p95")
     titles = ("time to first audio (s)", "audio seconds delivered per wall second", "playback dry time per session (s)")
-    for axis, title in zip(axes, titles):
+    for axis, title in zip(axes, titles, strict=True):
         axis.set_title(title)
         axis.set_xlabel("concurrent sessions")
         axis.set_xscale("log", base=2)

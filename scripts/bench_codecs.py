@@ -106,7 +106,8 @@ def cpu_per_audio_s(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float3
     return (time.thread_time() - t0) * 1e3 / seconds
 
 
-async def concurrent(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], contexts: int, workers: int) -> float:
+async def concurrent(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], contexts: int,
+                     workers: int) -> float:
     loop = asyncio.get_running_loop()
     pool = EncoderPool(workers)
     done = [asyncio.Event() for _ in range(contexts)]
@@ -154,7 +155,7 @@ def main() -> None:
     for name in args.formats:
         fmt = FORMATS[name]
         encode_segments(fmt, segments[:1])  # warm-up: codec tables, first imports
-        opens, firsts = zip(*(first_bytes(fmt, pcm) for _ in range(args.repeats)))
+        opens, firsts = zip(*(first_bytes(fmt, pcm) for _ in range(args.repeats)), strict=True)
         costs = [cpu_per_audio_s(fmt, segments, args.seconds) for _ in range(args.repeats)]
         row: dict[str, Any] = {
             "format": name,

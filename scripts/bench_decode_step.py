@@ -60,7 +60,10 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     counter = OpCounter()
     with counter:
         engine._step()
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    def sync() -> None:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):

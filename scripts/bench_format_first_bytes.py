@@ -28,10 +28,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent_server.observers import FirstAudio, ObservedEvent  # noqa: E402
-from agent_server.settings import Settings  # noqa: E402
-from tests.agent_server.fake_engine import FakeEngine  # noqa: E402
-from tests.agent_server.live_server import live_server  # noqa: E402
+from agent_server.observers import FirstAudio, ObservedEvent
+from agent_server.settings import Settings
+
+from tests.agent_server.fake_engine import FakeEngine
+from tests.agent_server.live_server import live_server
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 TEXT = "Sure, I can help with that right away. Your flight leaves at nine fifteen tomorrow morning."
@@ -71,7 +72,8 @@ def main() -> None:
                 overheads.clear()
                 started_s = time.monotonic()
                 with concurrent.futures.ThreadPoolExecutor(args.concurrent) as pool:
-                    sizes = list(pool.map(lambda _: one_request(live.http_url, response_format), range(args.requests)))
+                    sizes = list(pool.map(lambda _, fmt=response_format: one_request(live.http_url, fmt),
+                                          range(args.requests)))
                 wall_s = time.monotonic() - started_s
                 first_ms = [e.server_overhead_s * 1000.0 for e in overheads
                             if isinstance(e, FirstAudio) and e.server_overhead_s is not None]

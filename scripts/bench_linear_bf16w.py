@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ SHAPES = [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)]  # (in, out) p
 LAYERS = 24
 
 
-def best_ms(fn, repeats: int) -> float:  # noqa: ANN001
+def best_ms(fn: Callable[[], None], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -51,14 +52,14 @@ def main() -> None:
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (1024, 4096)}
 
-        def run_bf16() -> None:
+        def run_bf16(xs: dict[int, torch.Tensor] = xs) -> None:
             for layer in packed_bf16:
-                for (k, n), p in zip(SHAPES, layer):
+                for (k, n), p in zip(SHAPES, layer, strict=True):
                     linear_bf16w.linear(xs[k], p, n)
 
-        def run_onednn() -> None:
+        def run_onednn(xs: dict[int, torch.Tensor] = xs) -> None:
             for layer in packed_onednn:
-                for (k, _), p in zip(SHAPES, layer):
+                for (k, _), p in zip(SHAPES, layer, strict=True):
                     torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
 
         bf16_ms, onednn_ms = best_ms(run_bf16, args.repeats), best_ms(run_onednn, args.repeats)

@@ -31,17 +31,28 @@ import logging
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from synth.tiny_s3gen import build_s3gen  # noqa: E402
-from synth.vocoder import (DEFAULT_PROMPT_MAX_TOKENS, SAMPLE_RATE_HZ, SAMPLES_PER_TOKEN,  # noqa: E402
-                           SPEECH_VOCAB_SIZE, StreamingVocoder, VocoderStream)
+from synth.tiny_s3gen import build_s3gen
+from synth.vocoder import (
+    DEFAULT_PROMPT_MAX_TOKENS,
+    SAMPLE_RATE_HZ,
+    SAMPLES_PER_TOKEN,
+    SPEECH_VOCAB_SIZE,
+    RenderJob,
+    StreamingVocoder,
+    VocoderStream,
+)
+
+from tests.synth.op_counter import count_ops
 
 REFERENCE_S = 10.0
 UTTERANCE_TOKENS = 100  # 4 s of speech at 25 tokens/s
@@ -50,9 +61,10 @@ FIRST_CHUNK_TOKENS = 12
 VARIANTS = {"english": (10, False, 0), "turbo": (2, True, 3)}  # CFM steps, meanflow, appended silence tokens
 
 log = logging.getLogger("bench_vocoder")
+Pcm = npt.NDArray[np.float32]
 
 
-def synthetic_reference(seconds: float, sample_rate_hz: int) -> np.ndarray:
+def synthetic_reference(seconds: float, sample_rate_hz: int) -> Pcm:
     """A voiced-looking mix: a gliding 120-220 Hz tone with harmonics, amplitude-modulated, plus noise."""
     t_s = np.arange(int(seconds * sample_rate_hz)) / sample_rate_hz
     f0_hz = 170 + 50 * np.sin(2 * np.pi * 0.3 * t_s)
@@ -60,7 +72,8 @@ def synthetic_reference(seconds: float, sample_rate_hz: int) -> np.ndarray:
     voiced = sum(np.sin(k * phase) / k for k in range(1, 6))
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 3 * t_s) ** 2
     noise = np.random.default_rng(0).standard_normal(t_s.size)
-    return (0.2 * envelope * voiced + 0.02 * noise).astype(np.float32)
+    wav: Pcm = (0.2 * envelope * voiced + 0.02 * noise).astype(np.float32)
+    return wav
 
 
 @contextlib.contextmanager
@@ -77,20 +90,19 @@ def component_timer(vocoder: StreamingVocoder) -> Iterator[dict[str, float]]:
                 totals[name] += (time.perf_counter() - t0) * 1e3
         return wrapper
 
-    originals = {"_encode": vocoder._encode, "_encode_window": vocoder._encode_window, "_solve": vocoder._solve,
-                 "vocode": vocoder.vocode}
-    names = {"_encode": "encoder_ms", "_encode_window": "encoder_ms", "_solve": "decoder_ms", "vocode": "hift_ms"}
+    names = {"_encode_fn": "encoder_ms", "_solve": "decoder_ms", "_render_hift": "hift_ms"}
+    originals = {attr: getattr(vocoder, attr) for attr in names}
     for attr, fn in originals.items():
         setattr(vocoder, attr, timed(names[attr], fn))
     try:
         yield totals
     finally:
-        for attr in originals:
-            delattr(vocoder, attr)
+        for attr, fn in originals.items():
+            setattr(vocoder, attr, fn)
 
 
-def first_chunk(s3gen: torch.nn.Module, ref_dict: dict, variant: str, prompt_tokens: int, cache_prompt: bool,
-                tokens: list[int]) -> dict:
+def first_chunk(s3gen: torch.nn.Module, ref_dict: dict[str, Any], variant: str, prompt_tokens: int, cache_prompt: bool,
+                tokens: list[int]) -> dict[str, Any]:
     steps, meanflow, silence = VARIANTS[variant]
     vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence,
                                prompt_max_tokens=prompt_tokens, cache_prompt=cache_prompt)
@@ -110,8 +122,8 @@ def first_chunk(s3gen: torch.nn.Module, ref_dict: dict, variant: str, prompt_tok
     return row
 
 
-def stream_utterance(s3gen: torch.nn.Module, ref_dict: dict, variant: str, cache_prompt: bool,
-                     tokens: list[int]) -> dict:
+def stream_utterance(s3gen: torch.nn.Module, ref_dict: dict[str, Any], variant: str, cache_prompt: bool,
+                     tokens: list[int]) -> dict[str, Any]:
     steps, meanflow, silence = VARIANTS[variant]
     vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence,
                                cache_prompt=cache_prompt)
@@ -145,7 +157,7 @@ def stream_utterance(s3gen: torch.nn.Module, ref_dict: dict, variant: str, cache
             "oneshot_ms_per_audio_s": oneshot_s * 1e3 / audio_s}
 
 
-def bench_variant(variant: str, prompt_sweep: list[int]) -> dict:
+def bench_variant(variant: str, prompt_sweep: list[int]) -> dict[str, Any]:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     s3gen = build_s3gen("full", meanflow=VARIANTS[variant][1])
@@ -178,31 +190,30 @@ def _clone(s: VocoderStream) -> VocoderStream:
                          held_wav=None if s.held_wav is None else s.held_wav.copy())
 
 
+def _jobs(streams: list[VocoderStream], chunk: int | None) -> list[RenderJob]:
+    """Each stream's next render (every stream here has tokens to render)."""
+    jobs = [s.next_job(chunk) for s in streams]
+    if any(job is None for job in jobs):
+        raise RuntimeError("a stream had nothing to render")
+    return [job for job in jobs if job is not None]
+
+
 def _count_ops(vocoder: StreamingVocoder, streams: list[VocoderStream], chunk: int) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-            Counter.total += 1
-            return func(*args, **(kwargs or {}))
-
-    jobs = [_clone(s).next_job(chunk) for s in streams]
-    with Counter():
-        vocoder.render(jobs)  # type: ignore[arg-type]
-    return Counter.total
+    jobs = _jobs([_clone(s) for s in streams], chunk)
+    with count_ops() as ops:
+        vocoder.render(jobs)
+    return ops.total
 
 
 def _time_ticks(vocoder: StreamingVocoder, streams: list[VocoderStream], chunk: int, reps: int,
-                device: torch.device) -> tuple[list[float], list[np.ndarray]]:
+                device: torch.device) -> tuple[list[float], list[Pcm]]:
     times_ms, outputs = [], []
     for _ in range(reps):
-        jobs = [_clone(s).next_job(chunk) for s in streams]
+        jobs = _jobs([_clone(s) for s in streams], chunk)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        outputs = vocoder.render(jobs)  # type: ignore[arg-type]  (ends with a host copy: synchronised)
+        outputs = vocoder.render(jobs)  # (ends with a host copy: synchronised)
         times_ms.append((time.perf_counter() - t0) * 1e3)
     return times_ms, outputs
 
@@ -218,11 +229,12 @@ def _streams_at(vocoder: StreamingVocoder, voice: Any, batch: int, before: tuple
                             generator=torch.Generator().manual_seed(i)).tolist(), final=False)
         streams.append(s)
     for size in before:
-        vocoder.render([s.next_job(size) for s in streams])  # type: ignore[misc]
+        vocoder.render(_jobs(streams, size))
     return streams
 
 
-def lowered_pcm_error(s3gen: torch.nn.Module, ref_dict: dict, variant: str, gemm_dtype: torch.dtype) -> dict:
+def lowered_pcm_error(s3gen: torch.nn.Module, ref_dict: dict[str, Any], variant: str,
+                      gemm_dtype: torch.dtype) -> dict[str, Any]:
     """The same seeded 100-token utterance streamed by the schedule through a float32 vocoder and one with
     `gemm_dtype` products: how far the lowered audio is from the float32 audio."""
     steps, meanflow, silence = VARIANTS[variant]
@@ -247,7 +259,7 @@ def lowered_pcm_error(s3gen: torch.nn.Module, ref_dict: dict, variant: str, gemm
             "pcm_rms": float(np.sqrt(np.mean(exact ** 2)))}
 
 
-def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
+def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     steps, meanflow, silence = VARIANTS[variant]
     torch.manual_seed(0)
     s3gen = build_s3gen(args.preset, meanflow=meanflow).to(device)
@@ -265,7 +277,7 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
         for batch in args.batch_sizes:
             streams = _streams_at(vocoder, voice, batch, before)
             times_ms, outputs = _time_ticks(vocoder, streams, chunk, args.reps, device)
-            alone = vocoder.render([_clone(streams[0]).next_job(chunk)])[0]  # type: ignore[list-item]
+            alone = vocoder.render(_jobs([_clone(streams[0])], chunk))[0]
             audio_s = sum(o.size for o in outputs) / SAMPLE_RATE_HZ
             row = {"variant": variant, "gemm_dtype": args.gemm_dtype, "shape": shape, "batch": batch,
                    "chunk_tokens": chunk, "before": before,
@@ -283,7 +295,7 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
         try:
             compiled.compile(mode="reduce-overhead" if device.type == "cuda" else "default")
             compiled_voice = compiled.prepare_voice(ref_dict)
-        except Exception as exc:  # noqa: BLE001 - report it, keep the eager figures
+        except Exception as exc:
             for row in results:
                 row["compile_error"] = f"{type(exc).__name__}: {exc}"
             compiled_voice = None
@@ -298,7 +310,7 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
                             "compiled_ms_per_stream": float(np.median(times_ms)) / row["batch"],
                             "speedup_compiled": row["eager_ms_median"] / float(np.median(times_ms)),
                             "compiled_max_abs_diff_vs_eager": float(np.abs(outputs[0] - row["eager_stream0"]).max())})
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 row["compile_error"] = f"{type(exc).__name__}: {exc}"
             log.info("%s B=%d compiled: %s", row["shape"], row["batch"],
                      {k: v for k, v in row.items() if k.startswith("compil") and k != "compiled_ms"})
@@ -312,7 +324,7 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
     return results
 
 
-def print_batched(results: list[dict]) -> None:
+def print_batched(results: list[dict[str, Any]]) -> None:
     print(f"\n{'variant':8} {'tick':15} {'B':>4} {'eager ms':>9} {'ms/stream':>9} {'audio-s/s':>9} {'ops':>6} "
           f"{'bitwise':>7} {'compiled ms':>11} {'speedup':>7}")
     for r in results:
@@ -323,7 +335,7 @@ def print_batched(results: list[dict]) -> None:
               f"{r['stream0_bitwise_as_alone']!s:>7} {compiled:>11} {speedup:>7}")
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'variant':8} {'cache':>5} {'prompt tok':>10} {'prepare ms':>10} {'cache MB':>9} "
           f"{'first chunk ms':>14} {'encoder':>8} {'decoder':>8} {'hift':>8}")
     for r in results:

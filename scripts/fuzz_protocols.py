@@ -18,8 +18,8 @@ import argparse
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import parse_qsl
 
 import orjson
@@ -27,12 +27,12 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:
-    import atheris  # type: ignore[import-not-found]
+    import atheris
 except ImportError:
     atheris = None
 
-from agent_server import protocol as wire  # noqa: E402
-from agent_server.compat import (  # noqa: E402
+from agent_server import protocol as wire
+from agent_server.compat import (
     cartesia,
     cartesia_http,
     deepgram,
@@ -43,7 +43,7 @@ from agent_server.compat import (  # noqa: E402
     openai_speech,
     twilio,
 )
-from agent_server.errors import FieldError  # noqa: E402
+from agent_server.errors import FieldError
 
 VARIANTS = ("english", "turbo", "multilingual")
 PARSED, ERROR = "parsed", "error"
@@ -207,7 +207,8 @@ def run_atheris(argv: list[str]) -> None:
 
 
 def run_hypothesis(examples: int, seed: int) -> None:
-    from hypothesis import HealthCheck, given, seed as hypothesis_seed, settings
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hypothesis_seed
     from hypothesis import strategies as st
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -164,7 +165,7 @@ async def run_session(index: int, url: str, args: argparse.Namespace, start_s: f
     await asyncio.sleep(max(0.0, start_s - time.monotonic()))
     try:
         client = await NativeClient.connect(url, open_timeout=30)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
+    except Exception as exc:
         result.connect_error = f"{type(exc).__name__}: {exc}"
         return result
     fmt = {"encoding": args.encoding, "sample_rate_hz": args.sample_rate_hz, "frame_ms": args.frame_ms}
@@ -178,7 +179,7 @@ async def run_session(index: int, url: str, args: argparse.Namespace, start_s: f
             result.contexts.append(context_result(index, turn, log))
             turn += 1
             await asyncio.sleep(rng.uniform(0.5, 1.5) * args.pause_s)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result.connect_error = f"{type(exc).__name__}: {exc}"
     finally:
         result.stray_frames = client.stray_frames
@@ -192,7 +193,7 @@ def context_result(session: int, turn: int, log: ContextLog) -> ContextResult:
     done = log.done or {}
     timing = done.get("timing") or {}
     seqs = [header.seq for header, _, _ in log.frames]
-    reordered = sum(1 for a, b in zip(seqs, seqs[1:]) if b <= a)
+    reordered = sum(1 for a, b in itertools.pairwise(seqs) if b <= a)
     expected = done.get("frames", len(seqs))
     lost = max(0, expected - len(set(seqs))) + sum(1 for s in seqs if s >= expected)
     ttfa_ms = delivery_ms = None
@@ -240,14 +241,15 @@ def summarize(args: argparse.Namespace, sessions: list[SessionResult], wall_s: f
         return [getattr(c, name) for c in completed if getattr(c, name) is not None]
 
     return {
-        "config": {k: v for k, v in vars(args).items()},
+        "config": dict(vars(args)),
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "wall_s": round(wall_s, 2),
         "sessions": len(sessions),
         "sessions_failed": sum(1 for s in sessions if s.connect_error),
         "session_errors": sorted({s.connect_error for s in sessions if s.connect_error})[:5],
         "contexts": len(contexts),
-        "contexts_by_reason": {r: sum(1 for c in contexts if c.reason == r) for r in sorted({c.reason for c in contexts})},
+        "contexts_by_reason": {r: sum(1 for c in contexts if c.reason == r)
+                               for r in sorted({c.reason for c in contexts})},
         "audio_s_received": round(sum(c.audio_ms for c in completed) / 1000.0, 1),
         "frames_received": sum(c.frames for c in contexts),
         "frames_lost": sum(c.lost_frames for c in contexts),
@@ -280,7 +282,7 @@ def plot(path: Path, sessions: list[SessionResult], summary: dict[str, Any]) -> 
         ],
     }
     fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5))
-    for ax, (title, values) in zip(axes, series.items()):
+    for ax, (title, values) in zip(axes, series.items(), strict=True):
         if values:
             ax.hist(values, bins=60, color="#3a7bd5")
             for q, style in ((50, "-"), (95, "--"), (99, ":")):

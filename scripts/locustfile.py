@@ -111,7 +111,7 @@ class GreenWebSocket:
             self.protocol.receive_eof()
         for event in self.protocol.events_received():
             if isinstance(event, Frame) and event.opcode is Opcode.TEXT:  # the server never fragments
-                self._messages.append(event.data.decode())
+                self._messages.append(bytes(event.data).decode())
             elif isinstance(event, Frame) and event.opcode is Opcode.BINARY:
                 self._messages.append(bytes(event.data))
             elif isinstance(event, Response):

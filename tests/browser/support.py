@@ -8,9 +8,10 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from agent_server import metrics
 from agent_server.app import create_app

@@ -30,7 +30,7 @@ def test_load_from_the_demo_page_fills_the_dashboard(tab: Tab, chromium: Any, se
     demo.wait_for_function("window.__demo.load.turns >= 4 && window.__demo.load.p50Ms !== null", timeout=30_000)
     # every chart has drawn points, the first-audio quantiles are numbers
     dash.wait_for_function(
-        "() => { const d = window.__dash.drawn; return %s; }" % " && ".join(f"d.{c} > 0" for c in CHARTS),
+        "() => { const d = window.__dash.drawn; return " + " && ".join(f"d.{c} > 0" for c in CHARTS) + "; }",
         timeout=10_000,
     )
     for q in ("q50", "q95", "q99"):
