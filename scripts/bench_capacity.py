@@ -48,12 +48,14 @@ import numpy as np
 import orjson
 from websockets.asyncio.client import connect
 
+# the client side always runs from this checkout (the servers from --repo)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent_server.protocol import FRAME_HEADER_BYTES
+
+from tests.agent_server.native_client import llm_pieces
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the client side always runs from this checkout (the servers from --repo)
-
-from agent_server.protocol import FRAME_HEADER_BYTES  # noqa: E402  (after the sys.path line above)
-
-from tests.agent_server.native_client import llm_pieces  # noqa: E402
 
 SAMPLE_RATE_HZ = 24_000
 BYTES_PER_SAMPLE = 2  # pcm_s16le
@@ -163,7 +165,7 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
             await ws.send(orjson.dumps({"type": "end", "context_id": context}).decode())
             await asyncio.wait_for(done.wait(), timeout_s)
             reader.cancel()
-    except Exception as exc:
+    except Exception as exc:  # a failed session is a result, not a crash of the benchmark
         result.error = result.error or f"{type(exc).__name__}: {exc}"
     result.frames = len(frames)
     if frames:

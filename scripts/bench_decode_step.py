@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     counter = OpCounter()
     with counter:
         engine._step()
-    def sync() -> None:
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-
+    sync: Callable[[], None] = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):

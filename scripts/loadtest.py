@@ -165,7 +165,7 @@ async def run_session(index: int, url: str, args: argparse.Namespace, start_s: f
     await asyncio.sleep(max(0.0, start_s - time.monotonic()))
     try:
         client = await NativeClient.connect(url, open_timeout=30)
-    except Exception as exc:
+    except Exception as exc:  # reported, not raised
         result.connect_error = f"{type(exc).__name__}: {exc}"
         return result
     fmt = {"encoding": args.encoding, "sample_rate_hz": args.sample_rate_hz, "frame_ms": args.frame_ms}
