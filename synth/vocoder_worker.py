@@ -267,8 +267,8 @@ class VocoderWorker:
                     self._drain(block=not self._speeches)
                     jobs = self._due(time.monotonic())
                     if jobs:
-                        with self.lease.render(urgent=self._first_audio(jobs, time.monotonic())):
-                            self._render(jobs)
+                        with self.lease.render(urgent=self._first_audio(jobs, time.monotonic())) as threads:
+                            self._render(jobs, threads)
                     elif self._speeches:
                         self._drain(block=True, timeout_s=PENDING_WAIT_S)
         except Exception as exc:
@@ -375,7 +375,6 @@ class VocoderWorker:
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
 
     @staticmethod
-    @staticmethod
     def _first_audio(tick: list[tuple[Speech, RenderJob]], now_s: float) -> bool:
         """The tick renders a turn's first audio: a segment's first chunk for a listener that has been sent
         nothing yet (no playback report; without a listener clock, any segment's first chunk). Someone waits in
@@ -388,7 +387,9 @@ class VocoderWorker:
                 return True
         return False
 
-    def _render(self, tick: list[tuple[Speech, RenderJob]]) -> None:
+    def _render(self, tick: list[tuple[Speech, RenderJob]], threads: int = 1) -> None:
+        debug = log.isEnabledFor(logging.DEBUG)
+        new_tokens = [job.new_tokens for _, job in tick] if debug else []  # (a render advances the streams)
         t0 = time.perf_counter()
         outputs: list[Pcm | None] = []
         try:
@@ -406,6 +407,10 @@ class VocoderWorker:
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         audio_s = 0.0
         now_s = time.monotonic()
+        if debug:  # per stream: request#chunk index:tokens rendered/audio its listener holds now
+            log.debug("render tick: %d streams, %.0f ms, %d threads, %s", len(tick), elapsed_ms, threads, " ".join(
+                f"{speech.request_id}#{speech.chunks_emitted}:{tokens}t/{speech.buffered_s(now_s):.2f}s"
+                for (speech, _), tokens in zip(tick, new_tokens, strict=True)))
         for (speech, job), pcm in zip(tick, outputs, strict=False):
             if pcm is None or speech.request_id not in self._speeches:
                 continue
