@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from synth.api import EngineConfig
-from synth.engine import EngineError
+from synth.api import EngineConfig, EngineError
 from synth.host_memory import retained
 
 from tests.synth.conftest import TEST_DEVICE, make_engine
