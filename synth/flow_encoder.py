@@ -32,7 +32,7 @@ many queries as keys).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,11 +91,11 @@ class EncoderPrefix:
     def cat(parts: list[EncoderPrefix]) -> EncoderPrefix:
         """Several prefixes (of equal token count) as one batch: one op per tensor slot."""
         return EncoderPrefix(
-            mu=torch.cat([p.mu for p in parts]),
-            embedded_tail=torch.cat([p.embedded_tail for p in parts]),
-            hidden_tail=torch.cat([p.hidden_tail for p in parts]),
-            layer_kv=tuple(torch.cat(layer) for layer in zip(*(p.layer_kv for p in parts), strict=False)),
-            key_mask=torch.cat([p.key_mask for p in parts]), token_layers=parts[0].token_layers)
+            mu=batch_rows([p.mu for p in parts]),
+            embedded_tail=batch_rows([p.embedded_tail for p in parts]),
+            hidden_tail=batch_rows([p.hidden_tail for p in parts]),
+            layer_kv=tuple(batch_rows(layer) for layer in zip(*(p.layer_kv for p in parts), strict=False)),
+            key_mask=batch_rows([p.key_mask for p in parts]), token_layers=parts[0].token_layers)
 
     def left_padded(self, tokens: int) -> EncoderPrefix:
         """The same prefix with `tokens` key positions, the missing ones in front and masked."""
@@ -113,6 +113,16 @@ class EncoderPrefix:
 
 def nbytes_of(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def batch_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Several streams' cached prompt tensors [1, ...] as one batch [n, ...]: a view of the one tensor when every
+    stream has the same voice (no copy; its readers concatenate it with the window's own keys or inputs, which
+    copies once anyway), else their concatenation. One op either way, whatever the number of streams."""
+    first = parts[0]
+    if first.shape[0] == 1 and all(part is first for part in parts):
+        return first.expand(len(parts), *first.shape[1:])
+    return torch.cat(list(parts))
 
 
 class _Layer:

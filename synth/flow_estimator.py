@@ -38,6 +38,7 @@ from chatterbox.models.s3gen.decoder import (
 )
 
 from synth import invariant_ops as ops
+from synth.flow_encoder import batch_rows
 
 MASKED_BIAS = -1.0e10  # the library's mask_to_bias value for a masked key
 
@@ -55,10 +56,10 @@ class StepPrefix:
     def cat(parts: list[StepPrefix]) -> StepPrefix:
         """Rows of several prefixes as one batch (one op per tensor slot, whatever the number of parts)."""
         return StepPrefix(
-            keys=tuple(torch.cat(layer) for layer in zip(*(p.keys for p in parts), strict=False)),
-            values=tuple(torch.cat(layer) for layer in zip(*(p.values for p in parts), strict=False)),
-            conv_tails=tuple(torch.cat(conv) for conv in zip(*(p.conv_tails for p in parts), strict=False)),
-            key_mask=torch.cat([p.key_mask for p in parts]),
+            keys=tuple(batch_rows(layer) for layer in zip(*(p.keys for p in parts), strict=False)),
+            values=tuple(batch_rows(layer) for layer in zip(*(p.values for p in parts), strict=False)),
+            conv_tails=tuple(batch_rows(conv) for conv in zip(*(p.conv_tails for p in parts), strict=False)),
+            key_mask=batch_rows([p.key_mask for p in parts]),
         )
 
     def left_padded(self, frames: int) -> StepPrefix:
