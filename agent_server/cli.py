@@ -32,7 +32,6 @@ from agent_server.hub import Hub
 from agent_server.logging import configure_logging
 from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LOG_LEVELS, ON_OFF, Settings
 from synth.api import VARIANTS
-from synth.host_memory import HOST_MEMORY_MODES
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
@@ -79,9 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
         "or D,V")
     add("--lend-threads", "lend_threads", "CPU: the decode's threads render a turn's first chunk (the decode pauses "
         "for it) and whatever renders while the decode is idle", choices=ON_OFF)
-    add("--host-memory", "host_memory", "CPU: retain keeps memory torch frees in the process for reuse (render "
-        "ticks do not fault their temporaries in again; process-wide glibc malloc setting), system leaves malloc "
-        "as it is", choices=HOST_MEMORY_MODES)
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
     add("--max-slots", "max_slots", "segments the engine generates at once", type=int)
     add(

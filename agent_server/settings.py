@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from synth.api import VARIANTS, EngineConfig, ThreadBudget, Variant
-from synth.host_memory import HOST_MEMORY_MODES
 
 MIB = 1024 * 1024
 WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
@@ -43,8 +42,6 @@ class Settings:
     # CPU: lend the decode thread's cores to the vocoder for a turn's first chunk and while the decode is idle
     # (synth/cpu_threads.CoreLease): "on" or "off".
     lend_threads: str = "on"
-    # CPU: keep freed memory in the process for reuse ("retain") or leave malloc as it is ("system")
-    host_memory: str = "retain"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
     max_slots: int = 16  # engine: segments generating at once
     # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
@@ -140,8 +137,6 @@ class Settings:
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
-        if self.host_memory not in HOST_MEMORY_MODES:
-            raise ValueError(f"host_memory must be one of {', '.join(HOST_MEMORY_MODES)}")
         if self.lend_threads not in ON_OFF:
             raise ValueError(f"lend_threads must be one of {', '.join(ON_OFF)}")
         if self.log_level not in LOG_LEVELS:
@@ -193,7 +188,6 @@ class Settings:
             decode_threads=decode_threads,
             vocoder_threads=vocoder_threads,
             lend_threads=self.lend_threads == "on",
-            host_memory=self.host_memory,
         )
 
     @property
@@ -214,7 +208,6 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "cuda_graphs": ("AGENT_SERVER_CUDA_GRAPHS",),
     "threads": ("AGENT_SERVER_THREADS",),
     "lend_threads": ("AGENT_SERVER_LEND_THREADS",),
-    "host_memory": ("AGENT_SERVER_HOST_MEMORY",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),
     "max_slots": ("AGENT_SERVER_MAX_SLOTS",),
     "queue_when_full": ("AGENT_SERVER_QUEUE_WHEN_FULL",),

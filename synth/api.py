@@ -339,7 +339,4 @@ class EngineConfig:
     # CPU: the decode thread's cores lent to the vocoder for a turn's first chunk and while the decode has no
     # work (synth/cpu_threads.CoreLease); off: each keeps its own count.
     lend_threads: bool = True
-    # CPU: "retain" keeps memory torch frees in the process for reuse (glibc malloc thresholds, process-wide;
-    # synth/host_memory.py): render ticks stop faulting their temporaries in again. "system": malloc as it is.
-    host_memory: str = "retain"
     vocoder_max_batch: int = 0  # streams rendered in one vocoder tick at most (0: 4 on a CPU, 64 on a GPU)

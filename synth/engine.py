@@ -48,8 +48,6 @@ from synth.api import (
     max_tokens_for_text,
 )
 from synth.cpu_threads import CoreLease, available_cores, release_openmp_pool, use_threads
-from synth.host_memory import HOST_MEMORY_MODES, retain_freed_memory
-from synth.host_memory import retained as host_memory_retained
 from synth.kv_cache import PrefixKV
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
@@ -117,10 +115,6 @@ class Engine(EngineLike):
         # a row holds its copy of the voice prefix, then text, the BOS block, speech, and one scratch position
         after_prefix = config.max_context_tokens or MAX_SEGMENT_TEXT_TOKENS + 2 + HARD_MAX_NEW_TOKENS + 1
         max_len = _round_up(self.prefix_positions + after_prefix, KV_LEN_MULTIPLE)
-        if config.host_memory not in HOST_MEMORY_MODES:
-            raise EngineError(f"host_memory must be one of {', '.join(HOST_MEMORY_MODES)}, not {config.host_memory!r}")
-        if config.host_memory == "retain" and self.device.type == "cpu":
-            retain_freed_memory()
         bf16_weights = self._round_weights_for(config)
         self.vocoder_gemm_dtype = self._vocoder_gemm_dtype_for(config)
         self.runner = T3Runner(bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=self.dtype,
@@ -226,7 +220,6 @@ class Engine(EngineLike):
             "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
             "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
             "cpu_weights": self.config.cpu_weights, "cpu_vocoder": self.config.cpu_vocoder,
-            "host_memory": "retain" if host_memory_retained() else "system",
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,

@@ -603,9 +603,6 @@ def test_settings_from_flags_and_environment() -> None:
     assert settings_from(["--cpu-vocoder", "bf16"], {}).engine_config().cpu_vocoder == "bf16"
     assert settings_from([], {"AGENT_SERVER_CPU_VOCODER": "bf16"}).cpu_vocoder == "bf16"
     assert settings_from([], {}).engine_config().cpu_vocoder == "fp32"
-    assert settings_from([], {}).engine_config().host_memory == "retain"
-    assert settings_from(["--host-memory", "system"], {}).engine_config().host_memory == "system"
-    assert settings_from([], {"AGENT_SERVER_HOST_MEMORY": "system"}).host_memory == "system"
     with pytest.raises(SystemExit):
         settings_from(["--cpu-weights", "int4"], {})
     with pytest.raises(SystemExit):  # the analyzer reads the multilingual model's heads only
