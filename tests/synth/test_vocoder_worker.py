@@ -268,3 +268,17 @@ def test_a_turns_first_audio_is_what_borrows_the_decodes_threads(setup: Setup) -
     assert not VocoderWorker._first_audio([(later, job)], now)  # dry, but past its first chunk
     assert not VocoderWorker._first_audio([(speech("after a gap", dry, 0), job)], now)
     assert not VocoderWorker._first_audio([(speech("next sentence", holding, 0), job)], now)
+
+
+def test_debug_log_says_what_each_render_tick_did(setup: Setup, worker: VocoderWorker,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """At debug level every tick is one log line: its streams, each one's chunk index and tokens rendered, the
+    threads it ran with and its milliseconds (`--log-level debug`: where a slow first audio's time went)."""
+    col = Collector()
+    tokens = utterance(20, seed=4)
+    with caplog.at_level("DEBUG", logger="synth.vocoder_worker"):
+        worker.feed([open_stream(setup, col, "logged", setup.voices[0], seed=5), final("logged", tokens, 20)])
+        col.wait_done(["logged"])
+    ticks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("render tick")]
+    assert ticks[0].startswith("render tick: 1 streams, ") and " 1 threads, logged#0:" in ticks[0]
+    assert sum(int(t.split(":")[-1].split("t/")[0]) for t in ticks) == 20  # each token's mel frames rendered once
