@@ -17,42 +17,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import cast
 
 import torch
 
+from synth import ckernel
+
 log = logging.getLogger(__name__)
+KernelUnavailable = ckernel.KernelUnavailable  # (re-exported: callers catch it from here)
 
 SOURCE = Path(__file__).with_name("linear_bf16w.c")
 BLOCK_OUTPUTS = 64  # GROUP_OUT in the C source: outputs per packed group
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wall"]
-
-
-class KernelUnavailable(RuntimeError):
-    pass
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("AGENT_SERVER_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "agent-server", "kernels")
-    return Path(root)
-
-
-def _compiler() -> str:
-    wanted = os.environ.get("CC")
-    cc = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("cpu_weights='bf16' compiles a small C kernel on first use and needs a C compiler "
-                                f"on this machine: {f'CC={wanted} was not found' if wanted else 'no cc or gcc'}")
-    return cc
+CFLAGS = ckernel.OPENMP_CFLAGS
 
 
 @functools.cache
@@ -64,22 +42,7 @@ def _library() -> ctypes.CDLL:
     if "AVX512" not in capability:
         raise KernelUnavailable(f"cpu_weights='bf16' needs an AVX-512 CPU (this one offers {capability}); "
                                 "use cpu_weights='fp32'")
-    cc = _compiler()
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(CFLAGS).encode()
-                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"linear_bf16w-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run([cc, *CFLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise KernelUnavailable(f"compiling {SOURCE.name} with {cc} failed:\n{proc.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: concurrent builders each publish a complete file
-        log.info("compiled %s -> %s", SOURCE.name, target)
-    lib = ctypes.CDLL(str(target))
+    lib = ckernel.build(SOURCE, CFLAGS, purpose="cpu_weights='bf16'")
     fn = lib.linear_f32_bf16w
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

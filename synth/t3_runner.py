@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 
+from synth import decode_attention
 from synth.kv_cache import PrefixKV, SlotKVCache
 from synth.linear_bf16w import Bf16WeightLinears
 from synth.sampling import RowParams, sample_gpt2, sample_llama
@@ -167,6 +168,11 @@ class T3Runner:
                                  head_dim=self.head_dim, device=device, dtype=dtype)
         self.start_speech_token = t3.hp.start_speech_token
         self.stop_speech_token = t3.hp.stop_speech_token
+        # CPU, fp32: the decode attention reads each row's voice prefix from the voice's PrefixKV (one copy per
+        # voice, not per row) and no key past a row's length (synth/decode_attention.py); else torch's.
+        self.shared_prefix_attention = (device.type == "cpu" and dtype == torch.float32
+                                        and decode_attention.available())
+        self.row_prefixes = decode_attention.RowPrefixes(max_rows, self.n_layers)
         # Attention probabilities of these (layer, head) pairs are kept by passes run with capture=True
         # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [rows, keys] over the
         # row's own positions; prefill -> `captured_prefill` [T, prefix columns + T] with the packed layout
@@ -260,6 +266,8 @@ class T3Runner:
             if item.prefix_len + item.embeds.shape[0] >= self.cache.usable_len:
                 raise ValueError("segment does not fit the KV cache")
             self.cache.install_prefix(item.row, item.prefix, item.prefix_len)
+            if self.shared_prefix_attention:
+                self.row_prefixes.set(item.row, item.prefix.keys, item.prefix.values, item.prefix_len)
         logits, _, _ = self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items],
                                         rows=[i.row for i in items], capture=capture)
         return logits
@@ -347,6 +355,9 @@ class T3Runner:
                     scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
                     scores = scores.masked_fill(hidden_keys, float("-inf"))  # [R, L]
                     self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
+            if self.shared_prefix_attention:
+                return decode_attention.attention(q, cache.keys[layer], cache.values[layer], self.row_prefixes, layer,
+                                                  keys_visible, n_keys, scale)
             return self._attention(q, keys, values, mask, hidden)  # [R, H, 1, D]
 
         last = self._layers(embeds, pos[:, None], attend)
@@ -360,7 +371,8 @@ class T3Runner:
         CUDA: SDPA (its kernels accumulate scores and softmax in fp32 whatever the dtype). CPU: the same
         arithmetic spelled out in fp32 (matmul, masked softmax, matmul), because the CPU SDPA kernel is not
         row-invariant (a row's output changes in the last bit with the batch size; checked), while these ops
-        give a row the same bits for any row and key bucket (tests/synth/test_t3_runner.py)."""
+        give a row the same bits for any row and key bucket (tests/synth/test_t3_runner.py). A CPU runner in fp32
+        with the C kernel of synth/decode_attention.py uses that instead (it reads the voice prefix once)."""
         if q.is_cuda:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         if q.dtype != torch.float32:  # (in fp32 the casts are no-ops, but each is still an op per layer)
