@@ -28,7 +28,11 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = ckernel.build(SOURCE, purpose="the CPU decode attention")
+    # No FMA contraction: with it, a row's bits changed with its batch (tests/synth/test_t3_runner.py, measured):
+    # a vectorised loop's body and its scalar remainder may contract differently, and which keys fall in which
+    # is not the row's alone. Without it every operation rounds as written, wherever it runs.
+    flags = (*(flag for flag in ckernel.OPENMP_CFLAGS if not flag.startswith("-ffp-contract")), "-ffp-contract=off")
+    lib = ckernel.build(SOURCE, flags, purpose="the CPU decode attention")
     fn = lib.decode_attention_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
@@ -36,6 +40,14 @@ def _library() -> ctypes.CDLL:
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+MAX_HEAD_DIM = 256  # MAX_DIM in the C source
+
+
+def supports(head_dim: int) -> bool:
+    """Head sizes the kernel takes: multiples of 16 (its vector width) up to MAX_HEAD_DIM (T3's is 64)."""
+    return head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
 def available() -> bool:
@@ -70,6 +82,10 @@ class RowPrefixes:
         self.shared[row] = shared
         self._held[row] = (list(keys), list(values))
 
+    def holding(self) -> list[int]:
+        """Rows that hold a prefix (each keeps its voice's tensors alive)."""
+        return [row for row, held in enumerate(self._held) if held is not None]
+
     def clear(self, row: int) -> None:
         self.shared[row] = 0
         self.keys[:, row] = self.values[:, row] = 0
@@ -82,8 +98,8 @@ def attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Ten
     from its prefix, the others from cache_keys / cache_values [max_rows, H, max_len, D] (contiguous).
     Returns [R, H, 1, D]."""
     rows, heads, _, dim = q.shape
-    if dim % 16 or dim > 256:
-        raise ValueError("head_dim must be a multiple of 16, at most 256")
+    if not supports(dim):
+        raise ValueError(f"head_dim must be a multiple of 16, at most {MAX_HEAD_DIM}")
     if not (cache_keys.is_contiguous() and cache_values.is_contiguous()):
         raise ValueError("the cache must be contiguous")
     q = q.contiguous()

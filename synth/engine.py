@@ -134,7 +134,8 @@ class Engine(EngineLike):
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=config.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.cache.usable_len,
-            eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama))
+            eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama),
+            on_release=self.runner.release)
         self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
         # the decode's threads lent to the vocoder's urgent ticks (CPU only: on a GPU the threads only launch)
         self.lease = CoreLease(self.threads.decode, self.threads.vocoder,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from synth.request import SegmentState, Status
@@ -50,8 +51,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, on_release: Callable[[tuple[int, ...]], None] | None = None) -> None:
         self.config = config
+        self._on_release = on_release  # told the rows of every segment that gives its rows back (any path)
         self._free_rows = list(range(config.max_rows))
         heapq.heapify(self._free_rows)
         self._row_owner: dict[int, SegmentState] = {}
@@ -162,3 +164,5 @@ class Scheduler:
                 del self._row_owner[row]
                 heapq.heappush(self._free_rows, row)
         self.running.remove(state)
+        if self._on_release is not None:
+            self._on_release(state.rows)

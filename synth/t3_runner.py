@@ -171,7 +171,7 @@ class T3Runner:
         # CPU, fp32: the decode attention reads each row's voice prefix from the voice's PrefixKV (one copy per
         # voice, not per row) and no key past a row's length (synth/decode_attention.py); else torch's.
         self.shared_prefix_attention = (device.type == "cpu" and dtype == torch.float32
-                                        and decode_attention.available())
+                                        and decode_attention.supports(self.head_dim) and decode_attention.available())
         self.row_prefixes = decode_attention.RowPrefixes(max_rows, self.n_layers)
         # Attention probabilities of these (layer, head) pairs are kept by passes run with capture=True
         # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [rows, keys] over the
@@ -271,6 +271,11 @@ class T3Runner:
         logits, _, _ = self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items],
                                         rows=[i.row for i in items], capture=capture)
         return logits
+
+    def release(self, rows: tuple[int, ...]) -> None:
+        """These rows' segment is gone: hold nothing of its voice (a removed voice's prefix is freed)."""
+        for row in rows:
+            self.row_prefixes.clear(row)
 
     def place_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """Prefill logits [N, V] become the sampling input of `rows` (the step's other rows come from decode)."""

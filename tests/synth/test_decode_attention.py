@@ -108,5 +108,6 @@ def test_refuses_a_prefix_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="contiguous float32"):
         prefixes.set(0, [keys[0].transpose(0, 1)], keys, 3)
     prefixes.set(1, keys, keys, 10)
+    assert prefixes.holding() == [1]
     prefixes.clear(1)
-    assert prefixes.shared[1] == 0 and prefixes.keys[0, 1] == 0
+    assert prefixes.shared[1] == 0 and prefixes.keys[0, 1] == 0 and prefixes.holding() == []

@@ -114,6 +114,8 @@ def test_cancel_frees_the_slot_and_stops_chunks(engine: Engine) -> None:
     assert col.kinds("after")[-1] == EventKind.DONE
     assert len(col.chunks("long")) == after_cancel
     assert not engine.scheduler.running  # the cancelled slot was freed (and "after" finished)
+    # and the runner holds no voice prefix for rows nobody uses (a removed voice's prefix must be freeable)
+    assert engine.runner.row_prefixes.holding() == []
 
 
 def test_busy_when_no_slot_and_request_may_not_wait(engine: Engine) -> None:
