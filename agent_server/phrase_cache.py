@@ -118,6 +118,7 @@ def weights_identity(engine_status: dict[str, object], variant: str) -> str:
         "dtype": engine_status.get("dtype"),
         "cpu_weights": engine_status.get("cpu_weights"),
         "cpu_vocoder": engine_status.get("cpu_vocoder", "fp32"),
+        "decode_attention": engine_status.get("decode_attention", "torch"),  # the C kernel's logits' last bits differ
         "device": str(engine_status.get("device") or "").split(":")[0],
     }
     directory = Path(source.split(":", 1)[1] if source.startswith("hf-cache:") else source)

@@ -221,6 +221,7 @@ class Engine(EngineLike):
             "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
             "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
             "cpu_weights": self.config.cpu_weights, "cpu_vocoder": self.config.cpu_vocoder,
+            "decode_attention": "shared-prefix" if self.runner.shared_prefix_attention else "torch",
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,

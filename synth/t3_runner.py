@@ -34,6 +34,7 @@ for another M (row bucket) or key length, so tokens are identical alone and in a
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from synth.kv_cache import PrefixKV, SlotKVCache
 from synth.linear_bf16w import Bf16WeightLinears
 from synth.sampling import RowParams, sample_gpt2, sample_llama
 from synth.step_buffers import FLOAT_FIELDS, MIN_KEY_BUCKET, StepGraph, StepInputs, bucket, ladder
+
+log = logging.getLogger(__name__)
 
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -173,6 +176,10 @@ class T3Runner:
         self.shared_prefix_attention = (device.type == "cpu" and dtype == torch.float32
                                         and decode_attention.supports(self.head_dim) and decode_attention.available())
         self.row_prefixes = decode_attention.RowPrefixes(max_rows, self.n_layers)
+        if device.type == "cpu" and dtype == torch.float32 and not self.shared_prefix_attention:
+            log.warning("decode attention: torch's (the C kernel did not build here or does not take head size %d): "
+                        "every row reads its own copy of the voice prefix, slower with many segments on a voice",
+                        self.head_dim)
         # Attention probabilities of these (layer, head) pairs are kept by passes run with capture=True
         # (the multilingual alignment analyzer reads them): decode -> `captured_decode` [rows, keys] over the
         # row's own positions; prefill -> `captured_prefill` [T, prefix columns + T] with the packed layout

@@ -466,7 +466,7 @@ def test_weights_identity(tmp_path: Path) -> None:
     same = weights_identity(base, "turbo")
     assert weights_identity({**base, "device": "cuda:3"}, "turbo") == same  # which GPU does not matter
     for change in ({"dtype": "bfloat16"}, {"cpu_weights": "bf16"}, {"cpu_vocoder": "bf16"}, {"device": "cpu"},
-                   {"preset": "full"},
+                   {"preset": "full"}, {"decode_attention": "shared-prefix"},
                    {"weights_source": "random-full"}):
         assert weights_identity({**base, **change}, "turbo") != same, change
     assert weights_identity(base, "english") != same

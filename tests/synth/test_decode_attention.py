@@ -98,6 +98,7 @@ def test_it_compiles_here_and_the_cpu_runner_uses_it() -> None:
 
     engine = make_engine("turbo", render_audio=False, max_slots=1)
     assert engine.runner.shared_prefix_attention == (TEST_DEVICE == "cpu")
+    assert engine.status()["decode_attention"] == ("shared-prefix" if TEST_DEVICE == "cpu" else "torch")
 
 
 def test_refuses_a_prefix_it_cannot_read() -> None:
