@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bit-identical with fp32)", choices=CPU_WEIGHTS)
     add("--cuda-graphs", "cuda_graphs", "capture the decode step and sampling as CUDA graphs per batch bucket at "
         "start-up: auto (on with CUDA), on, off", choices=CUDA_GRAPHS)
+    add("--vocoder-graphs", "vocoder_graphs", "CUDA: replay the vocoder's renders as CUDA graphs, one per (batch, "
+        "length bucket), each captured when first met (off until measured on a GPU)", choices=ON_OFF)
     add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
         "or D,V")
     add("--lend-threads", "lend_threads", "CPU: the decode's threads render a turn's first chunk (the decode pauses "

@@ -119,6 +119,7 @@ def weights_identity(engine_status: dict[str, object], variant: str) -> str:
         "cpu_weights": engine_status.get("cpu_weights"),
         "cpu_vocoder": engine_status.get("cpu_vocoder", "fp32"),
         "decode_attention": engine_status.get("decode_attention", "torch"),  # the C kernel's logits' last bits differ
+        "vocoder_graphs": engine_status.get("vocoder_graphs", "off"),  # padded batches: a GPU row's last bits move
         "device": str(engine_status.get("device") or "").split(":")[0],
     }
     directory = Path(source.split(":", 1)[1] if source.startswith("hf-cache:") else source)

@@ -36,6 +36,9 @@ class Settings:
     # The decode step and sampling as CUDA graphs, one per row / key bucket, captured at start-up: "auto" (on
     # with a CUDA device), "on" (requires one), "off" (eager, the CPU's path).
     cuda_graphs: str = "auto"
+    # The vocoder's renders as CUDA graphs, one per (batch, length bucket), captured the first time each is met:
+    # "on" (requires CUDA) or "off". Off by default until the GPU check has measured it (BENCHMARKS.md).
+    vocoder_graphs: str = "off"
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
     threads: str = "auto"
@@ -136,6 +139,8 @@ class Settings:
             raise ValueError(f"cpu_vocoder must be one of {', '.join(CPU_WEIGHTS)}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
+        if self.vocoder_graphs not in ON_OFF:
+            raise ValueError(f"vocoder_graphs must be one of {', '.join(ON_OFF)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
         if self.lend_threads not in ON_OFF:
             raise ValueError(f"lend_threads must be one of {', '.join(ON_OFF)}")
@@ -183,6 +188,7 @@ class Settings:
             cpu_weights=self.cpu_weights,
             cpu_vocoder=self.cpu_vocoder,
             cuda_graphs=self.cuda_graphs,
+            vocoder_graphs=self.vocoder_graphs,
             max_slots=self.max_slots,
             alignment_analyzer=self.alignment_analyzer,
             decode_threads=decode_threads,
@@ -206,6 +212,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "cpu_weights": ("AGENT_SERVER_CPU_WEIGHTS",),
     "cpu_vocoder": ("AGENT_SERVER_CPU_VOCODER",),
     "cuda_graphs": ("AGENT_SERVER_CUDA_GRAPHS",),
+    "vocoder_graphs": ("AGENT_SERVER_VOCODER_GRAPHS",),
     "threads": ("AGENT_SERVER_THREADS",),
     "lend_threads": ("AGENT_SERVER_LEND_THREADS",),
     "max_sessions": ("AGENT_SERVER_MAX_SESSIONS",),

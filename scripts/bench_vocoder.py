@@ -14,7 +14,8 @@ each B in --batch-sizes and three tick shapes (first chunks: 12 new tokens; a 24
 a 48-token chunk after two): ms per tick, per stream, audio seconds per second, aten ops per tick (the same for
 every B), and whether a stream's PCM in the batch is bitwise what it gets alone. With --compile (CUDA), the
 same after StreamingVocoder.compile() (torch.compile, mode reduce-overhead: a CUDA graph per (B, bucket)),
-eager and compiled side by side. For the GPU check:
+eager and compiled side by side; with --graphs, after StreamingVocoder.use_graphs() (a CUDA graph captured per
+input signature on first use, no compiler: what the server's --vocoder-graphs on runs). For the GPU check:
 
     python scripts/bench_vocoder.py --mode batched --device cuda --batch-sizes 1 8 32 64 --compile \
         --variants turbo --shapes chunk_24 --out out/gpu/bench_vocoder_batched.json
@@ -291,29 +292,10 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
             log.info("%s", {k: v for k, v in row.items() if k not in ("eager_ms", "eager_stream0")})
             results.append(row)
     if args.compile:
-        compiled = new_vocoder()  # a vocoder of its own: compile() comes before its voice's prompt cache
-        try:
-            compiled.compile(mode="reduce-overhead" if device.type == "cuda" else "default")
-            compiled_voice = compiled.prepare_voice(ref_dict)
-        except Exception as exc:  # report it, keep the eager figures
-            for row in results:
-                row["compile_error"] = f"{type(exc).__name__}: {exc}"
-            compiled_voice = None
-        for row in results if compiled_voice is not None else []:
-            try:
-                streams = _streams_at(compiled, compiled_voice, row["batch"], row["before"])
-                t0 = time.perf_counter()
-                _time_ticks(compiled, streams, row["chunk_tokens"], 2, device)  # compile + capture, replay once
-                row["compile_first_calls_s"] = time.perf_counter() - t0
-                times_ms, outputs = _time_ticks(compiled, streams, row["chunk_tokens"], args.reps, device)
-                row.update({"compiled_ms": times_ms, "compiled_ms_median": float(np.median(times_ms)),
-                            "compiled_ms_per_stream": float(np.median(times_ms)) / row["batch"],
-                            "speedup_compiled": row["eager_ms_median"] / float(np.median(times_ms)),
-                            "compiled_max_abs_diff_vs_eager": float(np.abs(outputs[0] - row["eager_stream0"]).max())})
-            except Exception as exc:
-                row["compile_error"] = f"{type(exc).__name__}: {exc}"
-            log.info("%s B=%d compiled: %s", row["shape"], row["batch"],
-                     {k: v for k, v in row.items() if k.startswith("compil") and k != "compiled_ms"})
+        _bench_faster("compiled", lambda v: v.compile(mode="reduce-overhead" if device.type == "cuda" else "default"),
+                      new_vocoder, ref_dict, results, args.reps, device)
+    if args.graphs:
+        _bench_faster("graphs", lambda v: v.use_graphs(), new_vocoder, ref_dict, results, args.reps, device)
     if args.gemm_dtype != "fp32":
         error = lowered_pcm_error(s3gen, ref_dict, variant, GEMM_DTYPES[args.gemm_dtype])
         log.info("%s %s audio vs fp32: %s", variant, args.gemm_dtype, error)
@@ -324,15 +306,47 @@ def bench_batched(variant: str, args: argparse.Namespace, device: torch.device) 
     return results
 
 
+def _bench_faster(name: str, setup: Callable[[StreamingVocoder], Any], new_vocoder: Callable[[], StreamingVocoder],
+                  ref_dict: dict[str, Any], results: list[dict[str, Any]], reps: int, device: torch.device) -> None:
+    """Each row's tick again on a vocoder of its own set up by `setup` (compile(): torch.compile, a CUDA graph per
+    shape; use_graphs(): CUDA graphs captured per signature, no compiler): its first two ticks (compile or
+    capture, then a replay) and `reps` timed ones, as `{name}_*` keys of the row."""
+    faster = new_vocoder()  # a vocoder of its own: compile() comes before its voice's prompt cache
+    try:
+        setup(faster)
+        voice = faster.prepare_voice(ref_dict)
+    except Exception as exc:  # report it, keep the eager figures
+        for row in results:
+            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    for row in results:
+        try:
+            streams = _streams_at(faster, voice, row["batch"], row["before"])
+            t0 = time.perf_counter()
+            _time_ticks(faster, streams, row["chunk_tokens"], 2, device)  # compile or capture, replay once
+            row[f"{name}_first_calls_s"] = time.perf_counter() - t0
+            times_ms, outputs = _time_ticks(faster, streams, row["chunk_tokens"], reps, device)
+            row.update({f"{name}_ms": times_ms, f"{name}_ms_median": float(np.median(times_ms)),
+                        f"{name}_ms_per_stream": float(np.median(times_ms)) / row["batch"],
+                        f"speedup_{name}": row["eager_ms_median"] / float(np.median(times_ms)),
+                        f"{name}_max_abs_diff_vs_eager": float(np.abs(outputs[0] - row["eager_stream0"]).max())})
+        except Exception as exc:
+            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+        log.info("%s B=%d %s: %s", row["shape"], row["batch"], name,
+                 {k: v for k, v in row.items() if (k.startswith(name) or k.endswith(name)) and k != f"{name}_ms"})
+
+
 def print_batched(results: list[dict[str, Any]]) -> None:
     print(f"\n{'variant':8} {'tick':15} {'B':>4} {'eager ms':>9} {'ms/stream':>9} {'audio-s/s':>9} {'ops':>6} "
-          f"{'bitwise':>7} {'compiled ms':>11} {'speedup':>7}")
+          f"{'bitwise':>7} {'compiled ms':>11} {'speedup':>7} {'graphs ms':>11} {'speedup':>7}")
     for r in results:
-        compiled = f"{r['compiled_ms_median']:.1f}" if "compiled_ms_median" in r else r.get("compile_error", "-")[:11]
-        speedup = f"{r['speedup_compiled']:.2f}" if "speedup_compiled" in r else "-"
+        faster = []
+        for name in ("compiled", "graphs"):
+            ms = f"{r[f'{name}_ms_median']:.1f}" if f"{name}_ms_median" in r else r.get(f"{name}_error", "-")[:11]
+            faster.append(f"{ms:>11} {r[f'speedup_{name}']:>7.2f}" if f"speedup_{name}" in r else f"{ms:>11} {'-':>7}")
         print(f"{r['variant']:8} {r['shape']:15} {r['batch']:>4} {r['eager_ms_median']:>9.1f} "
               f"{r['eager_ms_per_stream']:>9.1f} {r['eager_audio_s_per_s']:>9.2f} {r['ops_per_tick']:>6} "
-              f"{r['stream0_bitwise_as_alone']!s:>7} {compiled:>11} {speedup:>7}")
+              f"{r['stream0_bitwise_as_alone']!s:>7} {' '.join(faster)}")
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -364,6 +378,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64], help="batched mode")
     parser.add_argument("--reps", type=int, default=5, help="batched mode: timed ticks per (shape, batch)")
     parser.add_argument("--compile", action="store_true", help="batched mode: also compiled (CUDA graphs on CUDA)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="batched mode: also with use_graphs() (CUDA graphs captured per signature, no compiler; "
+                             "on the CPU the same static-buffer plumbing, eagerly)")
     parser.add_argument("--gemm-dtype", choices=sorted(GEMM_DTYPES), default="fp32",
                         help="batched mode, CPU: the vocoder's products (bf16 = the server's --cpu-vocoder bf16)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(TICK_SHAPES), default=list(TICK_SHAPES),

@@ -12,10 +12,11 @@
 # with chatterbox's reference; (2) the decode step of full-size Turbo, a voice per segment: ms and ops per step,
 # fp32 eager and bf16 with graphs; (3) the real server's capacity, Turbo, N sessions streaming an LLM reply
 # (first audio, audio seconds per second, underruns), old code beside new; (4) more decode steps: Turbo fp32
-# with graphs, English bf16 with graphs; (5) the vocoder's batched render ticks, eager vs compiled (torch.compile,
-# a CUDA graph per (batch, bucket)), Turbo, 24-token chunks.
-# Stages 1-4 take up to ~10 min on the H200 and stage 5 up to ~4 (each compiled batch size compiles once): two
-# device calls back to back, GPU_STAGES="1 2 3 4" then GPU_STAGES=5, so that each fits one command's 10 minutes.
+# with graphs, English bf16 with graphs; (5) the vocoder's batched render ticks, eager vs captured graphs
+# (`use_graphs`: a CUDA graph per (batch, bucket), no compiler; GPU_COMPILE=1 adds torch.compile's, about a
+# minute per shape), Turbo, 24-token chunks. Stage 3 runs a third server with `--vocoder-graphs on` on CUDA.
+# Bounds (the `timeout`s): stage 1 165 s, 2 60 s, 3 300 s, 4 180 s, 5 230 s, so two device calls back to back,
+# GPU_STAGES="1 3" (the default) then GPU_STAGES="2 4 5", each fits one command's 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda
@@ -41,7 +42,7 @@ else
 fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
           'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
-STAGES=${GPU_STAGES:-1 2 3 4}  # a rerun can take fewer
+STAGES=${GPU_STAGES:-1 3}  # then GPU_STAGES="2 4 5"; a rerun can take fewer
 stage() { echo; echo "== $1 ($(date +%T))"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -49,6 +50,7 @@ if want 1; then
     stage "1. engine tests on $DEVICE"
     SYNTH_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "gpu or not gpu" \
         tests/synth/test_t3_runner.py tests/synth/test_reference_equivalence.py tests/synth/test_engine_equivalence.py \
+        tests/synth/test_render_graphs.py \
         2>&1 | tail -12 | tee "$OUT_DIR/tests.txt"
 fi
 graphs=auto  # CPU: eager; CUDA: on, unless the replay test fails
@@ -66,12 +68,14 @@ step() {  # variant dtype graphs
 want 2 && stage "2. decode step, $SIZE, a voice per segment" && step turbo float32 off
 
 if want 3; then
-    stage "3. server capacity, Turbo, old vs new"
+    stage "3. server capacity, Turbo, old vs new (and new with the vocoder's graphs)"
     old=(); [ -d .gpu_old/agent_server ] && old=(--repo "old=.gpu_old" --server-args-for "old=--device $DEVICE")
-    timeout 200 "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" --sessions $CAPACITY_SESSIONS \
+    vgraphs=(); [ "$DEVICE" = cuda ] && vgraphs=(--repo vgraphs=. --server-args-for
+        "vgraphs=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs --vocoder-graphs on")
+    timeout 300 "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" --sessions $CAPACITY_SESSIONS \
         "${old[@]}" --repo new=. --server-args-for "new=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs" \
-        --server-start-timeout-s 100 --out "$OUT_DIR/capacity_turbo" -- --max-slots "$SLOTS" 2>&1 | tail -16 \
-        | tee "$OUT_DIR/capacity.txt"
+        "${vgraphs[@]}" --server-start-timeout-s 100 --out "$OUT_DIR/capacity_turbo" -- --max-slots "$SLOTS" 2>&1 \
+        | tail -22 | tee "$OUT_DIR/capacity.txt"
 fi
 
 if want 4 && [ "$DEVICE" = cuda ]; then
@@ -79,10 +83,12 @@ if want 4 && [ "$DEVICE" = cuda ]; then
     step turbo "$DTYPE" "$graphs"; step turbo float32 "$graphs"; step english "$DTYPE" "$graphs"
 fi
 if want 5; then
-    stage "5. vocoder render ticks, Turbo, eager vs compiled, batches $RENDER_BATCHES"
+    stage "5. vocoder render ticks, Turbo, eager vs captured graphs (GPU_COMPILE=1: also torch.compile), batches $RENDER_BATCHES"
     # its per-batch lines are in the log as they come, so a stage cut short by its bound keeps what it measured
+    compile=(); [ "${GPU_COMPILE:-0}" = 1 ] && compile=(--compile)
     timeout 230 "$PY" scripts/bench_vocoder.py --mode batched --device "$DEVICE" --preset "$SIZE" --variants turbo \
-        --shapes chunk_24 --batch-sizes $RENDER_BATCHES --compile --reps 5 --out "$OUT_DIR/vocoder_batched.json" 2>&1 \
-        | grep -E "compiled|eager_ms|^turbo|^variant" | tee "$OUT_DIR/vocoder.txt"
+        --shapes chunk_24 --batch-sizes $RENDER_BATCHES --graphs "${compile[@]}" --reps 5 \
+        --out "$OUT_DIR/vocoder_batched.json" 2>&1 | grep -E "graphs|compiled|eager_ms|^turbo|^variant" \
+        | tee "$OUT_DIR/vocoder.txt"
 fi
 stage "done"

@@ -326,6 +326,10 @@ class EngineConfig:
     # The decode step and sampling captured as CUDA graphs per row / key bucket at start-up and replayed:
     # "auto" (on with a CUDA device), "on" (a CUDA device is required), "off" (eager, as on a CPU).
     cuda_graphs: str = "auto"
+    # The vocoder's three batched functions (encoder, estimator step, HiFT) replayed as CUDA graphs, one per input
+    # signature (batch padded to a power of two, length bucket), each captured the first time it is met
+    # (synth/render_graphs.py): "on" (a CUDA device is required) or "off" (eager).
+    vocoder_graphs: str = "off"
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
     # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).

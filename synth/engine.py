@@ -217,11 +217,15 @@ class Engine(EngineLike):
         self._stats_listener = listener
 
     def status(self) -> dict[str, object]:
+        graphs = self.vocoder.graphs if self.vocoder is not None else None
         return {
             "variant": self.variant, "random_weights": self.random_weights, "weights_source": self.bundle.source,
             "preset": self.bundle.size, "device": str(self.device), "dtype": self.config.dtype,
             "cpu_weights": self.config.cpu_weights, "cpu_vocoder": self.config.cpu_vocoder,
             "decode_attention": "shared-prefix" if self.runner.shared_prefix_attention else "torch",
+            "vocoder_graphs": self.config.vocoder_graphs,
+            "vocoder_graphs_captured": graphs.captured if graphs is not None else 0,
+            "vocoder_graphs_failed": graphs.failed if graphs is not None else 0,
             "max_slots": self.max_slots, "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
@@ -642,6 +646,10 @@ class Engine(EngineLike):
             raise EngineError(f"cuda_graphs must be 'auto', 'on' or 'off', not {config.cuda_graphs!r}")
         if config.cuda_graphs == "on" and self.device.type != "cuda":
             raise EngineError("cuda_graphs='on' needs a CUDA device")
+        if config.vocoder_graphs not in ("on", "off"):
+            raise EngineError(f"vocoder_graphs must be 'on' or 'off', not {config.vocoder_graphs!r}")
+        if config.vocoder_graphs == "on" and self.device.type != "cuda":
+            raise EngineError("vocoder_graphs='on' needs a CUDA device")
         return config.cuda_graphs != "off" and self.device.type == "cuda"
 
     def _build_vocoder(self) -> tuple[Any, VocoderWorker]:
@@ -654,6 +662,8 @@ class Engine(EngineLike):
                                    append_silence_tokens=S3GEN_SILENCE_TOKENS_TURBO if turbo else 0,
                                    max_chunk_tokens=max((config.first_chunk_tokens, *schedule)),
                                    gemm_dtype=self.vocoder_gemm_dtype)
+        if config.vocoder_graphs == "on":
+            vocoder.use_graphs(capture=True)  # each (batch, bucket) captured when first met (synth/render_graphs.py)
         policy = ChunkPolicy(first_chunk_tokens=config.first_chunk_tokens, schedule_tokens=schedule,
                              max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
         max_batch = config.vocoder_max_batch or VOCODER_MAX_BATCH.get(self.device.type, VOCODER_MAX_BATCH["cpu"])

@@ -66,6 +66,7 @@ from synth.flow_encoder import (
 from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
 from synth.hift import BatchedHift
 from synth.invariant_ops import row_invariant_default
+from synth.render_graphs import DEFAULT_MAX_GRAPHS, GraphSet
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +247,9 @@ class StreamingVocoder:
         self._prompt_caches: OrderedDict[int, PromptCache] = OrderedDict()  # voice key -> cache, LRU order
         self._prompt_lock = threading.Lock()
         self.compiled = False
-        # The three batched functions of a render (replaced by compiled versions in `compile`).
-        self._encode_fn: Callable[..., torch.Tensor] = self.encoder.encode
+        self.graphs: GraphSet | None = None  # `use_graphs`: the three functions replayed per input signature
+        # The three batched functions of a render, on tensors only (replaced in `compile` or `use_graphs`).
+        self._encode_fn: Callable[..., torch.Tensor] = self._encode_after_prompt
         self._estimate_fn: Callable[..., torch.Tensor] = self._estimate_after_prompt
         self._hift_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.hift.__call__
 
@@ -260,13 +262,39 @@ class StreamingVocoder:
         with self._prompt_lock:
             if self._prompt_caches:
                 raise RuntimeError("compile() before preparing voices (their caches would be inference tensors)")
+        if self.graphs is not None:
+            raise RuntimeError("a vocoder replays graphs or runs compiled functions, not both")
         self.compiled = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
         compile_mode = mode if backend == "inductor" else None
-        self._encode_fn = torch.compile(self.encoder.encode, dynamic=False, backend=backend, mode=compile_mode)
+        self._encode_fn = torch.compile(self._encode_after_prompt, dynamic=False, backend=backend, mode=compile_mode)
         self._estimate_fn = torch.compile(self._estimate_after_prompt, dynamic=False, backend=backend,
                                           mode=compile_mode)
         self._hift_fn = torch.compile(self.hift.__call__, dynamic=False, backend=backend, mode=compile_mode)
+
+    def use_graphs(self, capture: bool | None = None, max_graphs: int = DEFAULT_MAX_GRAPHS) -> GraphSet:
+        """Replay the encoder, the estimator step (cached prompts) and HiFT as one CUDA graph per input signature,
+        each captured the first time it is met (synth/render_graphs.py); batches are padded to powers of two.
+        `capture` (default: on a CUDA device) False runs the same static-buffer plumbing eagerly (the tests)."""
+        if self.compiled:
+            raise RuntimeError("a vocoder replays graphs or runs compiled functions, not both")
+        capture = self.device.type == "cuda" if capture is None else capture
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a vocoder on a CUDA device")
+        graphs = GraphSet(capture, max_graphs)
+        self._encode_fn = graphs.wrap(self._encode_after_prompt, "encoder")
+        self._estimate_fn = graphs.wrap(self._estimate_after_prompt, "estimator")
+        self._hift_fn = graphs.wrap(self.hift.__call__, "hift")
+        self.graphs = graphs
+        return graphs
+
+    def _encode_after_prompt(self, mu: torch.Tensor, embedded_tail: torch.Tensor, hidden_tail: torch.Tensor,
+                             layer_kv: tuple[torch.Tensor, ...], key_mask: torch.Tensor, tokens: torch.Tensor,
+                             lengths: torch.Tensor) -> torch.Tensor:
+        """The encoder over the windows after each row's prompt (or none), on tensors only."""
+        prefix = EncoderPrefix(mu=mu, embedded_tail=embedded_tail, hidden_tail=hidden_tail, layer_kv=layer_kv,
+                               key_mask=key_mask, token_layers=len(self.encoder.token_layers))
+        return self.encoder.encode(prefix, tokens, lengths)
 
     def _estimate_after_prompt(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, time_emb: torch.Tensor,
                                spks: torch.Tensor, cond: torch.Tensor, keys: tuple[torch.Tensor, ...],
@@ -437,7 +465,8 @@ class StreamingVocoder:
         prompts = [job.stream.prompt for job in jobs]
         prefix = EncoderPrefix.cat([p.encoder for p in prompts if p is not None]) if cached else \
             self.encoder.empty_prefix(batch, device, self.dtype)
-        mu = self._encode_fn(prefix, torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
+        mu = self._encode_fn(prefix.mu, prefix.embedded_tail, prefix.hidden_tail, prefix.layer_kv, prefix.key_mask,
+                             torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
         mu = mu[:, :frames]  # [B, frames, 80]: the lookahead tokens' frames are not rendered (finalize=False)
         frame_mask = (torch.arange(frames, device=device)[None, :]
                       < torch.from_numpy(rendered * MEL_FRAMES_PER_TOKEN).to(device)[:, None])
@@ -460,9 +489,9 @@ class StreamingVocoder:
         return self._solve(x, frame_mask, mu, speaker, cond, prompts if cached else None)
 
     def _batch_bucket(self, group: list[_T]) -> list[_T]:
-        """Compiled: the group padded to a power of two with copies of its last row (read, never advanced), so a
-        CUDA graph serves every batch size up to it. Eager: as it is."""
-        if not self.compiled:
+        """Compiled or graphed: the group padded to a power of two with copies of its last row (read, never
+        advanced), so a CUDA graph serves every batch size up to it. Eager: as it is."""
+        if not self.compiled and self.graphs is None:
             return group
         size = 1 << (len(group) - 1).bit_length()
         return group + [group[-1]] * (size - len(group))

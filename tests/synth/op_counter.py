@@ -14,10 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: untyped __init_subclass__
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is untyped
-        self.ops: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()  # by op ("aten.mul")
+        self.overloads: Counter[str] = Counter()  # by overload ("aten.mul.Tensor")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[str(func.overloadpacket)] += 1
+        self.overloads[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
     @property

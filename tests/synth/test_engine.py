@@ -518,3 +518,17 @@ def test_cpu_vocoder_bf16_is_refused_where_it_does_not_apply(monkeypatch: pytest
     monkeypatch.setattr(invariant_ops, "bf16_gemms_supported", lambda: False)
     with pytest.raises(EngineError, match="AVX512-BF16 or AMX"):
         make_engine("turbo", render_audio=False, max_slots=1, cpu_vocoder="bf16")
+
+
+def test_vocoder_graphs_are_refused_without_cuda() -> None:
+    """`vocoder_graphs="on"` captures CUDA graphs: on another device the engine refuses to start, with the reason
+    (it never says ready and then fails every session); "off" is the default and says so in the status."""
+    if torch.device(TEST_DEVICE).type == "cuda":
+        pytest.skip("this run's device has CUDA (tests/synth/test_render_graphs.py replays the vocoder there)")
+    with pytest.raises(EngineError, match="vocoder_graphs='on' needs a CUDA device"):
+        make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="on")
+    with pytest.raises(EngineError, match="'on' or 'off'"):
+        make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="auto")
+    status = make_engine("turbo", render_audio=True, max_slots=1).status()
+    graphs = (status["vocoder_graphs"], status["vocoder_graphs_captured"], status["vocoder_graphs_failed"])
+    assert graphs == ("off", 0, 0)

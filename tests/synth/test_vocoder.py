@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -19,6 +19,7 @@ from chatterbox.models.s3gen.transformer import upsample_encoder
 from synth import counter_noise
 from synth.flow_encoder import EncoderPrefix
 from synth.flow_estimator import StepPrefix
+from synth.render_graphs import ShapeGraphs
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import (
     FLOW_BUCKET_TOKENS,
@@ -31,7 +32,7 @@ from synth.vocoder import (
     VocoderVoice,
 )
 
-from tests.synth.op_counter import count_ops
+from tests.synth.op_counter import OpCounter, count_ops
 
 SAMPLE_RATE_HZ = 24_000
 PROMPT_TOKENS = 50  # the 3 s test reference has 75 tokens: prompts are trimmed
@@ -564,6 +565,74 @@ def test_batched_render_equals_each_stream_alone(tiny: Setup, second_voice: Voco
         if job is not None and job_alone is not None:
             a, b = vocoder.render([job])[0], vocoder.render([job_alone])[0]
             assert np.array_equal(a, b) if row_invariant else np.allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_graphed_renders_equal_eager_renders(tiny: Setup, second_voice: VocoderVoice) -> None:
+    """`use_graphs` (on a GPU: a CUDA graph per input signature of the encoder, the estimator step and HiFT, captured
+    on first use) runs here without the capture: the same copies into each signature's static inputs and out of
+    its static outputs, around an eager call. Six streams of two voices at different points, four ticks of
+    varying chunk sizes together (batches padded to powers of two, signatures met again with new inputs), then
+    each stream alone to its end: bitwise the PCM of the plain vocoder, chunk by chunk."""
+    graphed = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                               append_silence_tokens=tiny.silence, prompt_max_tokens=PROMPT_TOKENS)
+    graphs = graphed.use_graphs(capture=False)
+    assert graphed._batch_bucket([1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5, 5, 5, 5]
+    specs = [(tiny.voice if i % 2 else second_voice, 30 + i, utterance(150 + 10 * i, seed=30 + i), [12] * (i % 3))
+             for i in range(6)]
+    plain_streams, graphed_streams = ([advanced_stream(vocoder, voice, seed, tokens, chunks, final=True)
+                                       for voice, seed, tokens, chunks in specs]
+                                      for vocoder in (tiny.vocoder, graphed))
+    pairs = list(zip(plain_streams, graphed_streams, strict=True))
+    calls = 0
+    for chunk in (12, 24, 12, 18):  # together
+        jobs = [(p.next_job(chunk), g.next_job(chunk)) for p, g in pairs]
+        expected = tiny.vocoder.render([pj for pj, _ in jobs])  # type: ignore[misc]
+        got = graphed.render([gj for _, gj in jobs])  # type: ignore[misc]
+        calls += len(jobs)
+        assert len(got) == 6 and all(np.array_equal(want, have) for want, have in zip(expected, got, strict=True))
+    for p, g in pairs:  # alone, to the end
+        while not p.finished:
+            pj, gj = p.next_job(24), g.next_job(24)
+            assert pj is not None and gj is not None
+            calls += 1
+            assert np.array_equal(tiny.vocoder.render([pj])[0], graphed.render([gj])[0])
+        assert g.finished
+    functions = [graphed._encode_fn, graphed._estimate_fn, graphed._hift_fn]
+    assert all(isinstance(fn, ShapeGraphs) for fn in functions)
+    sizes = [len(cast(ShapeGraphs, fn)) for fn in functions]
+    assert 0 < sizes[2] < calls / 2  # HiFT's signatures were met again
+    assert graphs.captured == sum(sizes)
+
+
+# what a CUDA graph cannot hold: a device value read on the host, a tensor made from host data, an output whose
+# shape depends on values (each one a sync on a GPU; a capture fails on it or bakes one call's value in)
+HOST_BOUND_OPS = ("aten.item", "aten._local_scalar_dense", "aten.lift_fresh", "aten.lift_fresh_copy", "aten.nonzero",
+                  "aten.masked_select", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim",
+                  "aten.repeat_interleave.Tensor", "aten.equal", "aten.is_nonzero")
+
+
+def test_graphed_functions_read_no_host_value(tiny: Setup, second_voice: VocoderVoice) -> None:
+    """Inside the three functions `use_graphs` captures (encoder, estimator step, HiFT), with the kernels a GPU
+    runs, over a tick of mixed streams, no op reads a device value on the host, makes a tensor from host data or
+    has a value-dependent output shape: what a replayed graph would silently freeze or a capture refuse."""
+    graphed = StreamingVocoder(tiny.s3gen, n_cfm_timesteps=tiny.steps, meanflow=tiny.meanflow,
+                               append_silence_tokens=tiny.silence, prompt_max_tokens=PROMPT_TOKENS,
+                               row_invariant=False)  # the kernels a GPU runs (cuBLAS/cuDNN's, F.linear, F.conv1d)
+    graphed.use_graphs(capture=False)
+    inside = OpCounter()
+    for fn in (graphed._encode_fn, graphed._estimate_fn, graphed._hift_fn):
+        assert isinstance(fn, ShapeGraphs)
+
+        def counted(*args: Any, _fn: Callable[..., Any] = fn.fn) -> Any:
+            with inside:
+                return _fn(*args)
+
+        fn.fn = counted
+    batch = mixed_streams(tiny, second_voice, graphed)
+    graphed.render([job for job in (s.next_job(24) for s in batch) if job is not None])
+    assert inside.total > 100 and "aten.conv1d" in inside.ops
+    assert "aten.repeat_interleave.self_int" in inside.overloads  # an int count: expand + copy, no host read
+    assert not {name for name in inside.overloads if name.startswith(HOST_BOUND_OPS)}
 
 
 def test_one_voice_batch_reads_the_prompt_cache_without_copying_it(tiny: Setup) -> None:

@@ -1,0 +1,169 @@
+"""The vocoder's batched tensor functions replayed as CUDA graphs, one per input signature, captured on first use.
+
+A render tick calls three tensor functions (the encoder over the windows, the estimator step after the cached
+prompts, HiFT): about 4,000 kernel launches for full-size Turbo, so on a GPU an eager tick is launch-bound (the
+H200 section of BENCHMARKS.md: 78 ms per tick for one stream, 186 ms for 64, for well under that of
+arithmetic). Batches are padded to powers of two and windows to length buckets (synth/vocoder.py), so each
+function meets a bounded set of input signatures (shapes and dtypes of its tensors, values of the rest); each
+signature gets one graph, captured the first time it is met (two warm-up calls on a side stream and a capture:
+about three eager calls, once), and replayed from then on. No compiler runs: a capture costs milliseconds where
+torch.compile's inductor takes about a minute per shape.
+
+A graph reads and writes fixed addresses, so a call copies its tensor arguments into the signature's static
+inputs, replays, and returns copies of the static outputs (the next replay of that graph overwrites them).
+Static inputs are shared by the signatures of one function that have the same shape at the same argument (a
+batch's cached prompt tensors depend on the batch size, not on the window's bucket), so their memory grows with
+the batch sizes met, not with the buckets. All graphs of one `GraphSet` share one memory pool: they replay one
+after another on the vocoder's stream and each one's outputs are copied out before the next runs.
+
+Capture runs in thread-local capture mode: the decode thread keeps launching (and reading back its sampled ids)
+on its own stream while the vocoder thread captures. A signature whose capture fails runs eagerly from then on
+(logged once); so does every signature past `max_graphs`.
+
+Off CUDA (`capture=False`: the tests, and any device without graphs) the same object runs the same plumbing, the
+copies into the same static inputs and out of the same static outputs, with an eager call in place of the replay:
+the code CI runs is the code a GPU replays, less the capture itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+WARMUP_CALLS = 2  # eager calls on a side stream before a capture (lazy initialisation, cuBLAS/cuDNN workspaces)
+DEFAULT_MAX_GRAPHS = 192  # per function; past it, new signatures run eagerly
+
+_LeafKey = tuple[Any, ...]
+
+
+def _leaf_key(leaf: Any) -> _LeafKey:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device)
+    if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        return ("value", leaf)
+    raise TypeError(f"a graphed function takes tensors and plain values, not {type(leaf).__name__}")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One signature: its static inputs (tensors) and constants, its graph, its static outputs."""
+
+    inputs: list[Any]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    out_spec: TreeSpec | None = None
+    eager: bool = False  # past max_graphs, or its capture failed: called directly, no static buffers
+
+
+class GraphSet:
+    """The graphs of one vocoder: a shared memory pool and the counts its status reports."""
+
+    def __init__(self, capture: bool, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+        if capture and not torch.cuda.is_available():
+            raise RuntimeError("capturing CUDA graphs needs a CUDA device")
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.pool: Any = None
+        self.captured = 0  # graphs built (captured, or with capture=False: static-buffer entries)
+        self.failed = 0  # captures that raised (those signatures run eagerly)
+
+    def wrap(self, fn: Callable[..., Any], name: str) -> ShapeGraphs:
+        return ShapeGraphs(fn, self, name)
+
+
+class ShapeGraphs:
+    """`fn` (tensors and tuples of tensors in and out, no host reads) replayed per input signature."""
+
+    def __init__(self, fn: Callable[..., Any], graphs: GraphSet, name: str) -> None:
+        self.fn = fn
+        self.graphs = graphs
+        self.name = name
+        self._entries: dict[tuple[TreeSpec, tuple[_LeafKey, ...]], _Entry] = {}
+        # static input tensors by (argument leaf, shape, dtype, device): shared across this function's signatures
+        self._static: dict[tuple[int, _LeafKey], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return sum(1 for entry in self._entries.values() if not entry.eager)
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, spec = tree_flatten(args)
+        signature = (spec, tuple(_leaf_key(leaf) for leaf in leaves))
+        entry = self._entries.get(signature)
+        if entry is None:
+            entry = self._entries[signature] = self._new_entry(leaves, spec)
+        if entry.eager:
+            return self.fn(*args)
+        for static, leaf in zip(entry.inputs, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                static.copy_(leaf)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:  # no capture: eager over the static inputs, into the static outputs
+            self._run_into(entry, spec)
+        assert entry.out_spec is not None
+        return tree_unflatten([output.clone() for output in entry.outputs], entry.out_spec)
+
+    def _new_entry(self, leaves: list[Any], spec: TreeSpec) -> _Entry:
+        graphs = self.graphs
+        if len(self) >= graphs.max_graphs:
+            if len(self) == graphs.max_graphs:
+                log.warning("vocoder %s: %d graphs built; further shapes run eagerly", self.name, graphs.max_graphs)
+            return _Entry(inputs=[], eager=True)
+        inputs = [self._static_input(index, leaf) for index, leaf in enumerate(leaves)]
+        entry = _Entry(inputs=inputs)
+        if graphs.capture:
+            for static, leaf in zip(inputs, leaves, strict=True):
+                if isinstance(leaf, torch.Tensor):
+                    static.copy_(leaf)
+            try:
+                self._capture(entry, spec)
+            except Exception as exc:  # a shape the graph cannot take runs eagerly, the server goes on
+                graphs.failed += 1
+                log.warning("vocoder %s: capture failed for %s (%s: %s); that shape runs eagerly",
+                            self.name, [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:4],
+                            type(exc).__name__, exc)
+                return _Entry(inputs=[], eager=True)
+        graphs.captured += 1
+        return entry
+
+    def _static_input(self, index: int, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        key = (index, _leaf_key(leaf))
+        static = self._static.get(key)
+        if static is None:
+            static = self._static[key] = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+        return static
+
+    def _run_into(self, entry: _Entry, spec: TreeSpec) -> None:
+        outputs, out_spec = tree_flatten(self.fn(*tree_unflatten(entry.inputs, spec)))
+        if not entry.outputs:
+            entry.outputs = [torch.empty_like(output) for output in outputs]
+            entry.out_spec = out_spec
+        for static, output in zip(entry.outputs, outputs, strict=True):
+            static.copy_(output)
+
+    def _capture(self, entry: _Entry, spec: TreeSpec) -> None:
+        """Warm-up calls on a side stream, then one capture into the set's pool (thread-local mode: other threads
+        keep launching meanwhile)."""
+        args = tree_unflatten(entry.inputs, spec)
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                self.fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # on the side stream (not torch's shared default capture stream: the decode thread captures its own graphs)
+        with torch.cuda.graph(graph, pool=self.graphs.pool, stream=side, capture_error_mode="thread_local"):
+            outputs, out_spec = tree_flatten(self.fn(*args))
+        if self.graphs.pool is None:
+            self.graphs.pool = graph.pool()
+        entry.graph, entry.outputs, entry.out_spec = graph, outputs, out_spec
