@@ -130,7 +130,7 @@ class BatchedHift:
             if level == len(self.ups) - 1:
                 x = torch.cat([x[:, 1:2], x], dim=1)  # ReflectionPad1d((1, 0))
             pad = self.source_down_padding[level]
-            si = self.source_downs[level](F.pad(source_frames, (0, 0, pad, pad)))
+            si = self.source_downs[level](source_frames, padding=pad)
             x = x + self.source_resblocks[level](si)
             blocks = self.resblocks[level * self.kernels_per_level:(level + 1) * self.kernels_per_level]
             xs = blocks[0](x)
@@ -180,5 +180,4 @@ def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 def _conv_same(conv: ops.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A stride-1 convolution with the library's symmetric zero padding (length kept)."""
-    pad = (conv.receptive_field - 1) // 2
-    return conv(F.pad(x, (0, 0, pad, pad)))
+    return conv(x, padding=(conv.receptive_field - 1) // 2)

@@ -206,15 +206,20 @@ class Conv1d:
     def out_len(self, in_len: int) -> int:
         return (in_len - self.receptive_field) // self.stride + 1
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out_len = self.out_len(x.shape[1])
+    def __call__(self, x: torch.Tensor, padding: int = 0) -> torch.Tensor:
+        """`padding` zeros on both sides of x's time axis first (the library's kernels take them as the
+        convolution's own padding: no padded copy of x)."""
         if not _invariant_now(self.invariant):
             if self.lowered:
                 y = F.conv1d(x.transpose(1, 2).to(self.gemm_dtype), self.weight, stride=self.stride,
-                             dilation=self.dilation)
+                             padding=padding, dilation=self.dilation)
                 return _to_result(y.transpose(1, 2), self.bias)
-            y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, dilation=self.dilation)
+            y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, stride=self.stride, padding=padding,
+                         dilation=self.dilation)
             return y.transpose(1, 2)
+        if padding:
+            x = F.pad(x, (0, 0, padding, padding))
+        out_len = self.out_len(x.shape[1])
         if out_len < MIN_GEMM_ROWS:  # pad to enough output rows, cut them off after
             x = F.pad(x, (0, 0, 0, (MIN_GEMM_ROWS - out_len) * self.stride))
             return self(x)[:, :out_len]

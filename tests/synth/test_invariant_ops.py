@@ -65,6 +65,7 @@ def test_conv1d_is_the_library_conv_and_row_invariant(kernel: int, dilation: int
         for invariant in (True, False):
             conv = ops.Conv1d(module, ops.Kernels(invariant, gemm_dtype))
             _assert_close(conv(padded), reference, gemm_dtype)
+            _assert_close(conv(x.transpose(1, 2), padding=padding), reference, gemm_dtype)  # the pad taken along
         assert _rows_invariant(ops.Conv1d(module, ops.Kernels(True, gemm_dtype)), padded)
 
 
