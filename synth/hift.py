@@ -35,16 +35,16 @@ class _ResBlock:
     def __init__(self, block: Any, kernels: ops.Kernels) -> None:
         self.convs1 = [ops.Conv1d(c, kernels) for c in block.convs1]
         self.convs2 = [ops.Conv1d(c, kernels) for c in block.convs2]
-        self.alphas1 = [a.alpha.detach() for a in block.activations1]  # [C] each
-        self.alphas2 = [a.alpha.detach() for a in block.activations2]
+        self.snakes1 = [_Snake(a.alpha.detach()) for a in block.activations1]
+        self.snakes2 = [_Snake(a.alpha.detach()) for a in block.activations2]
         if any(a.alpha_logscale for a in (*block.activations1, *block.activations2)):
             raise RuntimeError("expected linear-scale Snake activations")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        for conv1, conv2, alpha1, alpha2 in zip(self.convs1, self.convs2, self.alphas1, self.alphas2, strict=False):
-            xt = _conv_same(conv1, _snake(x, alpha1))
-            xt = _conv_same(conv2, _snake(xt, alpha2))
-            x = xt + x
+        for conv1, conv2, snake1, snake2 in zip(self.convs1, self.convs2, self.snakes1, self.snakes2, strict=False):
+            xt = _conv_same(conv1, snake1(x))
+            xt = _conv_same(conv2, snake2(xt))
+            x = xt.add_(x)  # xt is the convolution's own new tensor
         return x
 
 
@@ -133,10 +133,10 @@ class BatchedHift:
             si = self.source_downs[level](source_frames, padding=pad)
             x = x + self.source_resblocks[level](si)
             blocks = self.resblocks[level * self.kernels_per_level:(level + 1) * self.kernels_per_level]
-            xs = blocks[0](x)
+            xs = blocks[0](x)  # a new tensor: summed into in place
             for block in blocks[1:]:
-                xs = xs + block(x)
-            x = xs / self.kernels_per_level
+                xs.add_(block(x))
+            x = xs.div_(self.kernels_per_level)
         x = _conv_same(self.conv_post, F.leaky_relu(x))  # [B, frames, 2F]
         bins = self.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :, :bins]).clamp(max=1e2)
@@ -173,9 +173,18 @@ def _real_dft_matrices(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return forward.float(), inverse.float()
 
 
-def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Snake on channels-last x [B, T, C]: x + sin(alpha x)^2 / alpha."""
-    return x + (1.0 / (alpha + SNAKE_EPSILON)) * torch.pow(torch.sin(x * alpha), 2)
+class _Snake:
+    """Snake on channels-last x [B, T, C]: x + sin(alpha x)^2 / alpha, the library's
+    `x + (1 / (alpha + eps)) * pow(sin(x * alpha), 2)` to the bit, in one new tensor instead of five (HiFT runs 72
+    of them per call over [B, samples / 8 or / 40, C]: fewer fresh pages and passes over memory)."""
+
+    def __init__(self, alpha: torch.Tensor) -> None:
+        self.alpha = alpha  # [C]
+        self.inverse = 1.0 / (alpha + SNAKE_EPSILON)  # [C], once
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        wave = x * self.alpha
+        return wave.sin_().square_().mul_(self.inverse).add_(x)
 
 
 def _conv_same(conv: ops.Conv1d, x: torch.Tensor) -> torch.Tensor:
