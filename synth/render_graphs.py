@@ -5,17 +5,18 @@ prompts, HiFT): about 4,000 kernel launches for full-size Turbo, so on a GPU an 
 H200 section of BENCHMARKS.md: 78 ms per tick for one stream, 186 ms for 64, for well under that of
 arithmetic). Batches are padded to powers of two and windows to length buckets (synth/vocoder.py), so each
 function meets a bounded set of input signatures (shapes and dtypes of its tensors, values of the rest); each
-signature gets one graph, captured the first time it is met (two warm-up calls on a side stream and a capture:
-about three eager calls, once), and replayed from then on. No compiler runs: a capture costs milliseconds where
-torch.compile's inductor takes about a minute per shape.
+signature gets one graph, captured the first time it is met (`StepGraph`'s recipe, the decode's: two warm-up
+calls on a side stream and a capture, about three eager calls, once), and replayed from then on. No compiler
+runs: a capture costs milliseconds where torch.compile's inductor takes about a minute per shape.
 
 A graph reads and writes fixed addresses, so a call copies its tensor arguments into the signature's static
 inputs, replays, and returns copies of the static outputs (the next replay of that graph overwrites them).
 Static inputs are shared by the signatures of one function that have the same shape at the same argument (a
 batch's cached prompt tensors depend on the batch size, not on the window's bucket), so their memory grows with
 the batch sizes met, not with the buckets (full-size Turbo's prompt cache is ~98 MB a stream in float32: static
-copies for every power of two up to 64 streams hold 127 streams' worth, ~12 GB of an H200's 141). All graphs of one `GraphSet` share one memory pool: they replay one
-after another on the vocoder's stream and each one's outputs are copied out before the next runs.
+copies for every power of two up to 64 streams hold 127 streams' worth, ~12 GB of an H200's 141). All graphs of
+one `GraphSet` share one memory pool: they replay one after another on the vocoder's stream and each one's
+outputs are copied out before the next runs, so one graph's scratch may be another's output memory.
 
 Capture runs in thread-local capture mode: the decode thread keeps launching (and reading back its sampled ids)
 on its own stream while the vocoder thread captures. A signature whose capture fails runs eagerly from then on
@@ -36,9 +37,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from synth.step_buffers import StepGraph
+
 log = logging.getLogger(__name__)
 
-WARMUP_CALLS = 2  # eager calls on a side stream before a capture (lazy initialisation, cuBLAS/cuDNN workspaces)
 DEFAULT_MAX_GRAPHS = 192  # per function; past it, new signatures run eagerly
 
 _LeafKey = tuple[Any, ...]
@@ -57,7 +59,7 @@ class _Entry:
     """One signature: its static inputs (tensors) and constants, its graph, its static outputs."""
 
     inputs: list[Any]
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: StepGraph | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     out_spec: TreeSpec | None = None
     eager: bool = False  # past max_graphs, or its capture failed: called directly, no static buffers
@@ -105,7 +107,7 @@ class ShapeGraphs:
             if isinstance(leaf, torch.Tensor):
                 static.copy_(leaf)
         if entry.graph is not None:
-            entry.graph.replay()
+            entry.graph()  # the replay
         else:  # no capture: eager over the static inputs, into the static outputs
             self._run_into(entry, spec)
         assert entry.out_spec is not None
@@ -152,19 +154,17 @@ class ShapeGraphs:
             static.copy_(output)
 
     def _capture(self, entry: _Entry, spec: TreeSpec) -> None:
-        """Warm-up calls on a side stream, then one capture into the set's pool (thread-local mode: other threads
-        keep launching meanwhile)."""
+        """The decode's capture recipe (`StepGraph`: warm-up calls on a side stream, one capture into the set's
+        pool) in thread-local mode: the decode thread keeps launching meanwhile. The captured call's outputs are
+        the graph's static outputs."""
         args = tree_unflatten(entry.inputs, spec)
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                self.fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # on the side stream (not torch's shared default capture stream: the decode thread captures its own graphs)
-        with torch.cuda.graph(graph, pool=self.graphs.pool, stream=side, capture_error_mode="thread_local"):
-            outputs, out_spec = tree_flatten(self.fn(*args))
+        captured: list[Any] = []
+
+        def call() -> None:
+            captured[:] = [self.fn(*args)]  # the last call, the captured one, leaves its outputs
+
+        graph = StepGraph(call, capture=True, pool=self.graphs.pool, thread_local=True)
         if self.graphs.pool is None:
             self.graphs.pool = graph.pool()
-        entry.graph, entry.outputs, entry.out_spec = graph, outputs, out_spec
+        entry.outputs, entry.out_spec = tree_flatten(captured[0])
+        entry.graph = graph

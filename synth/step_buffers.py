@@ -112,14 +112,16 @@ class StepGraph:
     """`fn` (no arguments, reads and writes only static buffers) captured as a CUDA graph, or run eagerly.
 
     Capture follows torch's recipe: a few eager runs on a side stream (lazy initialisation, cuBLAS
-    workspaces, autotuning), then one capture on that stream into a pool shared by every graph of the runner.
-    Generators the function draws from must be registered with the graph so that replays advance them.
+    workspaces, autotuning), then one capture into a pool shared by every graph of its owner. Generators the
+    function draws from must be registered with the graph so that replays advance them. `thread_local`: for a
+    capture while other threads keep using the GPU (the vocoder's, lazily, beside the decode): torch's
+    thread-local capture mode, on the warm-up stream rather than torch's one default capture stream.
     """
 
     WARMUP_RUNS = 2
 
     def __init__(self, fn: Callable[[], None], *, capture: bool, pool: Any = None,
-                 generators: Sequence[torch.Generator] = ()) -> None:
+                 generators: Sequence[torch.Generator] = (), thread_local: bool = False) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         if not capture:
@@ -133,8 +135,12 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         for generator in generators:
             graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
+        if thread_local:
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                fn()
+        else:
+            with torch.cuda.graph(graph, pool=pool):
+                fn()
         self.graph = graph
 
     @property
