@@ -47,7 +47,8 @@ typedef float v16f __attribute__((vector_size(64)));
 /* q . k over dim (a multiple of 16): lanes accumulate per 16 dimensions, then a fixed pairwise tree over lanes
  * (lane l += lane l + width, width 8, 4, 2, 1), as vector halves where the compiler has __builtin_shufflevector
  * (GCC 12, clang: the same additions in the same order, so the same bits; the kernel ~17 % faster, measured),
- * else through memory. */
+ * else (or with -DDECODE_ATTENTION_MEMORY_TREE: tests/synth/test_decode_attention.py compares the two) through
+ * memory. */
 static inline float dot(const float *a, const float *b, int64_t dim) {
     v16f acc = {0};
     for (int64_t d = 0; d < dim; d += LANES) {
@@ -56,7 +57,7 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
         __builtin_memcpy(&y, b + d, sizeof y);
         acc += x * y;
     }
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)) && !defined(DECODE_ATTENTION_MEMORY_TREE)
     typedef float v8f __attribute__((vector_size(32)));
     typedef float v4f __attribute__((vector_size(16)));
     typedef float v2f __attribute__((vector_size(8)));

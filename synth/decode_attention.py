@@ -26,12 +26,15 @@ from synth import ckernel
 SOURCE = Path(__file__).with_name("decode_attention.c")
 
 
+# No FMA contraction: with it, a row's bits changed with its batch (tests/synth/test_t3_runner.py, measured): a
+# vectorised loop's body and its scalar remainder may contract differently, and which keys fall in which is not the
+# row's alone. Without it every operation rounds as written, wherever it runs.
+FLAGS = (*(flag for flag in ckernel.OPENMP_CFLAGS if not flag.startswith("-ffp-contract")), "-ffp-contract=off")
+PORTABLE_FLAG = "-DDECODE_ATTENTION_MEMORY_TREE"  # the lane tree through memory, as compilers without vector shuffles
+
+
 @functools.cache
-def _library() -> ctypes.CDLL:
-    # No FMA contraction: with it, a row's bits changed with its batch (tests/synth/test_t3_runner.py, measured):
-    # a vectorised loop's body and its scalar remainder may contract differently, and which keys fall in which
-    # is not the row's alone. Without it every operation rounds as written, wherever it runs.
-    flags = (*(flag for flag in ckernel.OPENMP_CFLAGS if not flag.startswith("-ffp-contract")), "-ffp-contract=off")
+def _library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     lib = ckernel.build(SOURCE, flags, purpose="the CPU decode attention")
     fn = lib.decode_attention_f32
     fn.restype = None

@@ -90,6 +90,19 @@ def test_a_rows_bits_do_not_depend_on_its_batch_bucket_or_threads() -> None:
         torch.set_num_threads(saved)
 
 
+def test_the_lane_tree_as_vector_halves_gives_the_bits_of_the_tree_through_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dot product's last additions as vector shuffles (GCC 12+, clang) and through memory (older compilers,
+    or PORTABLE_FLAG): the same lanes added in the same order, so the same output, bitwise."""
+    cache_k, cache_v, _, prefixes, _, visible = setup()
+    q = torch.randn(MAX_ROWS, HEADS, 1, DIM, generator=torch.Generator().manual_seed(4))
+    outputs, build = [], decode_attention._library  # cached per flags
+    for flags in (decode_attention.FLAGS, (*decode_attention.FLAGS, decode_attention.PORTABLE_FLAG)):
+        monkeypatch.setattr(decode_attention, "_library", lambda flags=flags: build(flags))
+        outputs.append(decode_attention.attention(q, cache_k[0], cache_v[0], prefixes, 0, visible, 80, SCALE))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_it_compiles_here_and_the_cpu_runner_uses_it() -> None:
     """With a compiler the kernel must build (a build error is a failure, not a skip), and an fp32 CPU runner
     takes it."""
