@@ -687,7 +687,17 @@ class Engine(EngineLike):
         if worker is not None and not worker.wait_prepared([v.key for v in voices if v.s3gen_ref],
                                                            VOICE_PREPARATION_TIMEOUT_S):
             raise EngineError("the built-in voices' vocoder prompts were not ready in time")
+        if worker is not None and self.vocoder.graphs is not None and voices:
+            built = worker.warm_graphs(self.voices.get(self._warmup_voice_id()).key, VOICE_PREPARATION_TIMEOUT_S)
+            if built is None:
+                raise EngineError("the vocoder's first-chunk graphs were not captured in time")
+            log.info("captured %d CUDA graphs of the vocoder's first chunks (%d failed)", built,
+                     self.vocoder.graphs.failed)
         self._speak_warmup_segment()
+
+    def _warmup_voice_id(self) -> str:
+        voice_ids = self.voices.ids()
+        return "default" if "default" in voice_ids else voice_ids[0]
 
     def _speak_warmup_segment(self) -> None:
         """One real segment through the whole path (prefill, decode steps, sampling, the vocoder) before the
@@ -707,7 +717,7 @@ class Engine(EngineLike):
 
         params = replace(SamplingParams.defaults(self.variant), seed=0, max_new_tokens=WARMUP_TOKENS)
         self.submit(SegmentRequest(request_id=WARMUP_REQUEST_ID, text=WARMUP_TEXT, params=params, sink=sink,
-                                   voice_id="default" if "default" in voice_ids else voice_ids[0]))
+                                   voice_id=self._warmup_voice_id()))
         deadline_s = time.monotonic() + WARMUP_TIMEOUT_S
         while not finished.is_set():
             if time.monotonic() > deadline_s:

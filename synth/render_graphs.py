@@ -18,6 +18,10 @@ copies for every power of two up to 64 streams hold 127 streams' worth, ~12 GB o
 one `GraphSet` share one memory pool: they replay one after another on the vocoder's stream and each one's
 outputs are copied out before the next runs, so one graph's scratch may be another's output memory.
 
+The shapes of a first chunk (one window length, one HiFT length, whatever the voice) are captured for every batch
+size at start-up (`StreamingVocoder.warm_first_chunks`, from the engine's warm-up), so a listener's first audio
+never waits on a capture; later chunks' lengths follow the listeners and are captured as met.
+
 Capture runs in thread-local capture mode: the decode thread keeps launching (and reading back its sampled ids)
 on its own stream while the vocoder thread captures. A signature whose capture fails runs eagerly from then on
 (logged once); so does every signature past `max_graphs`.

@@ -400,6 +400,27 @@ class StreamingVocoder:
             raise ValueError("seed must be in [0, 2**63)")
         return VocoderStream(vocoder=self, voice=voice, seed=seed, reproducible=reproducible)
 
+    def warm_first_chunks(self, voice: VocoderVoice, chunk_tokens: int, max_batch: int) -> int:
+        """With graphs (`use_graphs`): render a first chunk of 1, 2, 4, ... max_batch streams of `voice` (synthetic
+        tokens; the PCM goes nowhere), so that the signatures of every later first-chunk tick are captured before
+        a listener waits on one (a first chunk's window and HiFT input have one length whatever the voice).
+        Returns the graphs it built (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        before = self.graphs.captured
+        prompt = self.prompt_cache(voice)
+        batch = 1
+        while True:
+            streams = [self.open(voice, seed, reproducible=False) for seed in range(batch)]
+            for stream in streams:
+                stream.prompt = prompt
+                stream.add([0] * (chunk_tokens + self.latency_tokens), final=False)
+            jobs = [stream.next_job(chunk_tokens) for stream in streams]
+            self.render([job for job in jobs if job is not None])
+            if batch >= max_batch:
+                return self.graphs.captured - before
+            batch = min(2 * batch, max_batch)
+
     # --- the batched render ------------------------------------------------------------------------------
 
     @_without_grad

@@ -137,7 +137,14 @@ class _VoiceReady:
     error: str = ""
 
 
-_Message = list[StreamOpen | Feed] | _Cancel | _VoiceReady
+@dataclass(slots=True, eq=False)
+class _WarmGraphs:
+    key: str  # a prepared voice
+    done: threading.Event = field(default_factory=threading.Event)
+    built: int = 0
+
+
+_Message = list[StreamOpen | Feed] | _Cancel | _VoiceReady | _WarmGraphs
 
 
 @dataclass(slots=True, eq=False)
@@ -249,6 +256,14 @@ class VocoderWorker:
         with self._prepared:
             return self._prepared.wait_for(lambda: all(key in self._prepared_keys for key in keys), timeout_s)
 
+    def warm_graphs(self, voice_key: str, timeout_s: float) -> int | None:
+        """With the vocoder's graphs on: capture the first-chunk ticks of 1 .. max_batch streams now, on the worker
+        thread, with a prepared voice (StreamingVocoder.warm_first_chunks). The graphs built; None if the worker
+        did not get to it within timeout_s."""
+        message = _WarmGraphs(voice_key)
+        self._inbox.put(message)
+        return message.built if message.done.wait(timeout_s) else None
+
     def take_stats(self) -> RenderStats:
         with self._stats_lock:
             stats, self._stats = self._stats, RenderStats()
@@ -292,6 +307,14 @@ class VocoderWorker:
             self._speeches.pop(message.request_id, None)  # its pending renders go with it
         elif isinstance(message, _VoiceReady):
             self._voice_ready(message)
+        elif isinstance(message, _WarmGraphs):
+            try:
+                voice = self._voices.get(message.key)
+                if voice is not None:
+                    message.built = self.vocoder.warm_first_chunks(voice, self.policy.first_chunk_tokens,
+                                                                   self.max_batch)
+            finally:
+                message.done.set()
         else:
             self._feed_slots.release()
             for item in message:

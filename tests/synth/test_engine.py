@@ -532,3 +532,31 @@ def test_vocoder_graphs_are_refused_without_cuda() -> None:
     status = make_engine("turbo", render_audio=True, max_slots=1).status()
     graphs = (status["vocoder_graphs"], status["vocoder_graphs_captured"], status["vocoder_graphs_failed"])
     assert graphs == ("off", 0, 0)
+
+
+def test_start_up_captures_the_vocoders_first_chunk_graphs() -> None:
+    """With the vocoder's graphs on (here without the capture: `vocoder_graphs="on"` needs CUDA), the engine
+    captures the first-chunk ticks of 1, 2, 4 ... max_batch streams of its warm-up voice before it says ready,
+    so no listener's first audio waits on a capture."""
+    from synth import default_voice
+
+    engine = make_engine("turbo", render_audio=True, max_slots=2)
+    engine.voices.add(default_voice(tiny_bundle("turbo")))
+    graphs = engine.vocoder.use_graphs(capture=False)
+    worker = engine.vocoder_worker
+    assert worker is not None
+    warmed: list[int | None] = []
+    warm = worker.warm_graphs
+
+    def spy(voice_key: str, timeout_s: float) -> int | None:
+        warmed.append(warm(voice_key, timeout_s))
+        return warmed[-1]
+
+    worker.warm_graphs = spy  # type: ignore[method-assign]
+    engine.start()
+    try:
+        assert engine.wait_ready(120), engine.failure
+        batches = (worker.max_batch - 1).bit_length() + 1  # 1, 2, 4, ... max_batch
+        assert warmed == [3 * batches] and graphs.captured >= warmed[0]  # then the warm-up segment's own renders
+    finally:
+        engine.stop()

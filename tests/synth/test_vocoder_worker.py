@@ -282,3 +282,34 @@ def test_debug_log_says_what_each_render_tick_did(setup: Setup, worker: VocoderW
     ticks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("render tick")]
     assert ticks[0].startswith("render tick: 1 streams, ") and " 1 threads, logged#0:" in ticks[0]
     assert sum(int(t.split(":")[-1].split("t/")[0]) for t in ticks) == 20  # each token's mel frames rendered once
+
+
+def test_graphs_of_first_chunks_are_built_before_the_first_listener(setup: Setup) -> None:
+    """`warm_graphs` (the engine's start-up with the vocoder's graphs on) captures, on the worker thread, the
+    first-chunk tick of 1, 2, 4 ... max_batch streams; a real tick of first chunks then meets only those
+    signatures (no capture while a listener waits for its first audio). Without graphs it builds nothing; a
+    voice the worker has not prepared builds nothing either."""
+    graphed = StreamingVocoder(setup.vocoder.s3gen, n_cfm_timesteps=10, meanflow=False,
+                               prompt_max_tokens=PROMPT_TOKENS, max_chunk_tokens=16)
+    graphs = graphed.use_graphs(capture=False)  # the CPU: the same signatures, no capture
+    worker = VocoderWorker(graphed, POLICY, threads=1, max_batch=4, on_sink_failed=lambda rid: None)
+    worker.start()
+    try:
+        worker.prepare_voice(setup.voices[0])
+        assert worker.wait_prepared([setup.voices[0].key], 120)
+        assert worker.warm_graphs("no-such-voice", 60) == 0
+        built = worker.warm_graphs(setup.voices[0].key, 120)
+        assert built == 3 * 3 == graphs.captured  # encoder, estimator step, HiFT x batches 1, 2, 4
+    finally:
+        worker.stop()
+    voice = graphed.prepare_voice(setup.voices[1].s3gen_ref)  # another voice: the same shapes
+    streams = []
+    for seed in range(3):  # three first chunks: a batch of 3, padded to 4
+        stream = graphed.open(voice, seed=seed)
+        stream.prompt = graphed.prompt_cache(voice)
+        stream.add(utterance(40, seed=seed), final=False)
+        streams.append(stream)
+    jobs = [stream.next_job(POLICY.first_chunk_tokens) for stream in streams]
+    assert all(out.size > 0 for out in graphed.render([job for job in jobs if job is not None]))
+    assert graphs.captured == built
+    assert setup.vocoder.warm_first_chunks(voice, POLICY.first_chunk_tokens, 4) == 0  # no graphs: nothing to do
