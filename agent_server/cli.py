@@ -276,6 +276,16 @@ def build_server(app: Any, settings: Settings, **config_overrides: Any) -> Grace
         timeout_graceful_shutdown=UVICORN_GRACEFUL_TIMEOUT_S,
         **config_overrides,
     )
+    if config.is_ssl:
+        config.load()  # what `serve` does first; the TLS context exists from here on
+        assert config.ssl is not None
+        # No TLS 1.3 session tickets. They arrive after the handshake, so a client whose reader thread
+        # takes them in while its main thread writes the upgrade request runs two OpenSSL calls on one SSL
+        # object at once, and the request can be lost: the websockets sync client (the ElevenLabs SDK's) on
+        # CPython 3.11 timed out in 4 of 3,000 wss:// connects on two busy cores, a client that reads from
+        # the start in 8 of 200 (scripts/tls_ticket_race.py; none of either without tickets). Resumption
+        # would save a round trip per connect; our connections last a conversation.
+        config.ssl.num_tickets = 0
     return GracefulServer(config, app.state.hub, settings.shutdown_grace_s)
 
 
