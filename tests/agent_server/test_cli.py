@@ -223,13 +223,16 @@ def test_exit_status_says_whether_the_drain_was_complete(tmp_path: Path) -> None
 
         async def speak_then_signal() -> str | None:
             client = await NativeClient.connect(f"ws://127.0.0.1:{port}/v1/stream")
-            log = await client.open("long", text="A long answer that takes many seconds to speak. " * 4)
-            await client.end("long")
-            while not log.frames:
-                await asyncio.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(log.finished.wait(), 10)
-            return None if log.done is None else str(log.done["reason"])
+            try:
+                log = await client.open("long", text="A long answer that takes many seconds to speak. " * 4)
+                await client.end("long")
+                while not log.frames:
+                    await asyncio.sleep(0.01)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(log.finished.wait(), 10)
+                return None if log.done is None else str(log.done["reason"])
+            finally:
+                await client.close()  # left to the GC, its socket warns in whichever test runs then
 
         reason = asyncio.run(speak_then_signal())
         assert proc.wait(20) == EXIT_DRAIN_CUT
