@@ -23,7 +23,6 @@ import os
 import selectors
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent_server.settings import Settings
 
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import live_server
+from tests.agent_server.live_server import live_server, make_test_certificate
 
 
 def spin() -> None:
@@ -72,16 +71,6 @@ def threaded_get(port: int, client_tls: ssl.SSLContext, timeout_s: float) -> Non
     reader.join(timeout_s)
 
 
-def make_cert(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
-    return cert, key
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connects", type=int, default=1000)
@@ -93,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        cert, key = make_cert(Path(tmp))
+        cert, key = make_test_certificate(Path(tmp))
         settings = Settings(data_dir=Path(tmp), tls_certfile=str(cert), tls_keyfile=str(key))
         client_tls = ssl.create_default_context(cafile=str(cert))
         spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]

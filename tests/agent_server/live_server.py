@@ -69,6 +69,17 @@ class LiveServer:
         assert not self.thread.is_alive(), "server did not stop"
 
 
+def make_test_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (cert.pem, key.pem in `directory`), made with the openssl command."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
 @contextlib.contextmanager
 def live_server(
     engine: EngineLike, settings: Settings, *, wait_ready: bool = True, extra_routes: Sequence[BaseRoute] = ()

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
 
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import LiveServer, cli_server, live_server
+from tests.agent_server.live_server import LiveServer, cli_server, live_server, make_test_certificate
 from tests.agent_server.native_client import ContextLog, NativeClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -630,13 +629,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
 def test_tls_serves_wss(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = make_test_certificate(tmp_path)
     settings = Settings(data_dir=tmp_path, tls_certfile=str(cert), tls_keyfile=str(key))
     engine = FakeEngine()
     with live_server(engine, settings) as server:

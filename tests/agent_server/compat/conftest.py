@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from agent_server.settings import Settings
 from synth.api import OUTPUT_SAMPLE_RATE_HZ
 
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import LiveServer, live_server
+from tests.agent_server.live_server import LiveServer, live_server, make_test_certificate
 
 # The drain at a segment's end pads a few ms of silence (resampler delay + partial frame).
 PAD_PER_SEGMENT_S = 0.06
@@ -32,14 +31,7 @@ PAD_PER_SEGMENT_S = 0.06
 def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a test certificate")
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
-    return cert, key
+    return make_test_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @dataclass
