@@ -13,8 +13,9 @@ pieces at --chars-per-s (an LLM's pace), ends it and waits for context_done. Rep
   frame has not arrived when the audio before it has finished playing, it runs dry until it arrives. Per
   session: seconds dry and how many times; reported as the mean and p95 over sessions, and the count in all.
 
-Output: a table on stdout, <out>.json, and <out>.png when matplotlib is installed. Run the old and the new code
-side by side in one run (same machine state, alternating nothing: one checkout after the other):
+Output: a table on stdout, <out>.json, and <out>.png when matplotlib is installed (the `loadtest` extra).
+Run the old and the new code side by side in one run (same machine state, alternating nothing: one checkout
+after the other):
 
     python scripts/bench_capacity.py --variant turbo --weights random-full --sessions 1 2 4 8 16 \\
         --repo old=/path/to/checkout-at-ece70d8 --repo new=. --out out/capacity_turbo
