@@ -4,11 +4,16 @@ Drives `Engine._step` on this thread (no engine thread, no vocoder), counts the 
 (a TorchDispatchMode) and times steps. One voice for every segment, or one voice per segment.
 
     .venv/bin/python scripts/bench_decode_step.py --variant turbo --size tiny --sessions 1 8 32
+
+With `--threads 1 2` each measurement runs once per CPU thread count, and each row carries a hash of the last
+step's logits: the same hash on every thread count means the same bits (a seeded segment's tokens do not depend
+on `--threads`; tests/synth/test_t3_runner.py checks the tiny models, this the full-size ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -40,7 +45,9 @@ def _voice(bundle: Any, voice_id: str, seed: int) -> Voice:
 
 
 def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, dtype: str, device: str,
-            graphs: str, context_tokens: int) -> dict[str, object]:
+            graphs: str, context_tokens: int, threads: int = 0) -> dict[str, object]:
+    if threads > 0:
+        torch.set_num_threads(threads)
     extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(variant=variant, weights="random", device=device, dtype=dtype,  # type: ignore[arg-type]
                           max_slots=sessions, max_context_tokens=context_tokens, **extra)  # type: ignore[arg-type]
@@ -70,9 +77,11 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     ms = (time.perf_counter() - t0) * 1e3 / steps
     n_layers = engine.runner.n_layers
     ops = counter.total
-    return {"variant": variant, "sessions": sessions, "voices": voices, "ops_per_step": ops,
-            "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
-            "running": len(engine.scheduler.running)}
+    logits = engine.runner.logits[:sessions].float().cpu().numpy()  # [sessions, V] the last step's
+    digest = hashlib.sha256(logits.tobytes()).hexdigest()[:16]
+    return {"variant": variant, "sessions": sessions, "voices": voices, "threads": torch.get_num_threads(),
+            "ops_per_step": ops, "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
+            "running": len(engine.scheduler.running), "logits_sha256": digest}
 
 
 def main() -> None:
@@ -87,6 +96,8 @@ def main() -> None:
     parser.add_argument("--voices", default="both", choices=["one", "each", "both"],
                         help="one voice for every segment, a voice per segment, or both")
     parser.add_argument("--context-tokens", type=int, default=256, help="KV positions per row after the prefix")
+    parser.add_argument("--threads", type=int, nargs="+", default=[0],
+                        help="CPU thread counts to run each measurement with (0: torch's default)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))
@@ -94,11 +105,12 @@ def main() -> None:
     for sessions in args.sessions:
         choices = {"one": {1}, "each": {sessions}, "both": {1, sessions}}[args.voices]
         for voices in sorted(choices):
-            row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device, args.cuda_graphs,
-                          args.context_tokens)
-            row["size"] = args.size
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for threads in args.threads:
+                row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device,
+                              args.cuda_graphs, args.context_tokens, threads)
+                row["size"] = args.size
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

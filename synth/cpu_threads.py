@@ -116,7 +116,9 @@ class CoreLease:
     The split above keeps the two teams from outnumbering the cores, but a static split wastes a core whenever
     one side waits, and the two sides do not gain alike from a second thread (measured on the 2-core machine,
     BENCHMARKS.md): a decode step of 1-8 rows is a chain of memory-bound matrix-vector products, 0-17 % faster
-    on 2 threads; a render is convolutions, 1.45x faster. So only the vocoder borrows, and only for a tick
+    on 2 threads in the server (alone in a process 1.2-1.6x, but not beside the renders: a decode that borrowed
+    the idle vocoder's threads gained nothing from outside and cost 8 % of the audio at 4 sessions, BENCHMARKS.md,
+    ninth session); a render is convolutions, 1.45x faster. So only the vocoder borrows, and only for a tick
     whose audio a listener is waiting for with nothing to play:
 
     - the decode thread is idle (no segment holds a slot): nothing is lost;

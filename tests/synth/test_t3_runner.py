@@ -99,6 +99,37 @@ def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Va
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread counts")
+@pytest.mark.parametrize("variant", ["english", "turbo"])
+def test_a_rows_prefill_and_decode_logits_do_not_depend_on_the_thread_count(variant: Variant) -> None:
+    """A seeded segment's tokens do not depend on the decode's thread count (`--threads D,V`): a server restarted
+    with other counts, or a machine with more cores, says the same tokens for the same seed (what a phrase cache
+    keyed on the seed relies on). The full-size models were checked the same way (BENCHMARKS.md, issue 15)."""
+    bundle = tiny_bundle(variant)
+    runner = T3Runner(bundle.t3, max_rows=4, max_len=512, device=torch.device("cpu"), dtype=torch.float32)
+    voice = synthetic_voice(bundle, "a", seed=31)
+    prefix = runner.compute_prefix(runner.cond_embeds(voice.t3_cond(0.5, runner.device)))
+    tail = torch.cat([runner.text_embeds(TEXTS[variant][0] * 6), runner.bos_embeds()])
+    length = prefix.cond_len + tail.shape[0]
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            prefill = runner.prefill([PrefillItem(0, prefix, prefix.cond_len, tail)]).clone()
+            steps = []
+            for i in range(3):
+                runner.inputs.idle_rows(4)
+                _set_row(runner, 0, 100 + i, 1 + i, length + i)
+                runner.inputs.upload()
+                steps.append(runner.decode(*runner.step_shape(0, length + i + 1))[0].clone())
+            results.append((prefill, torch.stack(steps)))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_uncond_row_reads_the_shared_text_block() -> None:
     """CFG: the uncond row's text block (zeroed tokens, kept positions) lives in the voice prefix, grown on
     demand; the row itself only runs the BOS block. Same logits as the reference's full uncond row."""
