@@ -97,7 +97,7 @@ def main() -> None:
                         help="one voice for every segment, a voice per segment, or both")
     parser.add_argument("--context-tokens", type=int, default=256, help="KV positions per row after the prefix")
     parser.add_argument("--threads", type=int, nargs="+", default=[0],
-                        help="CPU thread counts to run each measurement with (0: torch's default)")
+                        help="CPU thread counts to run each measurement with (0: leave the count as it is)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))

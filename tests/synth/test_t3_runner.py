@@ -99,7 +99,6 @@ def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Va
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread counts")
 @pytest.mark.parametrize("variant", ["english", "turbo"])
 def test_a_rows_prefill_and_decode_logits_do_not_depend_on_the_thread_count(variant: Variant) -> None:
