@@ -30,7 +30,7 @@ from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.hub import Hub
 from agent_server.logging import configure_logging
-from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LOG_LEVELS, ON_OFF, Settings
+from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, ON_OFF, Settings
 from synth.api import VARIANTS
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
@@ -78,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         "length bucket), each captured when first met (off until measured on a GPU)", choices=ON_OFF)
     add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
         "or D,V")
-    add("--lend-threads", "lend_threads", "CPU: the decode's threads render a turn's first chunk (the decode pauses "
-        "for it) and whatever renders while the decode is idle", choices=ON_OFF)
+    add("--lend-threads", "lend_threads", "CPU: on: the decode's threads render a turn's first chunk (the decode "
+        "pauses for it) and whatever renders while the decode is idle, and decode steps run on the vocoder's threads "
+        "too while it has nothing to render, where that is faster on this machine; vocoder: only the first; off: "
+        "neither", choices=LEND_THREADS)
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
     add("--max-slots", "max_slots", "segments the engine generates at once", type=int)
     add(

@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 CPU_WEIGHTS = ("fp32", "bf16")
 CUDA_GRAPHS = ("auto", "on", "off")
 ON_OFF = ("on", "off")
+LEND_THREADS = ("on", "vocoder", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 AUTH_MODES = ("auto", "on", "off")
 MAX_INACTIVITY_TIMEOUT_S = 180.0
@@ -42,8 +43,9 @@ class Settings:
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
     threads: str = "auto"
-    # CPU: lend the decode thread's cores to the vocoder for a turn's first chunk and while the decode is idle
-    # (synth/cpu_threads.CoreLease): "on" or "off".
+    # CPU (synth/cpu_threads.CoreLease): "on": the vocoder borrows the decode thread's cores for a turn's first
+    # chunk and while the decode is idle, and the decode borrows the vocoder's while it has nothing to render,
+    # where that makes a step faster on this machine (BorrowGain); "vocoder": only the first; "off": neither.
     lend_threads: str = "on"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
     max_slots: int = 16  # engine: segments generating at once
@@ -142,8 +144,8 @@ class Settings:
         if self.vocoder_graphs not in ON_OFF:
             raise ValueError(f"vocoder_graphs must be one of {', '.join(ON_OFF)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
-        if self.lend_threads not in ON_OFF:
-            raise ValueError(f"lend_threads must be one of {', '.join(ON_OFF)}")
+        if self.lend_threads not in LEND_THREADS:
+            raise ValueError(f"lend_threads must be one of {', '.join(LEND_THREADS)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 < self.port < 65536):
@@ -193,7 +195,8 @@ class Settings:
             alignment_analyzer=self.alignment_analyzer,
             decode_threads=decode_threads,
             vocoder_threads=vocoder_threads,
-            lend_threads=self.lend_threads == "on",
+            lend_threads=self.lend_threads != "off",
+            decode_borrows_threads=self.lend_threads == "on",
         )
 
     @property

@@ -106,6 +106,12 @@ class RepoRun:
     variant: str
     random_weights: bool | None
     rounds: list[RoundResult] = field(default_factory=list)
+    engine_after: dict[str, Any] = field(default_factory=dict)  # /v1/status's engine after the rounds
+
+
+# the engine's thread-lease counters, printed after a checkout's rounds (older checkouts lack some)
+LEASE_KEYS = ("decode_threads", "vocoder_threads", "lend_threads", "lent_ticks", "decode_waits_for_lent_ticks",
+              "decode_borrows_threads", "borrowed_steps", "render_waits_for_borrowed_steps", "borrow_gain_ms")
 
 
 def playback(frames: list[tuple[float, float]]) -> tuple[float, int]:
@@ -311,6 +317,11 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
                 result = asyncio.run(one_round(server.url, sessions, args, max_new))
                 run.rounds.append(result)
                 print(f"[{label}] N={sessions}: {format_row(result)}", flush=True)
+        after = http_json(f"http://127.0.0.1:{server.port}/v1/status")
+        run.engine_after = after.get("engine", after) if isinstance(after, dict) else {}
+        lease = {key: run.engine_after[key] for key in LEASE_KEYS if key in run.engine_after}
+        if lease:
+            print(f"[{label}] thread lease: {json.dumps(lease)}", flush=True)
     finally:
         server.stop()
     return run

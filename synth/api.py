@@ -343,4 +343,7 @@ class EngineConfig:
     # CPU: the decode thread's cores lent to the vocoder for a turn's first chunk and while the decode has no
     # work (synth/cpu_threads.CoreLease); off: each keeps its own count.
     lend_threads: bool = True
+    # CPU, with lend_threads: decode steps also run on the vocoder's threads while it has nothing to render, where
+    # that makes them faster on this machine (synth/cpu_threads.BorrowGain learns it from the steps)
+    decode_borrows_threads: bool = True
     vocoder_max_batch: int = 0  # streams rendered in one vocoder tick at most (0: 4 on a CPU, 64 on a GPU)

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -110,39 +111,108 @@ def fixed_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+@dataclass(slots=True)
+class LeasedStep:
+    """One decode step under the lease: whether it runs on the vocoder's threads too, and (set by the engine) how
+    long its decode part took, which teaches the lease whether borrowing pays on this machine."""
+
+    rows_bucket: int  # segments decoding when the step began, rounded up to a power of two (0: not a T3 step)
+    borrowed: bool = False
+    could_borrow: bool = False  # the vocoder had nothing to render when the step began
+    decode_ms: float | None = None
+
+
+class BorrowGain:
+    """Whether a decode step gets faster on the vocoder's threads too, learnt from the server's own steps.
+
+    It differs by machine far more than one would guess, so it is measured, not assumed: a one-row full-size Turbo
+    step in the server went from 102 ms on one thread to 74 ms on two on a 2-core Intel Xeon with AMX (CPU-4), and
+    from 37-40 ms to 35-38 ms on a 2-core AMD EPYC (CPU-3), where borrowing then only made renders wait for steps
+    that gained nothing (-8 % audio at 4 sessions; BENCHMARKS.md). Per row bucket it keeps a moving average of the
+    decode time of steps that began with the vocoder idle, borrowed and not, and borrows while the borrowed ones
+    are at least MIN_SPEEDUP faster. One such step in PROBE_EVERY takes the other choice, so both averages follow
+    the machine's load and a step that has not been tried is tried (borrowing first).
+    """
+
+    MIN_SPEEDUP = 1.15
+    PROBE_EVERY = 32
+    WEIGHT = 0.25  # of the newest step in the moving average
+
+    def __init__(self) -> None:
+        self._ms: dict[tuple[int, bool], float] = {}
+        self._chances = 0
+
+    def choose(self, rows_bucket: int) -> bool:
+        """For a step that could borrow: whether it does."""
+        self._chances += 1
+        own, lent = self._ms.get((rows_bucket, False)), self._ms.get((rows_bucket, True))
+        if lent is None:
+            return True
+        if own is None:
+            return False
+        pays = own >= lent * self.MIN_SPEEDUP
+        return pays != (self._chances % self.PROBE_EVERY == 0)
+
+    def observe(self, rows_bucket: int, borrowed: bool, decode_ms: float) -> None:
+        key = (rows_bucket, borrowed)
+        before = self._ms.get(key)
+        self._ms[key] = decode_ms if before is None else before + self.WEIGHT * (decode_ms - before)
+
+    def estimates(self) -> dict[str, float]:
+        """'rows/own' and 'rows/lent' -> ms, for the status."""
+        return {f"{rows}/{'lent' if lent else 'own'}": round(ms, 1) for (rows, lent), ms in sorted(self._ms.items())}
+
+
+def rows_bucket(rows: int) -> int:
+    return 1 << max(0, rows - 1).bit_length() if rows > 0 else 0
+
+
 class CoreLease:
-    """The decode thread's CPU threads lent to the vocoder worker for the render ticks that need them most.
+    """The two compute threads lend each other their CPU threads while one of them has nothing to do.
 
     The split above keeps the two teams from outnumbering the cores, but a static split wastes a core whenever
-    one side waits, and the two sides do not gain alike from a second thread (measured on the 2-core machine,
-    BENCHMARKS.md): a decode step of 1-8 rows is a chain of memory-bound matrix-vector products, 0-17 % faster
-    on 2 threads in the server (alone in a process 1.2-1.6x, but not beside the renders: a decode that borrowed
-    the idle vocoder's threads gained nothing from outside and cost 8 % of the audio at 4 sessions, BENCHMARKS.md,
-    ninth session); a render is convolutions, 1.45x faster. So only the vocoder borrows, and only for a tick
-    whose audio a listener is waiting for with nothing to play:
+    one side waits. Each side borrows the other's threads only while that side cannot use them, so the threads
+    computing never exceed the split's total (the OpenMP-collapse rule above holds):
 
-    - the decode thread is idle (no segment holds a slot): nothing is lost;
-    - `urgent`: the tick renders a turn's first audio (a segment's first chunk for a listener that has been sent
-      nothing yet: time to first audio). The decode pauses for that tick: its next step waits for the render.
+    - The vocoder borrows the decode's threads for a tick when the decode thread is idle (no segment holds a
+      slot: nothing is lost), or when the tick is `urgent`: it renders a turn's first audio (a segment's first
+      chunk for a listener that has been sent nothing yet: time to first audio). The decode pauses for that tick:
+      its next step waits for the render. A borrowing tick first waits for a running decode step to end.
+    - The decode borrows the vocoder's threads for a step (`decode_borrows`) when the vocoder worker has nothing to
+      render, and only where that makes a step faster on this machine (BorrowGain, learnt from the steps). A
+      render that becomes due meanwhile waits for that step to end (at most one step); the steps after it keep
+      the decode's own count until the vocoder is idle again. A render is convolutions and gains from a second
+      thread everywhere (1.45x on CPU-3, 1.64x on CPU-4); a decode step of a few rows is a chain of memory-bound
+      matrix-vector products and gains on some machines (a one-row Turbo step 102 -> 74 ms in the server on
+      CPU-4) and not on others (37-40 -> 35-38 ms on CPU-3, where borrowing cost 8 % of the audio at 4 sessions:
+      renders waited for steps that gained nothing). BENCHMARKS.md has both.
 
-    While lent, the decode thread does not compute, so the threads in use never exceed the split's total (the
-    OpenMP-collapse rule above holds). A borrowing tick first waits for a running decode step to end (at most
-    one step). The decode's own count never changes; a seeded stream's audio does not change with the
-    vocoder's, because its reproducible render path is thread-count invariant (tests/synth/test_vocoder.py,
-    test_invariant_ops.py).
+    Whoever hands threads back frees the OpenMP team it formed with them, so no team is left docked beside the
+    other side's (libgomp stops spinning once the process holds more OpenMP threads than CPUs). Neither side's own
+    count ever changes; seeded output does not change with the counts: T3's logits are the same bits on 1 and 2
+    threads (tests/synth/test_t3_runner.py) and the reproducible render path is thread-count invariant
+    (tests/synth/test_vocoder.py, test_invariant_ops.py).
     Disabled (`enabled=False`, or a GPU), every method is a no-op and both sides keep their own counts.
     """
 
-    def __init__(self, decode_threads: int, vocoder_threads: int, enabled: bool) -> None:
+    def __init__(self, decode_threads: int, vocoder_threads: int, enabled: bool,
+                 decode_borrows: bool = False) -> None:
         self.decode_threads = decode_threads
         self.vocoder_threads = vocoder_threads
         self.enabled = enabled
+        self.decode_borrows = enabled and decode_borrows
         self._cond = threading.Condition()
         self._decode_stepping = False  # the decode thread is inside a step
         self._decode_idle = True  # no segment holds a slot (the decode thread waits for work)
         self._lent = False  # the vocoder holds the decode's threads
+        self._vocoder_idle = True  # the vocoder worker has nothing to render (it waits for tokens or time)
+        self._borrowing = False  # the decode's running step holds the vocoder's threads
+        self._decode_team = False  # the decode thread keeps a team of more than its own count (pool to free)
         self.lent_ticks = 0  # ticks rendered on borrowed threads (tests and stats read it)
         self.decode_waits = 0  # decode steps that waited for a lent tick
+        self.borrowed_steps = 0  # decode steps run on the vocoder's threads too
+        self.render_waits = 0  # render ticks that waited for a borrowed step to end
+        self.gain = BorrowGain()
 
     # --- the decode thread --------------------------------------------------------------------------------
 
@@ -152,10 +222,14 @@ class CoreLease:
             self._decode_idle = True
 
     @contextlib.contextmanager
-    def decode_step(self) -> Iterator[None]:
-        """Around one decode step with work: waits while the vocoder holds the decode's threads."""
+    def decode_step(self, rows: int = 0) -> Iterator[LeasedStep]:
+        """Around one decode step with work (`rows` segments decoding; 0: other work on the decode thread, which
+        never borrows): waits while the vocoder holds the decode's threads; with decode_borrows, runs on the
+        vocoder's threads too while it has nothing to render and BorrowGain says it pays. The engine sets the
+        yielded step's decode_ms."""
+        step = LeasedStep(rows_bucket(rows))
         if not self.enabled:
-            yield
+            yield step
             return
         with self._cond:
             self._decode_idle = False
@@ -163,14 +237,45 @@ class CoreLease:
                 self.decode_waits += 1
                 self._cond.wait_for(lambda: not self._lent)
             self._decode_stepping = True
+            step.could_borrow = self.decode_borrows and rows > 0 and self._vocoder_idle
+            step.borrowed = borrow = step.could_borrow and self.gain.choose(step.rows_bucket)
+            self._borrowing = borrow
+        if borrow:
+            torch.set_num_threads(self.decode_threads + self.vocoder_threads)
+            self._decode_team = True
+        elif self._decode_team:  # the vocoder has its threads back: free the team left docked here
+            self._free_decode_team()
         try:
-            yield
+            yield step
         finally:
+            if step.could_borrow and step.decode_ms is not None:
+                self.gain.observe(step.rows_bucket, borrow, step.decode_ms)
+            if borrow:
+                torch.set_num_threads(self.decode_threads)
+                with self._cond:
+                    hand_back = not self._vocoder_idle  # a render waits for this step: free the team first
+                if hand_back:
+                    self._free_decode_team()
             with self._cond:
                 self._decode_stepping = False
+                self._borrowing = False
+                self.borrowed_steps += borrow
                 self._cond.notify_all()
 
+    def _free_decode_team(self) -> None:
+        """Free the OpenMP workers a borrowed step left docked on the decode thread: with them and a team on the
+        vocoder thread, the process holds more OpenMP threads than cores and libgomp stops spinning (a 2-thread
+        step 40 ms instead of 35, measured)."""
+        release_openmp_pool()
+        self._decode_team = False
+
     # --- the vocoder thread --------------------------------------------------------------------------------
+
+    def vocoder_idle(self) -> None:
+        """The vocoder worker has nothing due and is about to wait; with decode_borrows, the decode's next steps
+        run on its threads too until the next render."""
+        with self._cond:
+            self._vocoder_idle = True
 
     @contextlib.contextmanager
     def render(self, urgent: bool) -> Iterator[int]:
@@ -178,10 +283,14 @@ class CoreLease:
         borrow = False
         if self.enabled:
             with self._cond:
+                self._vocoder_idle = False
                 borrow = urgent or self._decode_idle
                 if borrow:
                     self._lent = True  # from now on no step starts; wait for the running one
                     self._cond.wait_for(lambda: not self._decode_stepping)
+                elif self._borrowing:  # the running step holds this thread's cores: at most one step
+                    self.render_waits += 1
+                    self._cond.wait_for(lambda: not self._borrowing)
         if not borrow:
             yield self.vocoder_threads
             return
@@ -191,6 +300,8 @@ class CoreLease:
             yield threads
         finally:
             torch.set_num_threads(self.vocoder_threads)
+            if self.decode_borrows:  # the decode may form a team next: leave no docked one here
+                release_openmp_pool()
             with self._cond:
                 self._lent = False
                 self.lent_ticks += 1

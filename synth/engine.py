@@ -139,7 +139,8 @@ class Engine(EngineLike):
         self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
         # the decode's threads lent to the vocoder's urgent ticks (CPU only: on a GPU the threads only launch)
         self.lease = CoreLease(self.threads.decode, self.threads.vocoder,
-                               enabled=config.lend_threads and self.device.type == "cpu" and render_audio)
+                               enabled=config.lend_threads and self.device.type == "cpu" and render_audio,
+                               decode_borrows=config.decode_borrows_threads)
         self.vocoder: Any = None  # synth.vocoder.StreamingVocoder when rendering audio
         self.vocoder_worker: VocoderWorker | None = None
         if render_audio:
@@ -232,6 +233,9 @@ class Engine(EngineLike):
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
             "lend_threads": self.lease.enabled, "lent_ticks": self.lease.lent_ticks,
             "decode_waits_for_lent_ticks": self.lease.decode_waits,
+            "decode_borrows_threads": self.lease.decode_borrows, "borrowed_steps": self.lease.borrowed_steps,
+            "render_waits_for_borrowed_steps": self.lease.render_waits,
+            "borrow_gain_ms": self.lease.gain.estimates(),
         }
 
     @property
@@ -292,11 +296,15 @@ class Engine(EngineLike):
         if self.scheduler.idle:
             self.lease.decode_idle()  # the vocoder may borrow this thread's cores meanwhile
         self._drain_inbox(block=self.scheduler.idle)
-        with self.lease.decode_step() if not self.scheduler.idle else contextlib.nullcontext():
+        idle = self.scheduler.idle
+        rows = max(1, len(self.scheduler.running))  # a step that only prefills borrows as a one-row step would
+        with self.lease.decode_step(rows) if not idle else contextlib.nullcontext() as leased:
             plan = self.scheduler.schedule()
             t0 = time.perf_counter()
             token_ids, prefill_ms = self._execute(plan)  # the one host sync of the step
             t1 = time.perf_counter()
+            if leased is not None and plan.decode:
+                leased.decode_ms = (t1 - t0) * 1e3 - prefill_ms  # teaches the lease whether borrowing pays
         self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
         ended = self.scheduler.update(plan, StepResult(token_ids))
         self._after_update(plan, ended)

@@ -279,13 +279,17 @@ class VocoderWorker:
         try:
             with torch.cuda.stream(stream) if stream is not None else _nullcontext():
                 while not self._stop.is_set():
+                    if not self._speeches:
+                        self.lease.vocoder_idle()
                     self._drain(block=not self._speeches)
                     jobs = self._due(time.monotonic())
                     if jobs:
                         with self.lease.render(urgent=self._first_audio(jobs, time.monotonic())) as threads:
                             self._render(jobs, threads)
-                    elif self._speeches:
-                        self._drain(block=True, timeout_s=PENDING_WAIT_S)
+                    else:
+                        self.lease.vocoder_idle()
+                        if self._speeches:
+                            self._drain(block=True, timeout_s=PENDING_WAIT_S)
         except Exception as exc:
             log.exception("vocoder worker died")
             self.failure = f"{type(exc).__name__}: {exc}"

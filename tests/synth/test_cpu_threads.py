@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from synth.cpu_threads import CoreLease, _libgomp, release_openmp_pool, use_threads
+from synth.cpu_threads import BorrowGain, CoreLease, _libgomp, release_openmp_pool, rows_bucket, use_threads
 
 
 def _threads() -> int:
@@ -128,3 +128,76 @@ def test_a_tick_borrows_only_when_urgent_or_from_an_idle_decode() -> None:
         assert off.lent_ticks == 0
     finally:
         torch.set_num_threads(saved)
+
+
+def test_the_decode_borrows_the_idle_vocoders_threads_and_a_render_waits_for_that_step() -> None:
+    """decode_borrows: a step that begins while the vocoder has nothing to render runs on both counts (the decode's
+    own count after it); a render that becomes due meanwhile waits for that step, then the next step keeps its own
+    count. rows=0 (a voice preparation) never borrows."""
+    lease = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True, decode_borrows=True)
+    order: list[str] = []
+    counts: dict[str, int] = {}
+    in_step, end_step, in_tick = (threading.Event() for _ in range(3))
+
+    def decode() -> None:
+        use_threads(1)
+        with lease.decode_step(rows=1) as step:
+            counts["borrowed"] = torch.get_num_threads()
+            order.append("borrowed step")
+            in_step.set()
+            end_step.wait(5)
+            step.decode_ms = 10.0
+        counts["after"] = torch.get_num_threads()
+        in_tick.wait(5)
+        with lease.decode_step(rows=1) as step:  # the vocoder is rendering: its threads are its own
+            counts["own"] = torch.get_num_threads()
+            assert not step.borrowed and not step.could_borrow
+            order.append("own step")
+
+    def vocoder() -> None:
+        use_threads(1)
+        in_step.wait(5)
+        with lease.render(urgent=False) as threads:
+            counts["tick"] = threads
+            order.append("tick")
+            in_tick.set()
+            time.sleep(0.1)  # the own step runs beside the tick
+
+    threads = [_in_thread(decode), _in_thread(vocoder)]
+    in_step.wait(5)
+    time.sleep(0.1)
+    assert order == ["borrowed step"]  # the render waits for the borrowed step
+    end_step.set()
+    for thread in threads:
+        thread.join(5)
+    assert order == ["borrowed step", "tick", "own step"]
+    assert counts == {"borrowed": 2, "after": 1, "tick": 1, "own": 1}
+    assert lease.borrowed_steps == 1 and lease.render_waits == 1
+    assert lease.gain.estimates() == {"1/lent": 10.0}  # the borrowed step's time was learnt
+    lease.vocoder_idle()
+    count = torch.get_num_threads()
+    with lease.decode_step(rows=0) as step:
+        assert not step.borrowed and torch.get_num_threads() == count
+    off = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True)  # the vocoder borrows, the decode never
+    with off.decode_step(rows=1) as step:
+        assert not step.borrowed
+
+
+def test_borrow_gain_borrows_only_while_borrowed_steps_are_faster() -> None:
+    gain = BorrowGain()
+    assert gain.choose(1)  # nothing known: try borrowing first
+    gain.observe(1, True, 70.0)
+    assert not gain.choose(1)  # then the own count once
+    gain.observe(1, False, 100.0)
+    choices = [gain.choose(1) for _ in range(2 * BorrowGain.PROBE_EVERY)]
+    assert choices.count(False) == 2  # 100 vs 70 ms: borrows, but for a probe now and then
+    slow = BorrowGain()  # a machine where a second thread gains little (CPU-3: 38 vs 36 ms)
+    slow.observe(1, True, 36.0)
+    slow.observe(1, False, 38.0)
+    choices = [slow.choose(1) for _ in range(2 * BorrowGain.PROBE_EVERY)]
+    assert choices.count(True) == 2  # keeps its own threads, but for a probe now and then
+    for _ in range(20):  # the machine changes (another process leaves a core): borrowed steps get faster
+        slow.observe(1, True, 20.0)
+    assert slow.choose(1) or slow.choose(1)
+    assert gain.choose(8)  # each row bucket learns for itself
+    assert [rows_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [0, 1, 2, 4, 8, 8, 16]

@@ -482,6 +482,35 @@ def test_a_lone_first_chunk_renders_on_lent_threads_with_the_same_pcm(engine: En
         static.stop()
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread lending")
+def test_decode_steps_that_borrow_the_vocoders_threads_give_the_same_tokens_and_pcm(engine: Engine) -> None:
+    """By default decode steps run on the vocoder's threads too while it has nothing to render (CoreLease +
+    BorrowGain); a seeded segment's tokens and audio are those of an engine whose decode never borrows."""
+    borrowed_before = engine.lease.borrowed_steps
+    both = Collector()
+    engine.submit(_request(both, "both", TEXTS[1], seed=81))
+    both.wait_done(["both"])
+    status = engine.status()
+    assert status["decode_borrows_threads"] is True and engine.lease.borrowed_steps > borrowed_before
+    bundle = tiny_bundle("english")
+    from synth import default_voice
+
+    own = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                      chunk_schedule_tokens=(8, 16), decode_borrows_threads=False)
+    own.voices.add(default_voice(bundle))
+    own.start()
+    try:
+        assert own.wait_ready(120)
+        col = Collector()
+        own.submit(_request(col, "own", TEXTS[1], seed=81))
+        col.wait_done(["own"])
+        assert own.status()["borrowed_steps"] == 0 and own.lease.lent_ticks > 0  # the vocoder still borrows
+        assert col.tokens("own") == both.tokens("both")
+        assert np.array_equal(_pcm(col, "own"), _pcm(both, "both"))
+    finally:
+        own.stop()
+
+
 def test_cpu_vocoder_bf16_renders_the_same_tokens_as_audio_close_to_fp32(engine: Engine) -> None:
     """`cpu_vocoder="bf16"`: the engine's vocoder runs bfloat16 products (status says so); a seeded segment
     gets the same tokens as on the float32 engine and audio within bf16 rounding of its audio."""
