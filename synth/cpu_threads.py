@@ -217,7 +217,10 @@ class CoreLease:
     # --- the decode thread --------------------------------------------------------------------------------
 
     def decode_idle(self) -> None:
-        """The decode thread has no work and is about to wait for some."""
+        """The decode thread has no work and is about to wait for some (the vocoder may borrow its threads: no
+        team of a borrowed step is left docked here)."""
+        if self._decode_team:
+            self._free_decode_team()
         with self._cond:
             self._decode_idle = True
 

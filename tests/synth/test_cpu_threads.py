@@ -56,6 +56,16 @@ def test_each_thread_keeps_its_own_count() -> None:
     assert seen == {"a": 1, "b": 2}
 
 
+def _settled_threads() -> int:
+    """The thread count once it has not changed for 0.2 s (at most 5 s)."""
+    count, since, deadline = _threads(), time.monotonic(), time.monotonic() + 5
+    while time.monotonic() - since < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if (now := _threads()) != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def _in_thread(fn: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
@@ -201,3 +211,32 @@ def test_borrow_gain_borrows_only_while_borrowed_steps_are_faster() -> None:
     assert slow.choose(1) or slow.choose(1)
     assert gain.choose(8)  # each row bucket learns for itself
     assert [rows_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [0, 1, 2, 4, 8, 8, 16]
+
+
+@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+                    reason="needs torch on GNU OpenMP and Linux /proc")
+def test_a_borrowed_steps_team_is_freed_once_the_decode_goes_idle() -> None:
+    """The vocoder stayed idle, so nothing took the threads back after the borrowed step: its OpenMP worker is
+    still docked on the decode thread until the decode goes idle (then the vocoder may borrow, and two docked
+    teams would outnumber the cores)."""
+    seen: dict[str, int] = {}
+
+    def decode() -> None:
+        use_threads(1)
+        release_openmp_pool()
+        lease = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True, decode_borrows=True)
+        x = torch.randn(512, 512)
+        before = _settled_threads()  # workers released by earlier tests exit asynchronously
+        with lease.decode_step(rows=1) as step:
+            assert step.borrowed
+            x @ x  # a 2-thread team
+        seen["docked"] = _threads() - before
+        lease.decode_idle()
+        deadline = time.monotonic() + 5
+        while _threads() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["idle"] = _threads() - before
+
+    thread = _in_thread(decode)
+    thread.join(10)
+    assert seen == {"docked": 1, "idle": 0}
