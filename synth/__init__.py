@@ -5,7 +5,14 @@ No asyncio here and no import of agent_server: callers use `build_engine` and th
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
+
+# oneDNN's AMX kernels (Intel Xeon, 4th generation up) give a row of a bf16 product other bits with another number of
+# rows, which breaks the bit-for-bit seeded audio of `--cpu-vocoder bf16` (tests/synth/test_vocoder.py failed on such
+# a CPU; capped at AVX512-BF16 it passes). Read once, at oneDNN's first primitive: so set before any model runs.
+# fp32 products never use AMX; an operator who prefers AMX's speed to the guarantee sets the variable first.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 from synth.api import EngineConfig
 

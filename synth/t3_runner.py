@@ -463,12 +463,35 @@ class T3Runner:
             self.captured_prefill = {}
             self.captured_layout = (sum(n for _, n in blocks), starts.tolist())
 
+        # CPU, per item: the whole visible prefix, then causal over its own tokens ([n, seen + n])
+        seen_of_item = [prefix_len if prefix is not None else 0 for prefix, prefix_len, _ in items]
+        item_masks = [torch.ones(n, seen + n, dtype=torch.bool, device=dev).tril_(seen)
+                      for seen, n in zip(seen_of_item, lengths, strict=True)] if dev.type != "cuda" else []
+
+        def attend_per_item(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            """CPU: each item's attention over [its prefix | its own new keys], one call per item, so an item's
+            bits do not depend on what it was packed with: the packed call's key axis holds the other items'
+            prefixes and tokens, and the CPU SDPA kernel's blocking follows that length (on an Intel Xeon with
+            AMX a packed item's keys changed in the last bit: tests/synth/test_t3_runner.py)."""
+            outs = []
+            for (prefix, _, _), seen, start, n, item_mask in zip(items, seen_of_item, starts.tolist(), lengths,
+                                                                  item_masks, strict=True):
+                own_k, own_v = k[:, :, start:start + n], v[:, :, start:start + n]
+                if prefix is not None and seen:
+                    own_k = torch.cat([prefix.keys[layer][None, :, :seen], own_k], dim=2)
+                    own_v = torch.cat([prefix.values[layer][None, :, :seen], own_v], dim=2)
+                outs.append(F.scaled_dot_product_attention(q[:, :, start:start + n], own_k, own_v,
+                                                           attn_mask=item_mask[None, None], scale=self.scale))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if row_of_tok is not None:
                 self.cache.write(layer, row_of_tok, pos[0], k[0].transpose(0, 1), v[0].transpose(0, 1))
             if collect:
                 collected_k.append(k[0].contiguous())
                 collected_v.append(v[0].contiguous())
+            if not q.is_cuda and not captured_heads:
+                return attend_per_item(layer, q, k, v)
             keys = torch.cat([p.keys[layer][:, :n] for p, n in blocks] + [k[0]], dim=1)[None]
             values = torch.cat([p.values[layer][:, :n] for p, n in blocks] + [v[0]], dim=1)[None]
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
