@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -454,32 +455,41 @@ def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(var
     assert one_voice["aten._local_scalar_dense"] == 0
 
 
+@contextlib.contextmanager
+def _engine_like_the_fixture(**overrides: object) -> Iterator[Engine]:
+    """A started english engine with the fixture's chunk settings and default voice, plus `overrides`."""
+    from synth import default_voice
+
+    other = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
+                        chunk_schedule_tokens=(8, 16), **overrides)
+    other.voices.add(default_voice(tiny_bundle("english")))
+    other.start()
+    try:
+        assert other.wait_ready(120)
+        yield other
+    finally:
+        other.stop()
+
+
+def _speak(engine: Engine, rid: str, text: str, seed: int) -> Collector:
+    col = Collector()
+    engine.submit(_request(col, rid, text, seed=seed))
+    col.wait_done([rid])
+    return col
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread lending")
 def test_a_lone_first_chunk_renders_on_lent_threads_with_the_same_pcm(engine: Engine) -> None:
     """CPU: a turn's first chunk borrows the decode's threads (synth/cpu_threads.CoreLease); a seeded segment's
     audio is the same as from an engine that never lends."""
     lent_before = engine.lease.lent_ticks
-    lent = Collector()
-    engine.submit(_request(lent, "lent", TEXTS[2], seed=77))
-    lent.wait_done(["lent"])
+    lent = _speak(engine, "lent", TEXTS[2], seed=77)
     assert engine.lease.lent_ticks > lent_before and engine.status()["lend_threads"] is True
-    bundle = tiny_bundle("english")
-    from synth import default_voice
-
-    static = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
-                         chunk_schedule_tokens=(8, 16), lend_threads=False)
-    static.voices.add(default_voice(bundle))
-    static.start()
-    try:
-        assert static.wait_ready(120)
-        col = Collector()
-        static.submit(_request(col, "static", TEXTS[2], seed=77))
-        col.wait_done(["static"])
+    with _engine_like_the_fixture(lend_threads=False) as static:
+        col = _speak(static, "static", TEXTS[2], seed=77)
         assert static.lease.lent_ticks == 0 and static.status()["lent_ticks"] == 0
         assert col.tokens("static") == lent.tokens("lent")
         assert np.array_equal(_pcm(col, "static"), _pcm(lent, "lent"))
-    finally:
-        static.stop()
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU thread lending")
@@ -487,28 +497,14 @@ def test_decode_steps_that_borrow_the_vocoders_threads_give_the_same_tokens_and_
     """By default decode steps run on the vocoder's threads too while it has nothing to render (CoreLease +
     BorrowGain); a seeded segment's tokens and audio are those of an engine whose decode never borrows."""
     borrowed_before = engine.lease.borrowed_steps
-    both = Collector()
-    engine.submit(_request(both, "both", TEXTS[1], seed=81))
-    both.wait_done(["both"])
+    both = _speak(engine, "both", TEXTS[1], seed=81)
     status = engine.status()
     assert status["decode_borrows_threads"] is True and engine.lease.borrowed_steps > borrowed_before
-    bundle = tiny_bundle("english")
-    from synth import default_voice
-
-    own = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
-                      chunk_schedule_tokens=(8, 16), decode_borrows_threads=False)
-    own.voices.add(default_voice(bundle))
-    own.start()
-    try:
-        assert own.wait_ready(120)
-        col = Collector()
-        own.submit(_request(col, "own", TEXTS[1], seed=81))
-        col.wait_done(["own"])
+    with _engine_like_the_fixture(decode_borrows_threads=False) as own:
+        col = _speak(own, "own", TEXTS[1], seed=81)
         assert own.status()["borrowed_steps"] == 0 and own.lease.lent_ticks > 0  # the vocoder still borrows
         assert col.tokens("own") == both.tokens("both")
         assert np.array_equal(_pcm(col, "own"), _pcm(both, "both"))
-    finally:
-        own.stop()
 
 
 def test_cpu_vocoder_bf16_renders_the_same_tokens_as_audio_close_to_fp32(engine: Engine) -> None:
