@@ -456,12 +456,13 @@ def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(var
 
 
 @contextlib.contextmanager
-def _engine_like_the_fixture(**overrides: object) -> Iterator[Engine]:
-    """A started english engine with the fixture's chunk settings and default voice, plus `overrides`."""
+def _engine_like_the_fixture(lend_threads: bool = True, decode_borrows_threads: bool = True) -> Iterator[Engine]:
+    """A started english engine with the fixture's chunk settings and default voice, lending as asked."""
     from synth import default_voice
 
     other = make_engine("english", render_audio=True, max_slots=8, first_chunk_tokens=6,
-                        chunk_schedule_tokens=(8, 16), **overrides)
+                        chunk_schedule_tokens=(8, 16), lend_threads=lend_threads,
+                        decode_borrows_threads=decode_borrows_threads)
     other.voices.add(default_voice(tiny_bundle("english")))
     other.start()
     try:
