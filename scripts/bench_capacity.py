@@ -111,7 +111,8 @@ class RepoRun:
 
 # the engine's thread-lease counters, printed after a checkout's rounds (older checkouts lack some)
 LEASE_KEYS = ("decode_threads", "vocoder_threads", "lend_threads", "lent_ticks", "decode_waits_for_lent_ticks",
-              "decode_borrows_threads", "borrowed_steps", "render_waits_for_borrowed_steps", "borrow_gain_ms")
+              "decode_borrows_threads", "borrowed_steps", "render_waits_for_borrowed_steps",
+              "lent_ticks_beside_a_decode_team", "borrow_gain_ms")
 
 
 def playback(frames: list[tuple[float, float]]) -> tuple[float, int]:

@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING
 # a CPU; capped at AVX512-BF16 it passes). Read once, at oneDNN's first primitive: so set before any model runs.
 # fp32 products never use AMX; an operator who prefers AMX's speed to the guarantee sets the variable first.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+# How long an OpenMP thread spins at a barrier before it sleeps (libgomp's default: 300,000 spins). When another
+# process takes one of our cores, a 2-thread team's waiting thread spins on the core its teammate needs: a 2-thread
+# decode step took 584 ms instead of 63 (the 9x collapse of issue 15); with 10,000 spins 136 ms (the 1-thread step:
+# 108 ms, so the decode stops borrowing), and on an idle machine the same speed as the default (62 ms; a render too).
+# BENCHMARKS.md "A stray OpenMP team". libgomp reads it once, when torch loads it: so set before torch is imported
+# (the server imports synth first; a process that imported torch earlier keeps libgomp's default).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from synth.api import EngineConfig
 

@@ -71,6 +71,10 @@ def release_openmp_pool() -> bool:
 # (synth.api.ThreadBudget).
 
 WARM_UP_ELEMENTS = 1 << 16
+# How long a borrowing render waits for the decode thread to free the OpenMP team its last borrowed step left
+# docked: the decode thread does so at its next step or when it goes idle, within its between-step work (ms).
+# Past it the render goes on beside the team (slower, not wrong) and CoreLease.team_wait_timeouts counts it.
+TEAM_WAIT_S = 0.05
 
 
 def available_cores() -> int:
@@ -88,11 +92,17 @@ def use_threads(count: int) -> None:
     first parallel op initialises its count from that default. So a thread that sets its count before its first
     parallel op gets it overwritten by whatever another thread set meanwhile (measured: a decode thread set to 1
     ran with the vocoder's 2). Running one op first makes the count stick.
+
+    That op runs with the process's default count, so it forms an OpenMP team of that size on this thread, which
+    libgomp would keep docked for good: freed here. A docked team anywhere in the process makes every other team
+    slower (more OpenMP threads than cores: libgomp stops spinning, module docstring): with the vocoder worker's
+    team left docked by this op, the server's 2-thread decode step took 74 ms instead of 62 (CPU-4, BENCHMARKS.md).
     """
     # One op above the parallel grain size (32768 elements): this thread's lazy OpenMP initialisation happens
     # now, not after our setting (a smaller op runs serially and initialises nothing).
     torch.ones(WARM_UP_ELEMENTS).add_(1)
     torch.set_num_threads(count)
+    release_openmp_pool()  # the next parallel op forms a team of `count` (none for 1)
 
 
 @contextlib.contextmanager
@@ -125,10 +135,12 @@ class LeasedStep:
 class BorrowGain:
     """Whether a decode step gets faster on the vocoder's threads too, learnt from the server's own steps.
 
-    It differs by machine far more than one would guess, so it is measured, not assumed: a one-row full-size Turbo
-    step in the server went from 102 ms on one thread to 74 ms on two on a 2-core Intel Xeon with AMX (CPU-4), and
-    from 37-40 ms to 35-38 ms on a 2-core AMD EPYC (CPU-3), where borrowing then only made renders wait for steps
-    that gained nothing (-8 % audio at 4 sessions; BENCHMARKS.md). Per row bucket it keeps a moving average of the
+    It differs by machine, so it is measured, not assumed: a one-row full-size Turbo step in the server went from
+    106 ms on one thread to 62-64 ms on two on a 2-core Intel Xeon with AMX (CPU-4), and from 37-40 ms to 35-38 ms
+    on a 2-core AMD EPYC (CPU-3), where borrowing then only made renders wait for steps that gained nothing (-8 %
+    audio at 4 sessions; BENCHMARKS.md). Both server figures were taken with a stray OpenMP team docked on the
+    vocoder thread (fixed since in use_threads: CPU-4's went from 74 to 62-64 ms), so CPU-3's is likely too low:
+    one more reason to learn it on the machine at hand. Per row bucket it keeps a moving average of the
     decode time of steps that began with the vocoder idle, borrowed and not, and borrows while the borrowed ones
     are at least MIN_SPEEDUP faster. One such step in PROBE_EVERY takes the other choice, so both averages follow
     the machine's load and a step that has not been tried is tried (borrowing first).
@@ -183,15 +195,18 @@ class CoreLease:
       render that becomes due meanwhile waits for that step to end (at most one step); the steps after it keep
       the decode's own count until the vocoder is idle again. A render is convolutions and gains from a second
       thread everywhere (1.45x on CPU-3, 1.64x on CPU-4); a decode step of a few rows is a chain of memory-bound
-      matrix-vector products and gains on some machines (a one-row Turbo step 102 -> 74 ms in the server on
-      CPU-4) and not on others (37-40 -> 35-38 ms on CPU-3, where borrowing cost 8 % of the audio at 4 sessions:
+      matrix-vector products and gains on some machines (a one-row Turbo step 106 -> 62-64 ms in the server on
+      CPU-4) and less on others (37-40 -> 35-38 ms on CPU-3, where borrowing cost 8 % of the audio at 4 sessions:
       renders waited for steps that gained nothing). BENCHMARKS.md has both.
 
     Whoever hands threads back frees the OpenMP team it formed with them, so no team is left docked beside the
-    other side's (libgomp stops spinning once the process holds more OpenMP threads than CPUs). Neither side's own
-    count ever changes; seeded output does not change with the counts: T3's logits are the same bits on 1 and 2
-    threads (tests/synth/test_t3_runner.py) and the reproducible render path is thread-count invariant
-    (tests/synth/test_vocoder.py, test_invariant_ops.py).
+    other side's (libgomp stops spinning once the process holds more OpenMP threads than CPUs). A borrowing render
+    that becomes due between two steps (a turn's first chunk, usually) finds the last borrowed step's team still
+    docked on the decode thread: it waits (TEAM_WAIT_S at most) until the decode thread, coming to its next step or
+    going idle, has freed it; beside it a 16-token first render took 545-671 ms instead of 250-340 (CPU-4).
+    Neither side's own count ever changes; seeded output does not change with the counts: T3's logits are the same
+    bits on 1 and 2 threads (tests/synth/test_t3_runner.py) and the reproducible render path is thread-count
+    invariant (tests/synth/test_vocoder.py, test_invariant_ops.py).
     Disabled (`enabled=False`, or a GPU), every method is a no-op and both sides keep their own counts.
     """
 
@@ -212,6 +227,7 @@ class CoreLease:
         self.decode_waits = 0  # decode steps that waited for a lent tick
         self.borrowed_steps = 0  # decode steps run on the vocoder's threads too
         self.render_waits = 0  # render ticks that waited for a borrowed step to end
+        self.team_wait_timeouts = 0  # borrowing ticks that ran beside a decode team not freed in TEAM_WAIT_S
         self.gain = BorrowGain()
 
     # --- the decode thread --------------------------------------------------------------------------------
@@ -238,14 +254,16 @@ class CoreLease:
             self._decode_idle = False
             if self._lent:
                 self.decode_waits += 1
+                if self._decode_team:  # the borrowing render waits for this team to go (TEAM_WAIT_S)
+                    self._free_decode_team()
                 self._cond.wait_for(lambda: not self._lent)
             self._decode_stepping = True
             step.could_borrow = self.decode_borrows and rows > 0 and self._vocoder_idle
             step.borrowed = borrow = step.could_borrow and self.gain.choose(step.rows_bucket)
             self._borrowing = borrow
+            self._decode_team |= borrow
         if borrow:
             torch.set_num_threads(self.decode_threads + self.vocoder_threads)
-            self._decode_team = True
         elif self._decode_team:  # the vocoder has its threads back: free the team left docked here
             self._free_decode_team()
         try:
@@ -270,7 +288,9 @@ class CoreLease:
         vocoder thread, the process holds more OpenMP threads than cores and libgomp stops spinning (a 2-thread
         step 40 ms instead of 35, measured)."""
         release_openmp_pool()
-        self._decode_team = False
+        with self._cond:  # re-entrant: also called with it held
+            self._decode_team = False
+            self._cond.notify_all()
 
     # --- the vocoder thread --------------------------------------------------------------------------------
 
@@ -291,6 +311,11 @@ class CoreLease:
                 if borrow:
                     self._lent = True  # from now on no step starts; wait for the running one
                     self._cond.wait_for(lambda: not self._decode_stepping)
+                    # and for the team a borrowed step left docked on the decode thread, which that thread frees
+                    # as it sees the lend (its next step, or going idle); beside it this tick's team would run
+                    # with libgomp not spinning (a 16-token first render 545-671 ms instead of ~490, CPU-4)
+                    if self._decode_team and not self._cond.wait_for(lambda: not self._decode_team, TEAM_WAIT_S):
+                        self.team_wait_timeouts += 1
                 elif self._borrowing:  # the running step holds this thread's cores: at most one step
                     self.render_waits += 1
                     self._cond.wait_for(lambda: not self._borrowing)

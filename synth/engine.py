@@ -235,6 +235,7 @@ class Engine(EngineLike):
             "decode_waits_for_lent_ticks": self.lease.decode_waits,
             "decode_borrows_threads": self.lease.decode_borrows, "borrowed_steps": self.lease.borrowed_steps,
             "render_waits_for_borrowed_steps": self.lease.render_waits,
+            "lent_ticks_beside_a_decode_team": self.lease.team_wait_timeouts,
             "borrow_gain_ms": self.lease.gain.estimates(),
         }
 

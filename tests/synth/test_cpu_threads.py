@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from synth import cpu_threads
 from synth.cpu_threads import BorrowGain, CoreLease, _libgomp, release_openmp_pool, rows_bucket, use_threads
 
 
@@ -240,3 +241,81 @@ def test_a_borrowed_steps_team_is_freed_once_the_decode_goes_idle() -> None:
     thread = _in_thread(decode)
     thread.join(10)
     assert seen == {"docked": 1, "idle": 0}
+
+
+@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+                    reason="needs torch on GNU OpenMP and Linux /proc")
+def test_use_threads_leaves_no_team_docked_on_its_thread() -> None:
+    """use_threads runs one parallel op to make the count stick; that op's team is formed with the process's
+    default count (2 here), and a team left docked on a single-threaded vocoder worker made every 2-thread decode
+    step in the server 74 instead of 62 ms (CPU-4). The thread keeps its count and nothing else."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # the process default a new thread's first parallel op uses
+    seen: dict[str, int] = {}
+    go, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        go.wait(5)
+        use_threads(1)
+        torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel-sized op on its own count forms no team
+        seen["count"] = torch.get_num_threads()
+        done.set()
+        time.sleep(0.5)  # alive while the main thread counts
+
+    try:
+        thread = _in_thread(worker)
+        before = _settled_threads()  # this process and the worker, before its first parallel op
+        go.set()
+        done.wait(5)
+        seen["added"] = _settled_threads() - before
+        thread.join(5)
+    finally:
+        torch.set_num_threads(saved)
+    assert seen == {"count": 1, "added": 0}
+
+
+@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+                    reason="needs torch on GNU OpenMP and Linux /proc")
+def test_a_borrowing_render_waits_until_the_decodes_docked_team_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's first render usually becomes due between two steps, after a borrowed one that left its team
+    docked on the decode thread (the vocoder was idle as it ended). The render borrows the decode's threads; the
+    decode thread, at its next step, frees that team before it waits for the render, and the render starts only
+    then: two teams at once would outnumber the cores (libgomp stops spinning: a first render ~20 % slower)."""
+    monkeypatch.setattr(cpu_threads, "TEAM_WAIT_S", 5.0)  # a loaded CI machine may take 50 ms to run a thread
+    lease = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True, decode_borrows=True)
+    seen: dict[str, int] = {}
+    stepped = threading.Event()
+    x = torch.randn(512, 512)
+
+    def decode() -> None:
+        use_threads(1)
+        with lease.decode_step(rows=1) as step:
+            assert step.borrowed
+            x @ x  # a 2-thread team, docked on this thread after the step
+        seen["docked"] = _threads() - seen["before"]
+        stepped.set()
+        deadline = time.monotonic() + 5
+        while not lease._lent and time.monotonic() < deadline:  # the render has asked for the threads
+            time.sleep(0.005)
+        with lease.decode_step(rows=1):  # this thread comes to its next step
+            pass
+
+    def vocoder() -> None:
+        use_threads(1)
+        stepped.wait(5)
+        with lease.render(urgent=True) as threads:
+            seen["team_at_start"] = lease._decode_team  # freed before the render began
+            deadline = time.monotonic() + 5
+            while _threads() - seen["before"] > 0 and time.monotonic() < deadline:  # the worker's exit is async
+                time.sleep(0.01)
+            seen["inside"] = _threads() - seen["before"]
+            seen["threads"] = threads
+            x @ x
+
+    seen["before"] = _settled_threads() + 2  # and the two threads below
+    threads = [_in_thread(decode), _in_thread(vocoder)]
+    for thread in threads:
+        thread.join(10)
+    assert seen["docked"] == 1 and seen["threads"] == 2
+    assert not seen["team_at_start"] and seen["inside"] == 0  # the decode's docked worker is gone
+    assert lease.team_wait_timeouts == 0 and lease.lent_ticks == 1 and lease.decode_waits == 1
