@@ -313,7 +313,7 @@ class CoreLease:
                     self._cond.wait_for(lambda: not self._decode_stepping)
                     # and for the team a borrowed step left docked on the decode thread, which that thread frees
                     # as it sees the lend (its next step, or going idle); beside it this tick's team would run
-                    # with libgomp not spinning (a 16-token first render 545-671 ms instead of ~490, CPU-4)
+                    # with libgomp not spinning (a 16-token first render 545-671 ms instead of 250-340, CPU-4)
                     if self._decode_team and not self._cond.wait_for(lambda: not self._decode_team, TEAM_WAIT_S):
                         self.team_wait_timeouts += 1
                 elif self._borrowing:  # the running step holds this thread's cores: at most one step
