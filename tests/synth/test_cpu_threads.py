@@ -18,8 +18,11 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
-                    reason="needs torch on GNU OpenMP and Linux /proc")
+needs_gomp_and_proc = pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+                                         reason="needs torch on GNU OpenMP and Linux /proc")
+
+
+@needs_gomp_and_proc
 def test_release_frees_this_threads_workers() -> None:
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -214,8 +217,7 @@ def test_borrow_gain_borrows_only_while_borrowed_steps_are_faster() -> None:
     assert [rows_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [0, 1, 2, 4, 8, 8, 16]
 
 
-@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
-                    reason="needs torch on GNU OpenMP and Linux /proc")
+@needs_gomp_and_proc
 def test_a_borrowed_steps_team_is_freed_once_the_decode_goes_idle() -> None:
     """The vocoder stayed idle, so nothing took the threads back after the borrowed step: its OpenMP worker is
     still docked on the decode thread until the decode goes idle (then the vocoder may borrow, and two docked
@@ -243,8 +245,7 @@ def test_a_borrowed_steps_team_is_freed_once_the_decode_goes_idle() -> None:
     assert seen == {"docked": 1, "idle": 0}
 
 
-@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
-                    reason="needs torch on GNU OpenMP and Linux /proc")
+@needs_gomp_and_proc
 def test_use_threads_leaves_no_team_docked_on_its_thread() -> None:
     """use_threads runs one parallel op to make the count stick; that op's team is formed with the process's
     default count (2 here), and a team left docked on a single-threaded vocoder worker made every 2-thread decode
@@ -274,8 +275,7 @@ def test_use_threads_leaves_no_team_docked_on_its_thread() -> None:
     assert seen == {"count": 1, "added": 0}
 
 
-@pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
-                    reason="needs torch on GNU OpenMP and Linux /proc")
+@needs_gomp_and_proc
 def test_a_borrowing_render_waits_until_the_decodes_docked_team_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A turn's first render usually becomes due between two steps, after a borrowed one that left its team
     docked on the decode thread (the vocoder was idle as it ended). The render borrows the decode's threads; the
