@@ -8,11 +8,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-# oneDNN's AMX kernels (Intel Xeon, 4th generation up) give a row of a bf16 product other bits with another number of
-# rows, which breaks the bit-for-bit seeded audio of `--cpu-vocoder bf16` (tests/synth/test_vocoder.py failed on such
-# a CPU; capped at AVX512-BF16 it passes). Read once, at oneDNN's first primitive: so set before any model runs.
-# fp32 products never use AMX; an operator who prefers AMX's speed to the guarantee sets the variable first.
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 # How long an OpenMP thread spins at a barrier before it sleeps (libgomp's default: 300,000 spins). When another
 # process takes one of our cores, a 2-thread team's waiting thread spins on the core its teammate needs: a 2-thread
 # decode step took 584 ms instead of 63 (the 9x collapse of issue 15); with 10,000 spins 136 ms (the 1-thread step:
@@ -44,11 +39,25 @@ def default_voice(bundle: ModelBundle) -> Voice:
     return voice
 
 
+def _cap_onednn_for_a_reduced_precision_t3(config: EngineConfig) -> None:
+    """T3 in bfloat16 or float16 on the CPU runs its linear layers through oneDNN, whose AMX kernels (Intel Xeon, 4th
+    generation up) give a row other bits from 64 rows up (measured on CPU-4: [64+, 1024] @ [1024, 2048] and others),
+    so a seeded segment's tokens could follow the row bucket it decodes in. Capped at AVX512-BF16 they do not.
+    oneDNN reads the cap at its first primitive, so it is set here, before the models load (the server builds its
+    engine before any other torch work). The vocoder's bf16 products keep their bits under AMX (one thread each:
+    synth/invariant_ops.py), so a float32 T3 leaves AMX on. An operator's own ONEDNN_MAX_CPU_ISA wins."""
+    from synth.loading import resolve_device
+
+    if config.dtype != "float32" and resolve_device(config.device).type == "cpu":
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+
 def build_engine(config: EngineConfig, *, render_audio: bool = True) -> Engine:
     """Load the models (slow) and return an Engine that is not started yet."""
     from synth.engine import Engine
     from synth.loading import load_models
 
+    _cap_onednn_for_a_reduced_precision_t3(config)
     bundle = load_models(config.variant, config.weights, config.device)
     engine = Engine(bundle, config, render_audio=render_audio)
     engine.voices.add(default_voice(bundle))

@@ -28,8 +28,11 @@ With `Kernels.gemm_dtype` bfloat16 (the CPU, `--cpu-vocoder bf16`), each product
 weights (the weights rounded once) and comes back as float32, which is what everything between the products
 stays in; a convolution is then one product over its unfolded taps (a copy of k shifted views), not a sum of
 one product per tap, so its rounding happens once. oneDNN's bf16 GEMMs run 3-4x MKL's fp32 ones on an AVX512-BF16
-CPU (BENCHMARKS.md, issue 15), and keep a row's bits whatever the batch under the same padding rules
-(tests/synth/test_invariant_ops.py).
+CPU (BENCHMARKS.md, issue 15), 5-10x on one with AMX (Intel Xeon, 4th generation up), and keep a row's bits whatever
+the batch under the same padding rules (tests/synth/test_invariant_ops.py) when they run on one OpenMP thread. On two
+threads oneDNN's AMX kernels split some products' sums between the threads (HiFT- and encoder-sized ones: [8, 3072]
+@ [3072, 256], a batch of 3 of [37, 2048] @ [2048, 512]), which changes a row's last bits with the batch and the
+thread count; so a lowered product runs on one thread whatever the caller's count (`_one_thread_bmm`).
 
 Every layer is read once from the library's module (weight-norm parametrisations resolved), so the library's
 modules stay untouched and chatterbox's own inference keeps running them as shipped.
@@ -82,6 +85,21 @@ def _batched(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     """`op(x)` (a batched GEMM over x's first dim) with at least MIN_GEMM_BATCH matrices in the batch."""
     batch = x.shape[0]  # the same ops whatever the batch (a zero-width pad when it is big enough)
     return op(F.pad(x, (0, 0, 0, 0, 0, max(0, MIN_GEMM_BATCH - batch))))[:batch]
+
+
+def _one_thread_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(a, b)` on this thread alone (a lowered product: see the module's docstring). Only a lent render
+    runs on more than one thread. Setting the count costs well under a microsecond and keeps the thread's OpenMP
+    team; it also sets torch's process-wide default, which only a thread's first parallel op reads
+    (`synth.cpu_threads.use_threads` runs that op before setting its own count)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return torch.bmm(a, b)
+    torch.set_num_threads(1)
+    try:
+        return torch.bmm(a, b)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _gemm_columns(columns: int) -> int:
@@ -160,7 +178,7 @@ class Linear:
     def _product(self, x3: torch.Tensor) -> torch.Tensor:
         weight = self.weight_t.expand(x3.shape[0], self.in_features, self._columns)
         if self.lowered:
-            return _to_result(torch.bmm(x3.to(self.gemm_dtype), weight), self._bias_padded)
+            return _to_result(_one_thread_bmm(x3.to(self.gemm_dtype), weight), self._bias_padded)
         return torch.bmm(x3, weight) if self._bias_padded is None else torch.baddbmm(self._bias_padded, x3, weight)
 
     @staticmethod
@@ -252,7 +270,7 @@ class Conv1d:
                                (x.stride(0), time_stride * self.stride, time_stride * self.dilation, channel_stride))
         unfolded = windows.reshape(batch, out_len, self.kernel * channels)
         weight = self.taps.expand(batch, self.kernel * channels, self._columns)
-        return _to_result(torch.bmm(unfolded, weight), self._bias_padded)
+        return _to_result(_one_thread_bmm(unfolded, weight), self._bias_padded)
 
 
 class ConvTranspose1d:
@@ -301,5 +319,7 @@ class ConvTranspose1d:
 
     def _taps_product(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C_in] @ [C_in, k C_out'] -> float32 (lowered: the product in the GEMM dtype)."""
-        product = torch.bmm(x.to(self.gemm_dtype), self.taps.expand(x.shape[0], self.in_channels, self._columns))
-        return _to_result(product, None) if self.lowered else product
+        weight = self.taps.expand(x.shape[0], self.in_channels, self._columns)
+        if self.lowered:
+            return _to_result(_one_thread_bmm(x.to(self.gemm_dtype), weight), None)
+        return torch.bmm(x, weight)

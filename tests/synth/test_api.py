@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from synth.api import ListenerClock, ThreadBudget
@@ -33,3 +35,20 @@ def test_thread_budget_split_and_parse() -> None:
     for bad in ("0", "1,0", "x", "1,2,3", "-2"):
         with pytest.raises(ValueError):
             ThreadBudget.parse(bad)
+
+
+@pytest.mark.parametrize("dtype,device,capped", [("bfloat16", "cpu", True), ("float16", "cpu", True),
+                                                 ("float32", "cpu", False)])
+def test_a_reduced_precision_t3_on_the_cpu_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch, dtype: str,
+                                                                  device: str, capped: bool) -> None:
+    """oneDNN's AMX bf16 kernels give a T3 row other bits from 64 rows up: an engine with T3 in bf16/fp16 on the CPU
+    caps oneDNN (before its models load), a float32 one leaves AMX to the vocoder's bf16 products; an operator's
+    own setting stays."""
+    import synth
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device=device))
+    assert (os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX512_CORE_BF16") == capped
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device=device))
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"

@@ -102,6 +102,33 @@ def test_rows_do_not_depend_on_the_thread_count(gemm_dtype: torch.dtype) -> None
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("layer,rows", [("linear", 8), ("conv", 40)], ids=["hift-linear", "encoder-conv"])
+def test_lowered_rows_keep_their_bits_on_two_threads_at_s3gen_sizes(layer: str, rows: int) -> None:
+    """S3Gen-sized bf16 products (oneDNN's AMX kernels split these sums between two threads: a row's bits then
+    change with the batch and the thread count) give each row the bits it gets alone on one thread, when batched
+    with others on a thread whose count is 2 (a lent render)."""
+    torch.manual_seed(0)
+    if layer == "linear":
+        module: torch.nn.Module = torch.nn.Linear(3072, 256)
+        x = torch.randn(3, rows, 3072)
+        op: Callable[[torch.Tensor], torch.Tensor] = ops.Linear.of(module, ops.Kernels(True, torch.bfloat16))
+    else:
+        module = torch.nn.Conv1d(512, 512, 4)
+        x = torch.randn(3, rows, 512)
+        op = ops.Conv1d(module, ops.Kernels(True, torch.bfloat16))
+    saved = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            alone = [op(x[b:b + 1])[0] for b in range(3)]
+            torch.set_num_threads(2)
+            batched = op(x)
+            assert torch.get_num_threads() == 2  # the product restored the caller's count
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(batched[b], alone[b]) for b in range(3))
+
+
 def test_bf16_products_are_bf16_and_close_to_fp32() -> None:
     """The lowered kernels really run in bfloat16 (their results leave fp32's bits) and stay within bf16's
     rounding of the float32 layer: a convolution's taps are one product (one rounding of each input), not a sum
