@@ -45,12 +45,13 @@ def _voice(bundle: Any, voice_id: str, seed: int) -> Voice:
 
 
 def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, dtype: str, device: str,
-            graphs: str, context_tokens: int, threads: int = 0) -> dict[str, object]:
+            graphs: str, context_tokens: int, threads: int = 0, cpu_weights: str = "fp32") -> dict[str, object]:
     if threads > 0:
         torch.set_num_threads(threads)
     extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(variant=variant, weights="random", device=device, dtype=dtype,  # type: ignore[arg-type]
-                          max_slots=sessions, max_context_tokens=context_tokens, **extra)  # type: ignore[arg-type]
+                          max_slots=sessions, max_context_tokens=context_tokens, cpu_weights=cpu_weights,
+                          **extra)  # type: ignore[arg-type]
     engine = Engine(bundle, config, render_audio=False)
     for v in range(voices):
         engine.voices.add(_voice(bundle, f"v{v}", v))
@@ -80,6 +81,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     logits = engine.runner.logits[:sessions].float().cpu().numpy()  # [sessions, V] the last step's
     digest = hashlib.sha256(logits.tobytes()).hexdigest()[:16]
     return {"variant": variant, "sessions": sessions, "voices": voices, "threads": torch.get_num_threads(),
+            "cpu_weights": cpu_weights,
             "ops_per_step": ops, "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
             "running": len(engine.scheduler.running), "logits_sha256": digest}
 
@@ -98,6 +100,8 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=256, help="KV positions per row after the prefix")
     parser.add_argument("--threads", type=int, nargs="+", default=[0],
                         help="CPU thread counts to run each measurement with (0: leave the count as it is)")
+    parser.add_argument("--cpu-weights", default="fp32", choices=["fp32", "bf16"],
+                        help="CPU, float32 T3: bf16-stored projection weights (the server's --cpu-weights)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))
@@ -107,7 +111,7 @@ def main() -> None:
         for voices in sorted(choices):
             for threads in args.threads:
                 row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device,
-                              args.cuda_graphs, args.context_tokens, threads)
+                              args.cuda_graphs, args.context_tokens, threads, args.cpu_weights)
                 row["size"] = args.size
                 print(json.dumps(row), flush=True)
                 rows.append(row)

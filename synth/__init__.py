@@ -41,7 +41,7 @@ def default_voice(bundle: ModelBundle) -> Voice:
 
 def _cap_onednn_for_a_reduced_precision_t3(config: EngineConfig) -> None:
     """T3 in bfloat16 or float16 on the CPU runs its linear layers through oneDNN, whose AMX kernels (Intel Xeon, 4th
-    generation up) give a row other bits from 64 rows up (measured on CPU-4: [64+, 1024] @ [1024, 2048] and others),
+    generation up) give a row other bits from 64 rows up (measured on CPU-4: [64+, 4096] @ [4096, 1024] and others),
     so a seeded segment's tokens could follow the row bucket it decodes in. Capped at AVX512-BF16 they do not.
     oneDNN reads the cap at its first primitive, so it is set here, before the models load (the server builds its
     engine before any other torch work). The vocoder's bf16 products keep their bits under AMX (one thread each:
