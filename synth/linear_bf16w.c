@@ -41,6 +41,14 @@ static inline v16f widen(const uint16_t *p) { /* bf16 -> fp32 exactly: one vpmov
  * straight from memory. */
 #define MAX_TILE 24
 
+/* Tiles of 4+ rows prefetch the group's weights PREFETCH_K values of k ahead (8 KB; past the group's end it is
+ * the next group's, past the buffer's end a prefetch does not fault). Their FMAs take as long as the weights'
+ * stream from memory, and without it the two added up instead of overlapping: a full-size Turbo decode step's
+ * projections at 8 rows took 110 ms instead of 70 (one thread; BENCHMARKS.md). A 1-row tile is bound by memory
+ * alone and the prefetches slowed it (48 -> 60 ms), at 2 rows they changed nothing. Arithmetic unchanged: the
+ * same bits. */
+#define PREFETCH_K 64
+
 static int64_t tile_rows(int64_t remaining) {
     if (remaining >= MAX_TILE) return MAX_TILE;
     int64_t size = 16;
@@ -61,6 +69,10 @@ static int64_t tile_rows(int64_t remaining) {
             _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                              \
                 acc[r][v] = k0 ? state[r * GROUP_VECS + v0 + v] : (v16f){0};                                 \
         for (int64_t k = k0; k < k1; k++) {                                                                  \
+            if (R >= 4 && v0 == 0) { /* the first pass over a k range fetches both of its cache lines */      \
+                __builtin_prefetch(w + (k + PREFETCH_K) * GROUP_OUT, 0, 3);                                  \
+                __builtin_prefetch(w + (k + PREFETCH_K) * GROUP_OUT + GROUP_OUT / 2, 0, 3);                  \
+            }                                                                                                \
             v16f wk[V];                                                                                      \
             _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                              \
                 wk[v] = widen(w + k * GROUP_OUT + (v0 + v) * VEC);                                           \
