@@ -30,9 +30,10 @@ stays in; a convolution is then one product over its unfolded taps (a copy of k 
 one product per tap, so its rounding happens once. oneDNN's bf16 GEMMs run 3-4x MKL's fp32 ones on an AVX512-BF16
 CPU (BENCHMARKS.md, issue 15), 5-10x on one with AMX (Intel Xeon, 4th generation up), and keep a row's bits whatever
 the batch under the same padding rules (tests/synth/test_invariant_ops.py) when they run on one OpenMP thread. On two
-threads oneDNN's AMX kernels split some products' sums between the threads (HiFT- and encoder-sized ones: [8, 3072]
-@ [3072, 256], a batch of 3 of [37, 2048] @ [2048, 512]), which changes a row's last bits with the batch and the
-thread count; so a lowered product runs on one thread whatever the caller's count (`_one_thread_bmm`).
+threads oneDNN's AMX kernels split some products' sums between the threads (few rows, long sums: [8, 3072] @
+[3072, 256]; a tiny English model's convolution, [37, 2048] @ [2048, 512] in a batch of 3), which changes a row's
+last bits with the batch and the thread count; so a lowered product runs on one thread whatever the caller's count
+(`_one_thread_bmm`).
 
 Every layer is read once from the library's module (weight-norm parametrisations resolved), so the library's
 modules stay untouched and chatterbox's own inference keeps running them as shipped.

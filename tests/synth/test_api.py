@@ -37,18 +37,17 @@ def test_thread_budget_split_and_parse() -> None:
             ThreadBudget.parse(bad)
 
 
-@pytest.mark.parametrize("dtype,device,capped", [("bfloat16", "cpu", True), ("float16", "cpu", True),
-                                                 ("float32", "cpu", False)])
+@pytest.mark.parametrize("dtype,capped", [("bfloat16", True), ("float16", True), ("float32", False)])
 def test_a_reduced_precision_t3_on_the_cpu_caps_onednn_below_amx(monkeypatch: pytest.MonkeyPatch, dtype: str,
-                                                                  device: str, capped: bool) -> None:
+                                                                  capped: bool) -> None:
     """oneDNN's AMX bf16 kernels give a T3 row other bits from 64 rows up: an engine with T3 in bf16/fp16 on the CPU
     caps oneDNN (before its models load), a float32 one leaves AMX to the vocoder's bf16 products; an operator's
     own setting stays."""
     import synth
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device=device))
+    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device="cpu"))
     assert (os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX512_CORE_BF16") == capped
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
-    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device=device))
+    synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
