@@ -113,6 +113,8 @@ class VoiceRecord:
     duration_s: float
     sample_rate_hz: int
     weights_id: str  # the conditioning was computed by this model (another model recomputes from the clip)
+    description: str = ""
+    language: str = ""
 
     def to_json(self) -> bytes:
         return orjson.dumps({f: getattr(self, f) for f in self.__slots__})
@@ -121,7 +123,8 @@ class VoiceRecord:
     def from_json(cls, raw: bytes | str) -> VoiceRecord:
         obj = orjson.loads(raw)
         return cls(str(obj["voice_id"]), str(obj["version"]), str(obj.get("name", "")), str(obj.get("created_at", "")),
-                   float(obj.get("duration_s", 0.0)), int(obj.get("sample_rate_hz", 0)), str(obj.get("weights_id", "")))
+                   float(obj.get("duration_s", 0.0)), int(obj.get("sample_rate_hz", 0)), str(obj.get("weights_id", "")),
+                   str(obj.get("description", "")), str(obj.get("language", "")))
 
 
 @dataclass(frozen=True, slots=True)

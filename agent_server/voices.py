@@ -23,8 +23,11 @@ import asyncio
 import enum
 import hashlib
 import io
+import re
 import secrets
 import wave
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,9 +37,12 @@ import numpy as np
 import orjson
 import structlog
 from numpy.typing import NDArray
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from agent_server.errors import BAD_REQUEST, FieldError
 from agent_server.shared_state import SharedState, SharedStateUnavailable, VoiceData, VoiceRecord
@@ -47,6 +53,8 @@ log = structlog.get_logger("agent_server.voices")
 VOICE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_VOICE_ID_CHARS = 64
 MAX_NAME_CHARS = 200
+MAX_DESCRIPTION_CHARS = 1000
+LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}$")
 PCM16_FULL_SCALE = 32767.0
 VERSION_HEX = 16
 UNVERSIONED = "unversioned"  # an engine that cannot export a voice's conditioning
@@ -67,6 +75,8 @@ class Voice:
     duration_s: float = 0.0
     sample_rate_hz: int = 0
     created_at: str = ""
+    description: str = ""
+    language: str = ""  # ISO 639 code of the clip's language as the uploader gave it ("": not given)
     leases: int = 0  # contexts using it now
     version: str = ""  # content hash of the conditioning the engine holds for it
     shared_version: str = ""  # the shared record's version it was made from ("": not shared); sync compares it
@@ -80,6 +90,8 @@ class Voice:
             "duration_s": round(self.duration_s, 3),
             "sample_rate_hz": self.sample_rate_hz,
             "created_at": self.created_at,
+            "description": self.description,
+            "language": self.language,
             "in_use": self.leases,
             "version": self.version,
         }
@@ -110,6 +122,7 @@ class VoiceStore:
         self.max_clip_s = max_clip_s
         self.shared = shared if shared is not None and shared.shared else None  # None: the disk store
         self.weights_id = ""
+        self.attached_unix_s = 0  # when the engine's voices were registered (a model's `created` time)
         self._voices: dict[str, Voice] = {}
         self._engine: EngineLike | None = None
         self._synced_generation = -1
@@ -122,8 +135,11 @@ class VoiceStore:
         """Register the engine's built-in voices, then hand every stored (or shared) voice to the engine."""
         self._engine = engine
         self.weights_id = weights_id
-        for voice_id in engine.voice_ids():
-            voice = self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY)
+        attached_at = _now()
+        self.attached_unix_s = int(datetime.fromisoformat(attached_at).timestamp())
+        for voice_id in engine.voice_ids():  # built in: created when the engine loaded them
+            voice = self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY,
+                                                   name=voice_id, created_at=attached_at)
             voice.version = await asyncio.to_thread(self._version_of, voice_id)
         if self.shared is not None:
             await self.sync()
@@ -144,6 +160,8 @@ class VoiceStore:
                     duration_s=len(wav) / sample_rate_hz,
                     sample_rate_hz=sample_rate_hz,
                     created_at=str(meta.get("created_at", "")),
+                    description=str(meta.get("description", "")),
+                    language=str(meta.get("language", "")),
                 )
                 self._voices[voice_id] = voice
                 await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
@@ -203,7 +221,7 @@ class VoiceStore:
         record = data.record
         replacing = self._voices.get(record.voice_id)
         voice = Voice(record.voice_id, False, VoiceStatus.LOADING, record.name, record.duration_s,
-                      record.sample_rate_hz, record.created_at)
+                      record.sample_rate_hz, record.created_at, record.description, record.language)
         self._voices[record.voice_id] = voice
         try:
             if record.weights_id == self.weights_id:
@@ -268,7 +286,10 @@ class VoiceStore:
             raise VoiceError(404, "voice_id", f"unknown voice {voice_id!r}", code="unknown_voice")
         return voice
 
-    async def create(self, clip: bytes, name: str = "", voice_id: str | None = None) -> Voice:
+    async def create(self, clip: bytes, name: str = "", voice_id: str | None = None, *, description: str = "",
+                     language: str = "") -> Voice:
+        """A voice from a reference clip (WAV bytes). `language`: an ISO 639 code (a region is dropped:
+        "en-US" -> "en") describing the clip; the voice speaks whatever language a request asks for."""
         engine = self._require_engine()
         await self._catch_up()
         if voice_id is None:
@@ -282,6 +303,9 @@ class VoiceStore:
                              code="shared_state_unavailable")
         if len(name) > MAX_NAME_CHARS:
             raise VoiceError(400, "name", f"at most {MAX_NAME_CHARS} characters")
+        if len(description) > MAX_DESCRIPTION_CHARS:
+            raise VoiceError(400, "description", f"at most {MAX_DESCRIPTION_CHARS} characters")
+        language = _language_code(language)
         try:
             wav, sample_rate_hz = decode_wav(clip)
         except ValueError as exc:
@@ -293,8 +317,8 @@ class VoiceStore:
             )
         if duration_s > self.max_clip_s:
             raise VoiceError(422, "file", f"reference clip too long: {duration_s:.1f} s, at most {self.max_clip_s:g} s")
-        created_at = datetime.now(UTC).isoformat(timespec="seconds")
-        voice = Voice(voice_id, False, VoiceStatus.LOADING, name, duration_s, sample_rate_hz, created_at)
+        voice = Voice(voice_id, False, VoiceStatus.LOADING, name, duration_s, sample_rate_hz, _now(), description,
+                      language)
         self._voices[voice_id] = voice
         try:
             await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
@@ -346,7 +370,7 @@ class VoiceStore:
         409 when another replica created the same id first, 503 when the shared state is unavailable."""
         conditioning = await asyncio.to_thread(engine.export_voice, voice.voice_id)
         record = VoiceRecord(voice.voice_id, voice.version, voice.name, voice.created_at, voice.duration_s,
-                             voice.sample_rate_hz, self.weights_id)
+                             voice.sample_rate_hz, self.weights_id, voice.description, voice.language)
         try:
             created = await shared.put_voice(VoiceData(record, clip, conditioning))
         except SharedStateUnavailable:
@@ -388,7 +412,8 @@ class VoiceStore:
         wav_tmp = self.voices_dir / f".{voice.voice_id}.wav.tmp"
         wav_tmp.write_bytes(encode_wav_pcm16(wav, voice.sample_rate_hz))
         wav_tmp.replace(self._wav_path(voice.voice_id))
-        meta = {"voice_id": voice.voice_id, "name": voice.name, "created_at": voice.created_at}
+        meta = {"voice_id": voice.voice_id, "name": voice.name, "created_at": voice.created_at,
+                "description": voice.description, "language": voice.language}
         meta_tmp = self.voices_dir / f".{voice.voice_id}.json.tmp"
         meta_tmp.write_bytes(orjson.dumps(meta))
         meta_tmp.replace(self.voices_dir / f"{voice.voice_id}.json")  # last: a voice exists once this does
@@ -396,6 +421,18 @@ class VoiceStore:
     def _unlink(self, voice_id: str) -> None:
         (self.voices_dir / f"{voice_id}.json").unlink(missing_ok=True)
         self._wav_path(voice_id).unlink(missing_ok=True)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _language_code(raw: str) -> str:
+    """"en", "en-US", "pt_BR" -> "en", "pt"; "" stays ""; anything else is refused (400 `language`)."""
+    code = raw.strip().replace("_", "-").split("-", 1)[0].lower()
+    if raw and not LANGUAGE_CODE.match(code):
+        raise VoiceError(400, "language", f"not a language code: {raw!r} (ISO 639, e.g. \"en\" or \"pt-BR\")")
+    return code
 
 
 def decode_wav(data: bytes) -> tuple[NDArray[Any], int]:
@@ -469,43 +506,90 @@ async def get_voice(request: Request) -> Response:
 
 
 async def create_voice(request: Request) -> Response:
-    """multipart/form-data with `file` (a WAV clip, >= 5 s) and optional `name`, `voice_id`;
-    or the WAV itself as the body (Content-Type audio/wav) with optional ?name=&voice_id= query."""
-    hub = request.app.state.hub
-    max_bytes: int = hub.settings.max_voice_upload_bytes
+    """multipart/form-data with `file` (a WAV clip, >= 5 s) and optional `name`, `voice_id`, `description`,
+    `language`; or the WAV itself as the body (Content-Type audio/wav) with those as query parameters."""
     try:
-        declared = int(request.headers.get("content-length", "0"))
-    except ValueError:
-        declared = 0
-    if declared > max_bytes:
-        return VoiceError(413, "file", f"upload too large: at most {max_bytes} bytes", "too_large").response()
-    try:
-        clip, name, voice_id = await _read_upload(request, max_bytes)
-        voice = await _store(request).create(clip, name=name, voice_id=voice_id)
+        body = await read_body(request, request.app.state.hub.settings.max_voice_upload_bytes)
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            async with read_form(request, body, max_files=1) as form:
+                fields = form_fields(form, NATIVE_FORM_FIELDS, frozenset({"file"}))
+                clip = await form_file(form, "file")
+        else:
+            if not body:
+                raise VoiceError(400, "file", "empty body: send a WAV clip (multipart field `file` or the raw body)")
+            fields, clip = dict(request.query_params), body
+        voice = await _store(request).create(clip, name=fields.get("name", ""), voice_id=fields.get("voice_id") or None,
+                                             description=fields.get("description", ""),
+                                             language=fields.get("language", ""))
     except VoiceError as exc:
         return exc.response()
     return JSONResponse(voice.to_json(), status_code=201)
 
 
-async def _read_upload(request: Request, max_bytes: int) -> tuple[bytes, str, str | None]:
-    content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
-        async with request.form(max_files=1, max_fields=8) as form:
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise VoiceError(400, "file", "a multipart field `file` holding a WAV clip is required")
-            clip = await upload.read()
-            name = form.get("name", "")
-            voice_id = form.get("voice_id")
-            return clip, str(name), (str(voice_id) if voice_id else None)
+NATIVE_FORM_FIELDS = frozenset({"name", "voice_id", "description", "language"})
+MAX_FORM_FIELDS = 16
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body; 413 (field `file`) past `max_bytes`, whether it declared its length or not
+    (a chunked upload is counted as it arrives)."""
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        declared = 0
+    if declared > max_bytes:
+        raise VoiceError(413, "file", f"upload too large: at most {max_bytes} bytes", "too_large")
     body = bytearray()
     async for piece in request.stream():
         body += piece
         if len(body) > max_bytes:
             raise VoiceError(413, "file", f"upload too large: at most {max_bytes} bytes", "too_large")
-    if not body:
-        raise VoiceError(400, "file", "empty body: send a WAV clip (multipart field `file` or the raw body)")
-    return bytes(body), request.query_params.get("name", ""), request.query_params.get("voice_id")
+    return bytes(body)
+
+
+@asynccontextmanager
+async def read_form(request: Request, body: bytes, *, max_files: int) -> AsyncIterator[FormData]:
+    """`body` (from `read_body`) parsed as the request's multipart/form-data; a malformed one is 400 `file`."""
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if delivered:
+            return {"type": "http.disconnect"}
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    # without "app" in its scope Starlette raises a parse error rather than answering it as plain text
+    replay = Request({key: value for key, value in request.scope.items() if key != "app"}, receive)
+    try:
+        async with replay.form(max_files=max_files, max_fields=MAX_FORM_FIELDS) as form:
+            yield form
+    except MultiPartException as exc:
+        raise VoiceError(400, "file", f"malformed multipart/form-data: {exc.message}") from None
+
+
+def form_fields(form: FormData, text: frozenset[str], files: frozenset[str]) -> dict[str, str]:
+    """The form's text fields (each of `text` at most once); any other field, or a file where text is
+    expected (or text where a file is), is refused: 400 naming the field."""
+    fields: dict[str, str] = {}
+    for name, value in form.multi_items():
+        if name not in text and name not in files:
+            raise VoiceError(400, name, f"unknown field {name!r}")
+        if isinstance(value, str) != (name in text):
+            raise VoiceError(400, name, f"field {name!r} must be {'text' if name in text else 'a file'}")
+        if name in fields:
+            raise VoiceError(400, name, f"field {name!r} given twice")
+        if isinstance(value, str):
+            fields[name] = value
+    return fields
+
+
+async def form_file(form: FormData, name: str) -> bytes:
+    """The one file in field `name` (400 when it is missing, or not a file)."""
+    files = form.getlist(name)
+    if len(files) != 1 or isinstance(files[0], str):
+        raise VoiceError(400, name, f"a multipart field `{name}` holding one WAV clip is required")
+    return await files[0].read()
 
 
 async def delete_voice(request: Request) -> Response:

@@ -7,7 +7,7 @@ turns these into tensors; callers only ever see `numpy` PCM and these dataclasse
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +15,19 @@ import numpy as np
 import numpy.typing as npt
 
 Variant = Literal["english", "turbo", "multilingual"]
+# The languages the multilingual checkpoint speaks, ISO 639-1 code -> English name (equal to
+# chatterbox.mtl_tts.SUPPORTED_LANGUAGES, tests/synth/test_api.py); the other variants speak English.
+LANGUAGE_NAMES: Mapping[str, str] = {
+    "ar": "Arabic", "da": "Danish", "de": "German", "el": "Greek", "en": "English", "es": "Spanish",
+    "fi": "Finnish", "fr": "French", "he": "Hebrew", "hi": "Hindi", "it": "Italian", "ja": "Japanese",
+    "ko": "Korean", "ms": "Malay", "nl": "Dutch", "no": "Norwegian", "pl": "Polish", "pt": "Portuguese",
+    "ru": "Russian", "sv": "Swedish", "sw": "Swahili", "tr": "Turkish", "zh": "Chinese",
+}
+MULTILINGUAL_LANGUAGES: tuple[str, ...] = tuple(LANGUAGE_NAMES)
+
+
+def languages_of(variant: Variant) -> tuple[str, ...]:
+    return MULTILINGUAL_LANGUAGES if variant == "multilingual" else ("en",)
 VARIANTS: tuple[Variant, ...] = ("english", "turbo", "multilingual")
 
 OUTPUT_SAMPLE_RATE_HZ = 24_000  # S3Gen renders 24 kHz mono

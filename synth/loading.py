@@ -20,13 +20,12 @@ from chatterbox.models.t3.modules.cond_enc import T3Cond
 from chatterbox.models.voice_encoder import VoiceEncoder
 from safetensors.torch import load_file
 
-from synth.api import Variant
+from synth.api import MULTILINGUAL_LANGUAGES, Variant
 from synth.presets import (
     BUILTIN_VOICE_FILE,
     CHECKPOINT_FILES,
     ENGLISH_TEXT_VOCAB,
     HUB_REPOS,
-    MULTILINGUAL_LANGUAGES,
     MULTILINGUAL_TEXT_VOCAB,
     Size,
     build_random_modules,

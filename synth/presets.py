@@ -23,7 +23,7 @@ from chatterbox.models.t3.modules.t3_config import T3Config
 from chatterbox.models.voice_encoder import VoiceEncoder
 from safetensors.torch import save_file
 
-from synth.api import Variant
+from synth.api import MULTILINGUAL_LANGUAGES, Variant
 
 log = logging.getLogger(__name__)
 
@@ -284,10 +284,6 @@ def write_checkpoint(directory: Path, variant: Variant, size: Size = "tiny", see
     return directory
 
 
-MULTILINGUAL_LANGUAGES: tuple[str, ...] = (
-    "ar", "da", "de", "el", "en", "es", "fi", "fr", "he", "hi", "it", "ja", "ko", "ms", "nl", "no", "pl", "pt",
-    "ru", "sv", "sw", "tr", "zh",
-)
 
 
 def synthetic_reference_wav(sample_rate_hz: int, seconds: float = 8.0, seed: int = 1234) -> np.ndarray:

@@ -4,7 +4,8 @@ NVIDIA Riva (compat/riva_service.py).
 
 Each module is its vendor's wire format only: a `WireProtocol` on the session core
 (agent_server/session.py), which every protocol shares with the native one (the HTTP ones through
-compat/http_speech.py); `docs/compatibility.md` lists every field and the base-URL settings.
+compat/http_speech.py); compat/catalog.py lists, clones and deletes voices and lists models in each
+vendor's shape. `docs/compatibility.md` lists every field and the base-URL settings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.routing import BaseRoute
 from agent_server.compat import (
     cartesia,
     cartesia_http,
+    catalog,
     deepgram,
     deepgram_http,
     elevenlabs,
@@ -45,4 +47,5 @@ def routes() -> list[BaseRoute]:
         http_route("/v1/audio/speech", openai_speech.OpenAISpeechProtocol),
         http_route(JAMBONZ_HTTP_PATH, jambonz.JambonzHttpProtocol),
         websocket_route(JAMBONZ_STREAM_PATH, jambonz.JambonzStreamProtocol),
+        *catalog.routes(),
     ]

@@ -14,6 +14,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -553,6 +554,39 @@ def test_voices_upload_use_delete_and_survive_restart(tmp_path: Path) -> None:
     with live_server(restarted, settings) as server:
         kept = {v["voice_id"] for v in httpx.get(server.http_url + "/v1/voices").json()["voices"]}
         assert kept == {"default", "bob"} and "bob" in restarted.voices
+
+
+def test_voice_metadata_survives_restart_and_a_chunked_upload_is_held_to_the_limit(tmp_path: Path) -> None:
+    t = np.arange(6 * 16000) / 16000
+    clip = encode_wav_pcm16((0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000)
+    settings = Settings(data_dir=tmp_path, max_voice_upload_bytes=len(clip) + 4096)
+
+    def chunks(data: bytes) -> Iterator[bytes]:  # no Content-Length: the body arrives chunked
+        for at in range(0, len(data), 8192):
+            yield data[at:at + 8192]
+
+    with live_server(FakeEngine(), settings) as server:
+        url = server.http_url + "/v1/voices"
+        made = httpx.post(url, files={"file": ("c.wav", clip, "audio/wav")},
+                          data={"name": "Cleo", "description": "warm, low", "language": "pt-BR"})
+        assert made.status_code == 201, made.text
+        assert (made.json()["description"], made.json()["language"]) == ("warm, low", "pt")
+        bad = httpx.post(url, files={"file": ("c.wav", clip, "audio/wav")}, data={"language": "portuguese!"})
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == "language"
+        unknown = httpx.post(url, files={"file": ("c.wav", clip, "audio/wav")}, data={"colour": "blue"})
+        assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "colour"
+        too_big = httpx.post(url, content=chunks(clip + clip), headers={"content-type": "audio/wav"})
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "too_large"
+        boundary = "b0undary"
+        form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"c.wav\"\r\n"
+                "Content-Type: audio/wav\r\n\r\n").encode() + clip + clip + f"\r\n--{boundary}--\r\n".encode()
+        multipart = {"content-type": f"multipart/form-data; boundary={boundary}"}
+        too_big = httpx.post(url, content=chunks(form), headers=multipart)
+        assert too_big.status_code == 413, too_big.text
+        assert {v["voice_id"] for v in httpx.get(url).json()["voices"]} == {"default", made.json()["voice_id"]}
+    with live_server(FakeEngine(), settings) as server:
+        kept = httpx.get(f"{server.http_url}/v1/voices/{made.json()['voice_id']}").json()
+        assert (kept["name"], kept["description"], kept["language"]) == ("Cleo", "warm, low", "pt")
 
 
 def test_health_while_loading_and_busy_refusal(tmp_path: Path) -> None:

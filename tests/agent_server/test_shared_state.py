@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from agent_server.shared_state import (
@@ -54,6 +55,14 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> float:
 
 def record(voice_id: str, version: str = "v1") -> VoiceRecord:
     return VoiceRecord(voice_id, version, "name", "2026-12-04T00:00:00+00:00", 6.0, 16000, "w1")
+
+
+def test_a_voice_record_round_trips_and_an_older_one_still_reads() -> None:
+    full = VoiceRecord("ann", "v1", "Ann", "2026-12-04T00:00:00+00:00", 6.0, 16000, "w1", "warm", "pt")
+    assert VoiceRecord.from_json(full.to_json()) == full
+    older = orjson.loads(full.to_json())
+    del older["description"], older["language"]  # written before voices had them
+    assert VoiceRecord.from_json(orjson.dumps(older)) == VoiceRecord(*list(orjson.loads(full.to_json()).values())[:7])
 
 
 @pytest.fixture(params=["local", "redis"])

@@ -51,3 +51,13 @@ def test_a_reduced_precision_t3_on_the_cpu_caps_onednn_below_amx(monkeypatch: py
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     synth._cap_onednn_for_a_reduced_precision_t3(synth.EngineConfig(dtype=dtype, device="cpu"))
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
+
+
+def test_the_language_table_is_chatterboxs() -> None:
+    from chatterbox.mtl_tts import SUPPORTED_LANGUAGES
+
+    from synth.api import LANGUAGE_NAMES, languages_of
+
+    assert dict(LANGUAGE_NAMES) == dict(SUPPORTED_LANGUAGES)
+    assert languages_of("multilingual") == tuple(SUPPORTED_LANGUAGES)
+    assert languages_of("turbo") == languages_of("english") == ("en",)
