@@ -43,6 +43,7 @@ import numpy.typing as npt
 from av.audio.stream import AudioStream
 
 from agent_server.audio import (
+    ENGINE_SAMPLE_RATE_HZ,
     PCM_SAMPLE_RATES_HZ,
     SAMPLE_RATES_HZ,
     WAVE_FORMAT_ALAW,
@@ -233,15 +234,18 @@ class StreamEncoder(Protocol):
     def close(self) -> None: ...
 
 
-def make_encoder(fmt: StreamFormat) -> StreamEncoder:
+def make_encoder(fmt: StreamFormat, speed: float = 1.0) -> StreamEncoder:
+    """The encoder of `fmt`; with `speed` != 1, the audio is played that much faster (`TempoEncoder`)."""
+    inner: StreamEncoder
     if fmt.is_compressed:
-        return CompressedEncoder(fmt)
-    inner: StreamEncoder = AudioEncoder(fmt.pcm_format)
-    if fmt.codec == "pcm_f32le":
-        inner = Float32Encoder(inner)
-    if fmt.container == "wav":
-        inner = WavEncoder(inner, _streaming_wav_header(fmt))
-    return inner
+        inner = CompressedEncoder(fmt)
+    else:
+        inner = AudioEncoder(fmt.pcm_format)
+        if fmt.codec == "pcm_f32le":
+            inner = Float32Encoder(inner)
+        if fmt.container == "wav":
+            inner = WavEncoder(inner, _streaming_wav_header(fmt))
+    return inner if speed == 1.0 else TempoEncoder(inner, speed)
 
 
 def _streaming_wav_header(fmt: StreamFormat) -> bytes:
@@ -323,6 +327,116 @@ class WavEncoder(_Wrapper):
             return frames
         header, self._header = self._header, None
         return [header, *frames]
+
+
+# ---- speed: FFmpeg's atempo ----------------------------------------------------------------------------
+
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+ATEMPO_MIN, ATEMPO_MAX = 0.5, 2.0  # one atempo filter's best range; beyond it, two in a chain
+
+
+def atempo_factors(speed: float) -> list[float]:
+    """`speed` as a chain of atempo factors, each in [0.5, 2] (where the filter keeps its quality)."""
+    if not MIN_SPEED <= speed <= MAX_SPEED:
+        raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}] (got {speed})")
+    if speed < ATEMPO_MIN:
+        return [ATEMPO_MIN, speed / ATEMPO_MIN]
+    if speed > ATEMPO_MAX:
+        return [ATEMPO_MAX, speed / ATEMPO_MAX]
+    return [speed]
+
+
+class _Tempo:
+    """One run of FFmpeg's `atempo` (WSOLA: the tempo changes, the pitch does not) on 24 kHz float PCM.
+    It holds back about a window (~40 ms) until more audio or `flush`, after which it is spent."""
+
+    def __init__(self, speed: float) -> None:
+        graph = av.filter.Graph()
+        node = graph.add_abuffer(format="flt", sample_rate=ENGINE_SAMPLE_RATE_HZ, layout="mono")
+        self._source = node
+        for factor in atempo_factors(speed):
+            tempo = graph.add("atempo", f"{factor:.9g}")
+            node.link_to(tempo)
+            node = tempo
+        node.link_to(graph.add("abuffersink"))
+        graph.configure()
+        self._graph = graph
+
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        if pcm_24k.size == 0:
+            return np.zeros(0, dtype=np.float32)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm_24k, dtype=np.float32)[None, :], format="flt",
+                                           layout="mono")
+        frame.sample_rate = ENGINE_SAMPLE_RATE_HZ
+        self._graph.push(frame)
+        return self._pull()
+
+    def flush(self) -> npt.NDArray[np.float32]:
+        self._graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> npt.NDArray[np.float32]:
+        pieces: list[npt.NDArray[np.float32]] = []
+        while True:
+            try:
+                frame = self._graph.pull()
+            except (av.BlockingIOError, av.EOFError):
+                break
+            pieces.append(frame.to_ndarray().reshape(-1).astype(np.float32, copy=False))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
+
+class TempoEncoder(_Wrapper):
+    """The wrapped encoder fed audio played `speed` times faster, its pitch kept (FFmpeg's atempo through
+    PyAV): n samples in come out as n / speed. A drain or the finish flushes the filter first (so nothing it
+    holds is lost), and a drain starts a fresh filter for what follows.
+
+    Counters: `samples_in` is the engine's audio pushed; `samples_fed`, where the next sample pushed will sit
+    on the output's 24 kHz timeline (the inner encoder's count, plus what the filter holds, at the new tempo),
+    so segments are placed where they play."""
+
+    def __init__(self, inner: StreamEncoder, speed: float) -> None:
+        super().__init__(inner)
+        self.speed = speed
+        self._tempo: _Tempo | None = _Tempo(speed)
+        self._in = 0  # samples pushed into the current filter
+        self._out = 0  # samples it gave back
+        self._samples_in = 0
+
+    @property
+    def samples_in(self) -> int:
+        return self._samples_in
+
+    @property
+    def samples_fed(self) -> int:
+        return self._inner.samples_fed + round(self._in / self.speed) - self._out
+
+    def push(self, pcm_24k: npt.NDArray[np.float32]) -> list[bytes]:
+        self._samples_in += pcm_24k.size
+        self._in += pcm_24k.size
+        faster = self._filter().push(pcm_24k)
+        self._out += faster.size
+        return self._inner.push(faster) if faster.size else []
+
+    def drain(self) -> list[bytes]:
+        frames = self._flush()
+        return frames + self._inner.drain()
+
+    def finish(self) -> list[bytes]:
+        frames = self._flush()
+        return frames + self._inner.finish()
+
+    def _filter(self) -> _Tempo:
+        if self._tempo is None:
+            self._tempo = _Tempo(self.speed)
+        return self._tempo
+
+    def _flush(self) -> list[bytes]:
+        tempo, self._tempo = self._tempo, None
+        rest = tempo.flush() if tempo is not None and self._in else np.zeros(0, dtype=np.float32)
+        self._in = self._out = 0
+        return self._inner.push(rest) if rest.size else []
 
 
 # ---- compressed: PyAV -------------------------------------------------------------------------------

@@ -136,6 +136,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             may_wait=session.settings.queue_when_full,
             max_audio_ahead_s=session.settings.max_audio_ahead_s,
             cache=message.cache,
+            speed=message.speed,
         )
         ctx = await session.open_context(cid, spec, None if sid is None else self._playout(sid))
         if ctx is not None and message.text:

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from agent_server.audio import OutputFormat
+from agent_server.codecs import MAX_SPEED, MIN_SPEED
 from agent_server.errors import FieldError
 from synth.api import VARIANTS
 
@@ -83,6 +84,7 @@ class Open:
     language: str | None = None
     text: str = ""  # optional first text piece
     cache: bool = True  # False: never served from, nor stored in, the phrase cache
+    speed: float = 1.0  # the audio played this much faster (0.25-4), its pitch kept
     twilio_stream_sid: str | None = None  # the Twilio output mode: the call's streamSid
 
 
@@ -137,7 +139,7 @@ SAMPLING_FIELDS: Mapping[str, type] = {
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
         {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache",
-         "twilio"}
+         "speed", "twilio"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -223,6 +225,9 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     cache = obj.get("cache", True)
     if not isinstance(cache, bool):
         raise FieldError("cache", "must be true or false")
+    speed = obj.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise FieldError("speed", f"must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (1: as spoken)")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -233,6 +238,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         language=language.lower() if language else None,
         text=_optional_text(obj, "text") or "",
         cache=cache,
+        speed=float(speed),
         twilio_stream_sid=_twilio(obj),
     )
 

@@ -50,7 +50,7 @@ import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from agent_server.codecs import EncoderCounts, StreamEncoder, StreamFormat, make_encoder
+from agent_server.codecs import MAX_SPEED, MIN_SPEED, EncoderCounts, StreamEncoder, StreamFormat, make_encoder
 from agent_server.encode_lane import EncoderPool, EncodeStage, InlineStage, LaneFull
 from agent_server.errors import FieldError
 from synth.api import (
@@ -90,6 +90,11 @@ class StreamSpec:
     may_wait: bool = True
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
     cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
+    speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
+
+    def __post_init__(self) -> None:
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise FieldError("speed", f"speed must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {self.speed:g})")
 
 
 def build_params(
@@ -329,7 +334,7 @@ class SpeechStream:
         self._segmenter = segmenter
         self._post = post
         self._emit = emit
-        self._encoder: StreamEncoder = make_encoder(spec.output_format)
+        self._encoder: StreamEncoder = make_encoder(spec.output_format, spec.speed)
         self._stage: EncodeStage = self._make_stage(encoder_pool)
         self._counts = EncoderCounts()  # the encoder's counters after the last call whose output came back
         self._uncounted_samples = 0  # output-rate samples encoded but in no AudioOut yet (a codec's delay)
@@ -628,7 +633,7 @@ class SpeechStream:
         )
 
     def _segment_done(self, seg: SegmentState) -> None:
-        audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K
+        audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K / self.spec.speed  # as it plays
         starts, durations = char_alignment(seg.text, seg.audio_offset_ms, audio_ms)
         self._emit(self, SegmentDone(
             seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations

@@ -27,6 +27,7 @@ from agent_server.codecs import StreamFormat
 from agent_server.compat.common import (
     PieceJoiner,
     b64,
+    cartesia_speed,
     check_model,
     load_object,
     make_spec,
@@ -87,6 +88,7 @@ class Request:
     add_timestamps: bool = False
     language: str | None = None
     seed: int | None = None
+    speed: float = 1.0
 
 
 def parse_request(raw: str | bytes) -> Request:
@@ -113,6 +115,7 @@ def parse_request(raw: str | bytes) -> Request:
         add_timestamps=bool(obj.get("add_timestamps")),
         language=obj.get("language") if isinstance(obj.get("language"), str) else None,
         seed=parse_seed("seed", obj.get("seed")),
+        speed=cartesia_speed(obj),
     )
 
 
@@ -216,7 +219,8 @@ class CartesiaProtocol(WireProtocol[ContextState]):
         check_model("model_id", request.model_id, variant)
         fmt = request.output
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id), output_format=fmt,
-                         seed=request.seed, language=resolve_language("language", request.language, variant))
+                         seed=request.seed, language=resolve_language("language", request.language, variant),
+                         speed=request.speed)
         state = ContextState(request, ContextAlignment(lead_ms=fmt.lead_ms))
         return await session.open_context(request.context_id, spec, state)
 

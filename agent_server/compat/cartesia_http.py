@@ -28,6 +28,7 @@ from agent_server.compat.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS, w
 from agent_server.compat.cartesia import voice_id as parse_voice
 from agent_server.compat.common import (
     b64,
+    cartesia_speed,
     check_model,
     load_object,
     make_spec,
@@ -67,6 +68,7 @@ class TtsRequest:
     sse: bool
     add_timestamps: bool
     context_id: str | None  # echoed in every SSE event
+    speed: float = 1.0
 
 
 def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
@@ -104,6 +106,7 @@ def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
         sse=sse,
         add_timestamps=bool(obj.get("add_timestamps")),
         context_id=context_id,
+        speed=cartesia_speed(obj),
     )
 
 
@@ -172,7 +175,8 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
         session = self.session
         request = parse_request(body, session.variant, sse=self.sse)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
-                         output_format=request.output, seed=request.seed, language=request.language)
+                         output_format=request.output, seed=request.seed, language=request.language,
+                         speed=request.speed)
         return Speech(spec, request.transcript, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from agent_server.codecs import StreamFormat
+from agent_server.codecs import MAX_SPEED, MIN_SPEED, StreamFormat
 from agent_server.errors import FieldError
 from agent_server.hub import Hub
 from agent_server.speech import SegmentDone, StreamSpec, build_params
@@ -98,6 +98,63 @@ def parse_seed(field: str, value: object) -> int | None:
     return value
 
 
+# Cartesia's named speeds (its `speed` and `__experimental_controls.speed`) as multipliers
+CARTESIA_SPEEDS: Mapping[str, float] = {"slowest": 0.7, "slow": 0.85, "normal": 1.0, "fast": 1.15, "fastest": 1.3}
+
+
+def parse_speed(field: str, value: object) -> float:
+    """A speed multiplier (1: as spoken; 1.25: a quarter faster, the pitch kept); None or "" is 1. Numbers
+    in query strings come as text."""
+    if value is None or value == "":
+        return 1.0
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise FieldError(field, f"{field} must be a number (got {value!r})") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_SPEED <= value <= MAX_SPEED:
+        raise FieldError(field, f"{field} must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {value!r})")
+    return float(value)
+
+
+def voice_settings_speed(settings: object) -> float:
+    """ElevenLabs' `voice_settings.speed` (the other voice settings do not apply to Chatterbox)."""
+    return parse_speed("voice_settings.speed", settings.get("speed")) if isinstance(settings, dict) else 1.0
+
+
+def cartesia_speed(request: Mapping[str, Any]) -> float:
+    """A Cartesia request's speed: `generation_config.speed` (a multiplier, Sonic 3), else `speed` (a name or a
+    multiplier), else the older `voice.__experimental_controls.speed` (a name, or -1..1 from slowest to fastest)."""
+    config = request.get("generation_config")
+    if config is not None and not isinstance(config, dict):
+        raise FieldError("generation_config", "generation_config must be an object")
+    if config and config.get("speed") is not None:
+        return parse_speed("generation_config.speed", config["speed"])
+    if request.get("speed") is not None:
+        return _named_speed("speed", request["speed"]) or parse_speed("speed", request["speed"])
+    voice = request.get("voice")
+    controls = voice.get("__experimental_controls") if isinstance(voice, dict) else None
+    legacy = controls.get("speed") if isinstance(controls, dict) else None
+    if legacy is None:
+        return 1.0
+    field = "voice.__experimental_controls.speed"
+    named = _named_speed(field, legacy)
+    if named is not None:
+        return named
+    if isinstance(legacy, bool) or not isinstance(legacy, (int, float)) or not -1.0 <= legacy <= 1.0:
+        raise FieldError(field, f"{field} must be a name or a number in [-1, 1] (got {legacy!r})")
+    low, high = CARTESIA_SPEEDS["slowest"], CARTESIA_SPEEDS["fastest"]
+    return 1.0 + float(legacy) * ((high - low) / 2.0)
+
+
+def _named_speed(field: str, value: object) -> float | None:
+    if not isinstance(value, str) or value.replace(".", "", 1).lstrip("-").isdigit():
+        return None
+    if value not in CARTESIA_SPEEDS:
+        raise FieldError(field, f"{field} must be one of {', '.join(CARTESIA_SPEEDS)} or a number (got {value!r})")
+    return CARTESIA_SPEEDS[value]
+
+
 def is_decimal(raw: str) -> bool:
     """ASCII digits only (`str.isdigit` also takes "¹" and "٣", which `int` then refuses or reads)."""
     return raw.isascii() and raw.isdigit()
@@ -113,7 +170,7 @@ def parse_decimal(raw: str | None) -> int | None:
 
 def make_spec(
     hub: Hub, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
-    max_audio_ahead_s: float | None = None,
+    max_audio_ahead_s: float | None = None, speed: float = 1.0,
 ) -> StreamSpec:
     params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
     settings = hub.settings
@@ -125,6 +182,7 @@ def make_spec(
         may_wait=settings.queue_when_full,
         # None: the server's; a client that takes the whole answer at once (a unary call) passes math.inf
         max_audio_ahead_s=settings.max_audio_ahead_s if max_audio_ahead_s is None else max_audio_ahead_s,
+        speed=speed,
     )
 
 

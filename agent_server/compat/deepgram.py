@@ -24,7 +24,7 @@ from typing import ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import PieceJoiner, check_model, make_spec, parse_seed, resolve_voice
+from agent_server.compat.common import PieceJoiner, check_model, make_spec, parse_seed, parse_speed, resolve_voice
 from agent_server.compat.formats import deepgram_format
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
 from agent_server.hub import Refusal
@@ -48,13 +48,14 @@ class Query:
     model: str
     output_format: StreamFormat
     seed: int | None
+    speed: float = 1.0
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
     model = params.get("model") or DEFAULT_MODEL
     check_model("model", model, variant)
     fmt = deepgram_format(params, rest=False)
-    return Query(model, fmt, parse_seed("seed", params.get("seed")))
+    return Query(model, fmt, parse_seed("seed", params.get("seed")), parse_speed("speed", params.get("speed")))
 
 
 def parse_message(raw: str | bytes) -> tuple[str, str | None]:
@@ -181,7 +182,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
             return None
         try:
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.model),
-                             output_format=query.output_format, seed=query.seed, language=None)
+                             output_format=query.output_format, seed=query.seed, language=None, speed=query.speed)
         except FieldError as error:
             session.reject(error)
             return None

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.compat.common import check_model, load_object, make_spec, parse_seed, parse_speed, resolve_voice
 from agent_server.compat.deepgram import DEFAULT_MODEL
 from agent_server.compat.formats import deepgram_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
@@ -42,6 +42,7 @@ class SpeakRequest:
     model: str  # the voice too (common.resolve_voice)
     seed: int | None
     output: StreamFormat
+    speed: float = 1.0
 
 
 def parse_request(query: Mapping[str, str], body: object, variant: str) -> SpeakRequest:
@@ -58,7 +59,8 @@ def parse_request(query: Mapping[str, str], body: object, variant: str) -> Speak
         raise FieldError("text", "text must be a string")
     if text is None or not text.strip():
         raise empty_message()
-    return SpeakRequest(text=text, model=model, seed=parse_seed("seed", query.get("seed")), output=output)
+    return SpeakRequest(text=text, model=model, seed=parse_seed("seed", query.get("seed")), output=output,
+                        speed=parse_speed("speed", query.get("speed")))
 
 
 def error_body(exc: FieldError, request_id: str) -> tuple[int, dict[str, Any]]:
@@ -95,7 +97,7 @@ class DeepgramSpeakProtocol(HttpSpeechProtocol[SpeakRequest]):
         session = self.session
         request = parse_request(session.transport.query, body, session.variant)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.model),
-                         output_format=request.output, seed=request.seed, language=None)
+                         output_format=request.output, seed=request.seed, language=None, speed=request.speed)
         return Speech(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

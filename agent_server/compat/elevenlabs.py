@@ -46,6 +46,7 @@ from agent_server.compat.common import (
     query_flag,
     resolve_language,
     resolve_voice,
+    voice_settings_speed,
 )
 from agent_server.compat.formats import elevenlabs_format
 from agent_server.errors import (
@@ -285,7 +286,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
                 if not self.multi:
                     session.close(CLOSE_NORMAL, "end of input before any text")
                 return  # multi-stream-input: a keep-alive for a context that is not open changes nothing
-            ctx = await self._open(cid, now_s)
+            ctx = await self._open(cid, now_s, parsed.voice_settings)
             if ctx is None:
                 return
         ctx.state.last_input_s = now_s
@@ -310,14 +311,17 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             stream.flush(now_s)
             ctx.state.unflushed = False
 
-    async def _open(self, cid: str, now_s: float) -> ElevenLabsContext | None:
+    async def _open(self, cid: str, now_s: float, voice_settings: Mapping[str, Any] | None
+                    ) -> ElevenLabsContext | None:
+        """A context opened by its first message (whose `voice_settings.speed` holds for the context)."""
         session = self.session
         query = self.query
         if query is None:
             return None
         try:
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
-                             output_format=query.output_format, seed=query.seed, language=query.language_code)
+                             output_format=query.output_format, seed=query.seed, language=query.language_code,
+                             speed=voice_settings_speed(voice_settings))
         except FieldError as error:
             error.context_id = cid
             session.reject(error)

@@ -44,6 +44,7 @@ from agent_server.compat.common import (
     place_segment,
     resolve_language,
     resolve_voice,
+    voice_settings_speed,
 )
 from agent_server.compat.formats import elevenlabs_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, Speech
@@ -97,6 +98,7 @@ class SpeechRequest:
     language: str | None  # resolved for the variant (None: the variant's own)
     seed: int | None
     output: StreamFormat
+    speed: float  # voice_settings.speed
     streamed: bool  # /stream routes: the client reads as it comes (every route streams the audio)
     timestamps: bool  # /with-timestamps routes: JSON bodies with alignment
 
@@ -129,6 +131,7 @@ def parse_request(
         language=resolve_language("language_code", obj.get("language_code"), variant),
         seed=parse_seed("seed", obj.get("seed")),
         output=output,
+        speed=voice_settings_speed(obj.get("voice_settings")),
         streamed=streamed,
         timestamps=timestamps,
     )
@@ -201,7 +204,8 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
         request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body, session.variant,
                                 streamed=self.streamed, timestamps=self.timestamps)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
-                         output_format=request.output, seed=request.seed, language=request.language)
+                         output_format=request.output, seed=request.seed, language=request.language,
+                         speed=request.speed)
         return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, parse_speed, resolve_voice
 from agent_server.compat.formats import openai_format
 from agent_server.compat.http_speech import (
     STATUS_BAD_REQUEST,
@@ -37,7 +37,6 @@ from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 
 SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # usage.output_tokens: 25 per second
 MS_PER_S = 1_000.0
-MIN_SPEED, MAX_SPEED = 0.25, 4.0
 BODY_FIELDS = frozenset(
     {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format", "seed"}
 )
@@ -76,10 +75,8 @@ def parse_request(body: object, variant: str) -> SpeechRequest:
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise FieldError("stream_format", "stream_format must be audio or sse")
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise FieldError("speed", f"speed must be a number in [{MIN_SPEED}, {MAX_SPEED}]")
-    return SpeechRequest(model, text, voice, output, stream_format, float(speed), parse_seed("seed", body.get("seed")))
+    speed = parse_speed("speed", body.get("speed"))
+    return SpeechRequest(model, text, voice, output, stream_format, speed, parse_seed("seed", body.get("seed")))
 
 
 def error_body(message: str, param: str | None, kind: str, code: str | None) -> bytes:
@@ -102,7 +99,7 @@ class OpenAISpeechProtocol(HttpSpeechProtocol[SpeechState]):
         session = self.session
         request = parse_request(body, session.variant)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice),
-                         output_format=request.output, seed=request.seed, language=None)
+                         output_format=request.output, seed=request.seed, language=None, speed=request.speed)
         return Speech(spec, request.input, SpeechState(request))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

@@ -388,8 +388,8 @@ def test_a_compressed_stream_on_the_pool_gives_what_encoding_inline_gives() -> N
 def test_cancel_cancels_the_lane_and_closes_the_encoder_once(monkeypatch: pytest.MonkeyPatch) -> None:
     closes: list[str] = []
 
-    def counted_encoder(fmt: StreamFormat) -> StreamEncoder:
-        encoder = make_encoder(fmt)
+    def counted_encoder(fmt: StreamFormat, speed: float = 1.0) -> StreamEncoder:
+        encoder = make_encoder(fmt, speed)
         close = encoder.close
 
         def counted_close() -> None:
