@@ -248,6 +248,7 @@ async function speak() {
   const sampling = samplingOverrides();
   if (Object.keys(sampling).length) open.sampling = sampling;
   if ($("seed").value !== "") open.seed = Number($("seed").value);
+  if (Number($("speed").value) !== 1) open.speed = Number($("speed").value);
   send(open);
   if (mode === "whole") {
     sendText(turn, text);
@@ -781,6 +782,7 @@ function init() {
   bindRange("rate", (v) => `${v}/s`);
   bindRange("frame-ms", (v) => `${v} ms`);
   bindRange("jitter-ms", (v) => `${v} ms`);
+  bindRange("speed", (v) => `${Number(v).toFixed(2)}×`);
   bindRange("load-n", (v) => v);
   for (const input of samplingInputs()) {
     input.addEventListener("input", () => {

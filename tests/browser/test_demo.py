@@ -124,3 +124,18 @@ def test_upload_a_voice_and_use_it(tab: Tab, server: Any, tmp_path: Path) -> Non
     assert demo_state(page)["turnState"] == "done"
     assert server.hub.engine.submits[-1].voice_id == voice_id
     assert tab.errors == []
+
+
+def test_speed_slider_plays_the_turn_faster(tab: Tab, server: Any) -> None:
+    page = open_demo(tab, server.http_url)
+    page.click("label:has(> input[value=whole])")
+    page.fill("#text", SHORT_TEXT)
+    set_range(page, "#speed", 1.5)
+    assert page.inner_text("#speed-out") == "1.50×"
+    speak_and_wait(page)
+    state = demo_state(page)
+    assert state["turnState"] == "done"
+    sentences = ["Hello there.", "Your table for two is booked for eight tonight."]
+    spoken_s = 0.04 * sum(round(1.5 * len(s)) for s in sentences)  # the engine's audio, as in the test above
+    assert state["samplesPlayed"] == pytest.approx(spoken_s / 1.5 * NATIVE_RATE_HZ, rel=0.1)
+    assert tab.errors == []
