@@ -289,7 +289,8 @@ class Session(Generic[S]):
             self.reject(error)
             return False
         if text:
-            ctx.stream.push_text(text, now_s)  # StreamStateError if it ended meanwhile
+            for problem in ctx.stream.push_text(text, now_s):  # StreamStateError if it ended meanwhile
+                self.reject(FieldError("text", problem, "bad_markup", context_id=ctx.context_id))
         return True
 
     def reject(self, error: FieldError) -> None:

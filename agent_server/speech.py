@@ -53,6 +53,7 @@ from numpy.typing import NDArray
 from agent_server.codecs import MAX_SPEED, MIN_SPEED, EncoderCounts, StreamEncoder, StreamFormat, make_encoder
 from agent_server.encode_lane import EncoderPool, EncodeStage, InlineStage, LaneFull
 from agent_server.errors import FieldError
+from agent_server.markup import MarkupFilter, Pause, Piece
 from synth.api import (
     CACHED_REASON,
     OUTPUT_SAMPLE_RATE_HZ,
@@ -91,6 +92,7 @@ class StreamSpec:
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
     cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
     speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
+    markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/markup.py); none: text
 
     def __post_init__(self) -> None:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
@@ -255,6 +257,7 @@ class SegmentState:
     audio_offset_ms: float = 0.0
     announced: bool = False  # SegmentStarted emitted
     cached: bool = False  # its STARTED event said it is replayed from the phrase cache
+    pause_ms: int = 0  # > 0: a pause (markup), silence made here, never submitted; no segment events
 
 
 class StreamStateError(RuntimeError):
@@ -300,7 +303,7 @@ class Stream(Protocol):
     @property
     def has_unsegmented_text(self) -> bool: ...
     def open(self) -> None: ...
-    def push_text(self, text: str, now_s: float) -> None: ...
+    def push_text(self, text: str, now_s: float) -> list[str]: ...
     def flush(self, now_s: float) -> None: ...
     def end(self, now_s: float) -> None: ...
     def poll(self, now_s: float) -> None: ...
@@ -347,6 +350,7 @@ class SpeechStream:
         self._next_submit = 0
         self._waiting_for_backlog = False
         self._listener = ListenerClock()  # what the client holds, for the engine's vocoder (render order, chunk sizes)
+        self._markup = MarkupFilter(spec.markup) if spec.markup else None
 
     # ---- the verbs -----------------------------------------------------------------------------
 
@@ -354,22 +358,41 @@ class SpeechStream:
         """Announce the stream (emits StreamStarted); call once, before anything else."""
         self._emit(self, StreamStarted())
 
-    def push_text(self, text: str, now_s: float) -> None:
+    def push_text(self, text: str, now_s: float) -> list[str]:
+        """Returns what was wrong with the text's markup (tags not spoken nor played: the caller reports it)."""
         self._require_open("text")
         if self.times.first_text_s is None and text:
             self.times.first_text_s = now_s
         self.text_chars += len(text)
-        self._add_segments(self._segmenter.push(text, now_s))
+        if self._markup is None:
+            self._add_segments(self._segmenter.push(text, now_s))
+            return []
+        self._take_pieces(self._markup.feed(text), now_s)
+        return [problem.message for problem in self._markup.take_problems()]
 
     def flush(self, now_s: float) -> None:
         self._require_open("flush")
+        if self._markup is not None:
+            self._take_pieces(self._markup.end(), now_s)  # an unfinished tag is text
         self._add_segments(self._segmenter.flush(now_s))
 
     def end(self, now_s: float) -> None:
         self._require_open("end")
+        if self._markup is not None:
+            self._take_pieces(self._markup.end(), now_s)
         self.status = StreamStatus.ENDED
         self._add_segments(self._segmenter.end(now_s))
         self._maybe_complete()
+
+    def _take_pieces(self, pieces: Sequence[Piece], now_s: float) -> None:
+        for piece in pieces:
+            if isinstance(piece, Pause):
+                self._add_segments(self._segmenter.flush(now_s))  # the speech before the pause is a segment
+                self._segments.append(SegmentState(len(self._segments), "", self.text_chars, self.text_chars,
+                                                   pause_ms=piece.duration_ms))
+                self._submit_ready()
+            else:
+                self._add_segments(self._segmenter.push(piece, now_s))
 
     def poll(self, now_s: float) -> None:
         if self.status == StreamStatus.OPEN:
@@ -439,7 +462,10 @@ class SpeechStream:
                 return
             seg = self._segments[self._next_submit]
             self._next_submit += 1
-            self._submit(seg)
+            if seg.pause_ms:
+                self._make_pause(seg)
+            else:
+                self._submit(seg)
 
     def _submit(self, seg: SegmentState) -> None:
         now_s = time.monotonic()
@@ -470,6 +496,14 @@ class SpeechStream:
             if not isinstance(exc, EngineError):
                 log.exception("submit_failed", request_id=seg.request_id)
             self._terminate(StreamStatus.FAILED, str(exc) or type(exc).__name__)
+
+    def _make_pause(self, seg: SegmentState) -> None:
+        """A pause is its silence, there at once: it plays when its turn comes, and the next segment may go."""
+        silence = np.zeros(round(seg.pause_ms * SAMPLES_PER_MS_24K), dtype=np.float32)
+        seg.samples_24k = silence.size
+        seg.held.append(silence)
+        seg.status = SegmentStatus.DONE
+        self._advance()
 
     def _sink_for(self, seg: SegmentState) -> Callable[[EngineOutput], None]:
         post = self._post
@@ -531,7 +565,8 @@ class SpeechStream:
     def _announce(self, seg: SegmentState) -> None:
         """The segment's first audio is next: SegmentStarted goes out behind the audio before it."""
         seg.announced = True
-        self._behind_audio(partial(self._segment_started, seg))
+        if not seg.pause_ms:  # a pause is silence between segments, not one of its own
+            self._behind_audio(partial(self._segment_started, seg))
 
     def _segment_started(self, seg: SegmentState) -> None:
         seg.audio_offset_ms = self._timeline_ms()
@@ -610,7 +645,8 @@ class SpeechStream:
                 self._announce(seg)
             self._playing += 1
             self._release_tail(seg.index)
-            self._behind_audio(partial(self._segment_done, seg))
+            if not seg.pause_ms:
+                self._behind_audio(partial(self._segment_done, seg))
         self._maybe_complete()
 
     def _release_tail(self, segment_index: int) -> None:

@@ -39,6 +39,7 @@ from agent_server.compat.common import (
 from agent_server.compat.formats import CARTESIA_DEFAULT, cartesia_format
 from agent_server.errors import RATE_LIMITED, FieldError, empty_message
 from agent_server.hub import Refusal
+from agent_server.markup import CARTESIA_TAGS
 from agent_server.session import Context, WireProtocol
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.timestamps import ContextAlignment, SegmentTimes, seconds
@@ -220,7 +221,7 @@ class CartesiaProtocol(WireProtocol[ContextState]):
         fmt = request.output
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id), output_format=fmt,
                          seed=request.seed, language=resolve_language("language", request.language, variant),
-                         speed=request.speed)
+                         speed=request.speed, markup=CARTESIA_TAGS)
         state = ContextState(request, ContextAlignment(lead_ms=fmt.lead_ms))
         return await session.open_context(request.context_id, spec, state)
 

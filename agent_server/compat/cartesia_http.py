@@ -40,6 +40,7 @@ from agent_server.compat.common import (
 from agent_server.compat.formats import cartesia_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
 from agent_server.errors import FieldError, empty_message
+from agent_server.markup import CARTESIA_TAGS
 from agent_server.session import Context
 from agent_server.speech import AudioOut, SegmentDone
 from agent_server.timestamps import ContextAlignment, SegmentTimes
@@ -176,7 +177,7 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
         request = parse_request(body, session.variant, sse=self.sse)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
-                         speed=request.speed)
+                         speed=request.speed, markup=CARTESIA_TAGS)
         return Speech(spec, request.transcript, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

@@ -170,7 +170,7 @@ def parse_decimal(raw: str | None) -> int | None:
 
 def make_spec(
     hub: Hub, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
-    max_audio_ahead_s: float | None = None, speed: float = 1.0,
+    max_audio_ahead_s: float | None = None, speed: float = 1.0, markup: frozenset[str] = frozenset(),
 ) -> StreamSpec:
     params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
     settings = hub.settings
@@ -183,6 +183,7 @@ def make_spec(
         # None: the server's; a client that takes the whole answer at once (a unary call) passes math.inf
         max_audio_ahead_s=settings.max_audio_ahead_s if max_audio_ahead_s is None else max_audio_ahead_s,
         speed=speed,
+        markup=markup,
     )
 
 

@@ -59,6 +59,7 @@ from agent_server.errors import (
     empty_message,
 )
 from agent_server.hub import Refusal
+from agent_server.markup import ELEVENLABS_TAGS
 from agent_server.session import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
@@ -321,7 +322,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         try:
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
-                             speed=voice_settings_speed(voice_settings))
+                             speed=voice_settings_speed(voice_settings), markup=ELEVENLABS_TAGS)
         except FieldError as error:
             error.context_id = cid
             session.reject(error)

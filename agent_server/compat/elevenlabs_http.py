@@ -49,6 +49,7 @@ from agent_server.compat.common import (
 from agent_server.compat.formats import elevenlabs_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, Speech
 from agent_server.errors import FieldError, empty_message
+from agent_server.markup import ELEVENLABS_TAGS
 from agent_server.session import Context
 from agent_server.speech import AudioOut, SegmentDone
 from agent_server.timestamps import ContextAlignment, seconds
@@ -205,7 +206,7 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
                                 streamed=self.streamed, timestamps=self.timestamps)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
-                         speed=request.speed)
+                         speed=request.speed, markup=ELEVENLABS_TAGS)
         return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

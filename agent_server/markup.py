@@ -1,0 +1,126 @@
+"""Inline markup in streamed text: the vendors' pause tags become real pauses, their other tags are not spoken.
+
+ElevenLabs (`<break time="1.5s" />`, `<phoneme ...>word</phoneme>`) and Cartesia (`<break time="500ms"/>`,
+`<speed ratio="1.2"/>`, `<volume .../>`, `<emotion .../>`, `<spell>ABC</spell>`) let a client put tags in the
+text; an LLM prompted for those services writes them. Read as text, a tag would be spoken ("less than break time
+equals ..."). `MarkupFilter` cuts a context's text pieces into text and `Pause`s, as the pieces come:
+
+- `<break time="...">` (seconds `1.5s` or milliseconds `500ms`, at most MAX_BREAK_MS) is a `Pause`: the speech
+  stream ends the segment there and plays that much silence (speech.SpeechStream.pause);
+- the other tags of the dialect are removed and the text they enclose is spoken (`<spell>ABC</spell>` says
+  "ABC"; this engine has no per-word speed, volume, emotion or phonemes);
+- everything else is text: a `<` that does not open a tag of the dialect ("x < y", "<3"), or an unknown tag;
+- a tag split across pieces is held until its `>` arrives (at most MAX_TAG_CHARS, past which its `<` is text).
+
+A break whose time cannot be read or is too long is not spoken either; `feed` returns it as a `MarkupProblem`
+for the session to report (the protocol's error), and the text goes on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_TAG_CHARS = 200  # a `<` followed by this many characters without `>` opens no tag
+MAX_BREAK_MS = 10_000
+BREAK = "break"
+ELEVENLABS_TAGS = frozenset({BREAK, "phoneme"})
+CARTESIA_TAGS = frozenset({BREAK, "speed", "volume", "emotion", "spell"})
+
+_TAG = re.compile(r"<\s*(/?)\s*([A-Za-z][A-Za-z0-9_-]*)\b([^<>]*?)(/?)\s*>")
+_TAG_PREFIX = re.compile(r"<\s*/?\s*[A-Za-z][A-Za-z0-9_-]*")  # what must follow `<` for it to open a tag
+_TIME = re.compile(r"""\btime\s*=\s*["']?\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    duration_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class MarkupProblem:
+    message: str
+
+
+Piece = str | Pause
+
+
+@dataclass(slots=True)
+class MarkupFilter:
+    tags: frozenset[str]
+    held: str = ""  # an unfinished tag (from its `<`), waiting for its `>`
+    problems: list[MarkupProblem] = field(default_factory=list)
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces `text` completes, in order (text pieces joined where nothing came between)."""
+        buffer = self.held + text
+        self.held = ""
+        pieces: list[Piece] = []
+        at = 0
+        while True:
+            opening = buffer.find("<", at)
+            if opening < 0:
+                _add_text(pieces, buffer[at:])
+                return pieces
+            _add_text(pieces, buffer[at:opening])
+            closing = buffer.find(">", opening)
+            if closing < 0:
+                rest = buffer[opening:]
+                if len(rest) <= MAX_TAG_CHARS and self._may_open_a_tag(rest):
+                    self.held = rest
+                    return pieces
+                _add_text(pieces, "<")  # not a tag after all
+                at = opening + 1
+                continue
+            match = _TAG.fullmatch(buffer, opening, closing + 1)
+            if match is None or match.group(2).lower() not in self.tags:
+                _add_text(pieces, "<")  # text, or a tag this dialect does not have: spoken as written
+                at = opening + 1
+                continue
+            self._tag(match, pieces)
+            at = closing + 1
+
+    def end(self) -> list[Piece]:
+        """The input ended: an unfinished tag is text."""
+        held, self.held = self.held, ""
+        return [held] if held else []
+
+    def take_problems(self) -> list[MarkupProblem]:
+        problems, self.problems = self.problems, []
+        return problems
+
+    def _may_open_a_tag(self, rest: str) -> bool:
+        prefix = _TAG_PREFIX.match(rest)
+        if prefix is None:  # "<", "< ", "</": may still become one; "<3", "< y": not
+            return bool(re.fullmatch(r"<\s*/?\s*", rest))
+        name = re.sub(r"[<\s/]", "", prefix.group(0)).lower()
+        return any(tag.startswith(name) for tag in self.tags) if prefix.end() == len(rest) else name in self.tags
+
+    def _tag(self, match: re.Match[str], pieces: list[Piece]) -> None:
+        if match.group(2).lower() != BREAK or match.group(1):
+            return  # removed; the text it encloses goes on as text
+        time = _TIME.search(match.group(3))
+        if time is None:
+            self.problems.append(MarkupProblem(f"{match.group(0)!r}: a break needs time=\"1.5s\" or \"500ms\""))
+            return
+        duration_ms = round(float(time.group(1)) * (1 if time.group(2).lower() == "ms" else 1000))
+        if not 0 < duration_ms <= MAX_BREAK_MS:
+            self.problems.append(MarkupProblem(f"{match.group(0)!r}: a break lasts more than 0 and at most "
+                                               f"{MAX_BREAK_MS / 1000:g} s"))
+            return
+        pieces.append(Pause(duration_ms))
+
+
+def _add_text(pieces: list[Piece], text: str) -> None:
+    if not text:
+        return
+    if pieces and isinstance(pieces[-1], str):
+        pieces[-1] += text
+    else:
+        pieces.append(text)
+
+
+def spoken_text(pieces: Sequence[Piece]) -> str:
+    """The text of `pieces` (pauses left out): what a whole request speaks."""
+    return "".join(piece for piece in pieces if isinstance(piece, str))

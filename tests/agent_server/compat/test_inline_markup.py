@@ -1,0 +1,80 @@
+"""Inline tags through the vendors that define them (agent_server/markup.py): ElevenLabs' and Cartesia's
+`<break time=.../>` is silence of that length between the segments around it, their other tags are never
+handed to the engine, and a break that cannot be played is the protocol's error."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.agent_server.compat.conftest import Served
+
+pytestmark = pytest.mark.timeout(60)
+
+CARTESIA_OUTPUT = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24_000}
+PAD_PER_SEGMENT_S = 0.06
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30.0) as client:
+        yield client
+
+
+def longest_silence_s(pcm: bytes) -> float:
+    samples = np.abs(np.frombuffer(pcm, dtype="<i2").astype(np.int32))
+    quiet = np.concatenate(([0], (samples == 0).astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(quiet))
+    return float((edges[1::2] - edges[::2]).max(initial=0)) / 24_000
+
+
+def test_cartesia_break_is_silence_and_tags_are_not_spoken(served: Served, http: httpx.Client) -> None:
+    transcript = 'Your order is ready. <break time="1s"/> <emotion value="happy"/>It ships <spell>today</spell>.'
+    response = http.post(served.http + "/tts/bytes", json={
+        "model_id": "sonic-2", "transcript": transcript, "voice": {"mode": "id", "id": "default"},
+        "output_format": CARTESIA_OUTPUT})
+    assert response.status_code == 200, response.text
+    texts = [request.text for request in served.engine.submits]
+    assert [text.strip() for text in texts] == ["Your order is ready.", "It ships today."], texts
+    made_samples, segments = served.produced()
+    played_s = len(response.content) / 2 / 24_000
+    assert made_samples / 24_000 + 1.0 <= played_s <= made_samples / 24_000 + 1.0 + segments * PAD_PER_SEGMENT_S + 0.02
+    assert longest_silence_s(response.content) >= 1.0  # the pause is one stretch of silence
+
+
+def test_elevenlabs_websocket_break_between_pieces(served: Served) -> None:
+    async def scenario() -> tuple[bytes, list[dict[str, object]]]:
+        url = served.ws + "/v1/text-to-speech/default/stream-input?output_format=pcm_24000&sync_alignment=true"
+        audio, alignments = b"", []
+        async with connect(url) as ws:
+            for piece in (" ", "First part. <bre", 'ak time="0.5s" /> Second part.', ""):
+                await ws.send(orjson.dumps({"text": piece, "flush": piece.endswith("part.")}).decode())
+            async for raw in ws:
+                message = orjson.loads(raw)
+                if message.get("audio"):
+                    audio += base64.b64decode(message["audio"])
+                if message.get("alignment"):
+                    alignments.append(message["alignment"])
+                if message.get("isFinal"):
+                    break
+        return audio, alignments
+
+    audio, alignments = asyncio.run(scenario())
+    assert all("<" not in request.text for request in served.engine.submits)
+    assert longest_silence_s(audio) >= 0.5
+    spoken = "".join("".join(a["chars"]) for a in alignments)  # type: ignore[arg-type]
+    assert "break" not in spoken and "First part." in spoken and "Second part." in spoken
+
+
+def test_a_break_that_cannot_be_played_is_an_error(served: Served, http: httpx.Client) -> None:
+    response = http.post(served.http + "/tts/bytes", json={
+        "model_id": "sonic-2", "transcript": 'Wait <break time="a while"/> here.',
+        "voice": {"mode": "id", "id": "default"}, "output_format": CARTESIA_OUTPUT})
+    assert response.status_code == 400 and "break" in response.json()["message"], response.text

@@ -1,0 +1,55 @@
+"""agent_server/markup.py: vendors' inline tags cut out of streamed text, breaks as pauses, wherever the pieces
+split; and through the speech stream: a pause is silence in the audio between segments."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_server.markup import CARTESIA_TAGS, ELEVENLABS_TAGS, MAX_TAG_CHARS, MarkupFilter, Pause, Piece
+
+
+def run(tags: frozenset[str], *pieces: str) -> tuple[list[Piece], list[str]]:
+    markup = MarkupFilter(tags)
+    out: list[Piece] = []
+    for piece in pieces:
+        out += markup.feed(piece)
+    out += markup.end()
+    merged: list[Piece] = []
+    for item in out:  # pieces from separate feeds, joined as the segmenter sees them
+        if merged and isinstance(item, str) and isinstance(merged[-1], str):
+            merged[-1] += item
+        else:
+            merged.append(item)
+    return merged, [p.message for p in markup.take_problems()]
+
+
+TEXT = 'Hold on. <break time="1.5s" /> Here it is: <spell>ABC</spell>, x < y and <3.<break time="250ms"/>Done'
+EXPECTED: list[Piece] = ["Hold on. ", Pause(1500), " Here it is: ABC, x < y and <3.", Pause(250), "Done"]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 11, len(TEXT)])
+def test_breaks_and_tags_wherever_the_pieces_split(cut: int) -> None:
+    pieces = [TEXT[i:i + cut] for i in range(0, len(TEXT), cut)]
+    assert run(CARTESIA_TAGS, *pieces) == (EXPECTED, [])
+
+
+def test_each_dialect_keeps_the_tags_it_does_not_have_as_text() -> None:
+    assert run(ELEVENLABS_TAGS, "<spell>AB</spell> <break time='2s'/>") == (["<spell>AB</spell> ", Pause(2000)], [])
+    assert run(ELEVENLABS_TAGS, '<phoneme alphabet="ipa" ph="tə">tomato</phoneme>') == (["tomato"], [])
+    assert run(CARTESIA_TAGS, '<speed ratio="1.2"/>Fast<emotion value="happy"/>!') == (["Fast!"], [])
+    assert run(CARTESIA_TAGS, "<b>bold</b>") == (["<b>bold</b>"], [])
+
+
+def test_a_bad_break_is_reported_not_spoken_and_the_text_goes_on() -> None:
+    pieces, problems = run(ELEVENLABS_TAGS, 'a <break time="forever"/> b <break time="30s"/> c')
+    assert pieces == ["a  b  c"]
+    assert len(problems) == 2 and "time=" in problems[0] and "at most 10 s" in problems[1]
+
+
+def test_an_unfinished_tag_is_held_then_text() -> None:
+    markup = MarkupFilter(ELEVENLABS_TAGS)
+    assert markup.feed("wait <bre") == ["wait "]
+    assert markup.end() == ["<bre"]  # the input ended inside it: text
+    assert markup.feed("<" + "x" * (MAX_TAG_CHARS + 1)) == ["<" + "x" * (MAX_TAG_CHARS + 1)]
+    assert markup.feed("<break time=") == []
+    assert markup.feed('"1s"' + " " * MAX_TAG_CHARS) == ['<break time="1s"' + " " * MAX_TAG_CHARS]
