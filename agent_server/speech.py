@@ -257,7 +257,7 @@ class SegmentState:
     audio_offset_ms: float = 0.0
     announced: bool = False  # SegmentStarted emitted
     cached: bool = False  # its STARTED event said it is replayed from the phrase cache
-    pause_ms: int = 0  # > 0: a pause (markup), silence made here, never submitted; no segment events
+    pause_ms: int = 0  # > 0: a pause (markup): its silence is made here, never submitted; its text is ""
 
 
 class StreamStateError(RuntimeError):
@@ -565,8 +565,7 @@ class SpeechStream:
     def _announce(self, seg: SegmentState) -> None:
         """The segment's first audio is next: SegmentStarted goes out behind the audio before it."""
         seg.announced = True
-        if not seg.pause_ms:  # a pause is silence between segments, not one of its own
-            self._behind_audio(partial(self._segment_started, seg))
+        self._behind_audio(partial(self._segment_started, seg))
 
     def _segment_started(self, seg: SegmentState) -> None:
         seg.audio_offset_ms = self._timeline_ms()
@@ -645,8 +644,7 @@ class SpeechStream:
                 self._announce(seg)
             self._playing += 1
             self._release_tail(seg.index)
-            if not seg.pause_ms:
-                self._behind_audio(partial(self._segment_done, seg))
+            self._behind_audio(partial(self._segment_done, seg))
         self._maybe_complete()
 
     def _release_tail(self, segment_index: int) -> None:

@@ -262,8 +262,8 @@ class CartesiaProtocol(WireProtocol[ContextState]):
             session.send_audio(ctx, orjson.dumps(body).decode(), event.duration_ms)
         elif isinstance(event, SegmentDone):
             state.segments_done = event.index + 1
-            seg = place_segment(state.alignment, event)
-            if state.request.add_timestamps:
+            seg = place_segment(state.alignment, event) if event.text else None  # a pause (<break>): no words
+            if seg is not None and state.request.add_timestamps:
                 body = {"type": "timestamps", "context_id": cid, "done": False, "status_code": STATUS_PARTIAL,
                         "word_timestamps": word_timestamps(seg)}
                 session.send(orjson.dumps(body).decode(), ctx)

@@ -194,6 +194,8 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
         self.session.send_audio(ctx, payload, event.duration_ms)
 
     def render_segment(self, ctx: HttpContext, event: SegmentDone) -> None:
+        if not event.text:
+            return  # a pause (<break>): silence, no words
         state = ctx.state
         seg = place_segment(state.alignment, event)
         if self.sse and state.request.add_timestamps:

@@ -376,7 +376,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
     def render(self, ctx: ElevenLabsContext, event: StreamEvent) -> None:
         if isinstance(event, AudioOut):
             self.session.send_audio(ctx, self._audio_json(ctx, b64(event.payload), None, None), event.duration_ms)
-        elif isinstance(event, SegmentDone):
+        elif isinstance(event, SegmentDone) and event.text:  # a pause (<break>) has no characters
             aligned = ctx.state.alignment
             seg = place_segment(aligned, event)
             self.session.send(self._audio_json(ctx, "", _alignment(aligned.chained(seg)), _alignment(seg)), ctx)

@@ -229,6 +229,8 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
             self.session.send_audio(ctx, self._opening(state) + state.audio_b64.push(event.payload), event.duration_ms)
 
     def render_segment(self, ctx: HttpContext, event: SegmentDone) -> None:
+        if not event.text:
+            return  # a pause (<break>): silence, no characters
         state = ctx.state
         seg = place_segment(state.alignment, event)
         if state.request.timestamps and state.request.streamed:

@@ -78,3 +78,32 @@ def test_a_break_that_cannot_be_played_is_an_error(served: Served, http: httpx.C
         "model_id": "sonic-2", "transcript": 'Wait <break time="a while"/> here.',
         "voice": {"mode": "id", "id": "default"}, "output_format": CARTESIA_OUTPUT})
     assert response.status_code == 400 and "break" in response.json()["message"], response.text
+
+
+def test_cartesia_flush_done_waits_for_a_break_at_the_end_of_the_flushed_text(served: Served) -> None:
+    async def scenario() -> tuple[bytes, bytes]:
+        request = {"context_id": "c", "model_id": "sonic-2", "voice": {"mode": "id", "id": "default"},
+                   "output_format": CARTESIA_OUTPUT, "add_timestamps": True}
+        before, after = b"", b""
+        async with connect(served.ws + "/tts/websocket") as ws:
+            await ws.send(orjson.dumps({**request, "transcript": 'Hello there. <break time="400ms"/>',
+                                        "continue": True, "flush": True}).decode())
+            async for raw in ws:  # the flush is done once its audio, the pause's silence included, is out
+                message = orjson.loads(raw)
+                assert message["type"] != "error", message
+                if message["type"] == "chunk":
+                    before += base64.b64decode(message["data"])
+                if message["type"] == "flush_done":
+                    break
+            await ws.send(orjson.dumps({**request, "transcript": "Bye now.", "continue": False}).decode())
+            async for raw in ws:
+                message = orjson.loads(raw)
+                if message["type"] == "chunk":
+                    after += base64.b64decode(message["data"])
+                if message.get("done"):
+                    break
+        return before, after
+
+    before, after = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert longest_silence_s(before[-int(0.45 * 48_000):]) >= 0.4  # the pause ends what the flush covered
+    assert after and longest_silence_s(after) < 0.4
