@@ -6,7 +6,8 @@ text; an LLM prompted for those services writes them. Read as text, a tag would 
 equals ..."). `MarkupFilter` cuts a context's text pieces into text and `Pause`s, as the pieces come:
 
 - `<break time="...">` (seconds `1.5s` or milliseconds `500ms`, at most MAX_BREAK_MS) is a `Pause`: the speech
-  stream ends the segment there and plays that much silence (speech.SpeechStream.pause);
+  stream ends the segment there and adds a segment of that much silence (`speech.SpeechStream`: a segment with
+  no text, never submitted to the engine; its events carry no characters);
 - the other tags of the dialect are removed and the text they enclose is spoken (`<spell>ABC</spell>` says
   "ABC"; this engine has no per-word speed, volume, emotion or phonemes);
 - everything else is text: a `<` that does not open a tag of the dialect ("x < y", "<3"), or an unknown tag;
