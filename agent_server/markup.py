@@ -28,6 +28,7 @@ MAX_BREAK_MS = 10_000
 BREAK = "break"
 ELEVENLABS_TAGS = frozenset({BREAK, "phoneme"})
 CARTESIA_TAGS = frozenset({BREAK, "speed", "volume", "emotion", "spell"})
+SSML_TAGS = frozenset({BREAK})  # jambonz's SSML, once compat/jambonz.ssml_text has kept only its breaks
 
 _TAG = re.compile(r"<\s*(/?)\s*([A-Za-z][A-Za-z0-9_-]*)\b([^<>]*?)(/?)\s*>")
 _TAG_PREFIX = re.compile(r"<\s*/?\s*[A-Za-z][A-Za-z0-9_-]*")  # what must follow `<` for it to open a tag

@@ -6,8 +6,9 @@ streaming WebSocket URL, and an API key sent as `Authorization: Bearer <key>`).
 HTTP (`POST`, jambonz's non-streaming API): body `{"text", "type": "text" | "ssml", "language", "voice"}`;
 the answer is the audio with its type in `Content-Type`, which jambonz takes as `audio/mpeg` (preferred,
 what it asks for with `Accept: audio/mpeg`), `audio/wav`, or `audio/l16;rate=N`. SSML: jambonz sends it
-when the text starts with `<speak`; this engine does not render SSML markup, so the text inside the
-markup is spoken (documented in docs/compatibility.md), and markup that is not well-formed is refused.
+when the text starts with `<speak`; its `<break time>` / `<break strength>` are played as pauses (markup.py),
+its other markup is not rendered and the text inside it is spoken (docs/compatibility.md); markup that is not
+well-formed is refused.
 Errors: an HTTP error status with `{"error": message}`.
 
 WebSocket (jambonz's streaming API): jambonz connects with `?voice=...&language=...&sampleRate=N`; the
@@ -43,6 +44,7 @@ from agent_server.compat.common import (
 from agent_server.compat.http_speech import HttpSpeechProtocol, Speech
 from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
 from agent_server.hub import Refusal
+from agent_server.markup import BREAK, SSML_TAGS, MarkupFilter, spoken_text
 from agent_server.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, SessionState, WireProtocol
 from agent_server.speech import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.transport import Head
@@ -65,11 +67,12 @@ L16_TYPE = "audio/l16"
 
 @dataclass(frozen=True, slots=True)
 class SynthRequest:
-    text: str  # what is spoken (SSML: the text inside the markup)
+    text: str  # what is spoken (SSML: the text inside the markup, its breaks as `<break time=.../>`)
     language: str | None
     voice: str | None  # as given: the caller maps it onto our voices (common.resolve_voice)
     output: StreamFormat
     content_type: str  # the response's Content-Type, in jambonz's spelling
+    ssml: bool = False  # `text` carries breaks (markup.SSML_TAGS)
 
 
 def parse_http(body: object, accept: str | None) -> SynthRequest:
@@ -87,7 +90,7 @@ def parse_http(body: object, accept: str | None) -> SynthRequest:
             raise FieldError(name, f"{name} must be a string")
     spoken = ssml_text(text) if kind == "ssml" else text
     output, content_type = http_format(accept)
-    return SynthRequest(spoken, obj.get("language"), obj.get("voice"), output, content_type)
+    return SynthRequest(spoken, obj.get("language"), obj.get("voice"), output, content_type, kind == "ssml")
 
 
 def http_format(accept: str | None) -> tuple[StreamFormat, str]:
@@ -116,16 +119,46 @@ def _rate_param(params: list[str]) -> int:
     raise FieldError("accept", f"audio/l16 needs rate= one of {allowed}")
 
 
+# SSML `<break strength>` without a time, in ms (what SSML engines commonly make of them)
+BREAK_STRENGTH_MS = {"none": 0, "x-weak": 100, "weak": 250, "medium": 400, "strong": 700, "x-strong": 1000}
+
+
 def ssml_text(ssml: str) -> str:
-    """The text an SSML document speaks (its markup is not rendered here)."""
+    """The text an SSML document speaks, its `<break>`s as `<break time="..."/>` (played as pauses: markup.py);
+    the rest of its markup is not rendered here, the text it encloses is spoken."""
     try:
         root = ElementTree.fromstring(ssml)
     except ElementTree.ParseError as exc:
         raise FieldError("text", f"the SSML is not well-formed: {exc}") from None
-    spoken = " ".join(" ".join(root.itertext()).split())
-    if not spoken:
+    parts: list[str] = []
+
+    def walk(element: ElementTree.Element) -> None:
+        if element is not root and element.tag.rsplit("}", 1)[-1] == BREAK:
+            parts.append(_break(element))
+        elif element.text:
+            parts.append(element.text)
+        for child in element:
+            walk(child)
+            if child.tail:
+                parts.append(child.tail)
+
+    walk(root)
+    text = " ".join("".join(parts).split())
+    if not spoken_text(MarkupFilter(SSML_TAGS).feed(text)).strip():
         raise FieldError("text", "the SSML speaks no text")
-    return spoken
+    return text
+
+
+def _break(element: ElementTree.Element) -> str:
+    time = element.get("time")
+    if time is None:
+        strength = element.get("strength", "medium")
+        if strength not in BREAK_STRENGTH_MS:
+            raise FieldError("text", f"<break strength={strength!r}>: one of {', '.join(BREAK_STRENGTH_MS)}")
+        if not BREAK_STRENGTH_MS[strength]:
+            return " "
+        time = f"{BREAK_STRENGTH_MS[strength]}ms"
+    return f' <break time="{time}"/> '
 
 
 def http_error_body(message: str, code: str = BAD_REQUEST) -> dict[str, Any]:
@@ -214,7 +247,8 @@ class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
         request = parse_http(body, session.transport.headers.get("accept"))
         seed = parse_seed("seed", session.transport.query.get("seed") or None)  # our extension, as in the stream URL
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice), output_format=request.output,
-                         seed=seed, language=resolve_language("language", request.language, session.variant))
+                         seed=seed, language=resolve_language("language", request.language, session.variant),
+                         markup=SSML_TAGS if request.ssml else frozenset())
         return Speech(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

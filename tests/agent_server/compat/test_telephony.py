@@ -62,7 +62,10 @@ def test_jambonz_http_accept(accept: str | None, expected: StreamFormat, content
 def test_jambonz_ssml_speaks_its_text() -> None:
     req = jambonz.parse_http({"text": '<speak>Hello <break time="300ms"/> <emphasis>there</emphasis>.</speak>',
                               "type": "ssml"}, None)
-    assert req.text == "Hello there ."
+    assert req.text == 'Hello <break time="300ms"/> there.' and req.ssml
+    strong = jambonz.parse_http({"text": '<speak>A<break strength="strong"/>B<break strength="none"/>C</speak>',
+                                 "type": "ssml"}, None)
+    assert strong.text == 'A <break time="700ms"/> B C'
 
 
 @pytest.mark.parametrize(("body", "accept", "field"), [
@@ -70,6 +73,7 @@ def test_jambonz_ssml_speaks_its_text() -> None:
     ({"text": "hi", "type": "markdown"}, None, "type"),
     ({"text": "<speak>hi", "type": "ssml"}, None, "text"),
     ({"text": "<speak><break/></speak>", "type": "ssml"}, None, "text"),
+    ({"text": '<speak>hi <break strength="huge"/></speak>', "type": "ssml"}, None, "text"),
     ({"text": "hi", "voice": 3}, None, "voice"),
     ({"text": "hi", "gender": "f"}, None, "gender"),
     ({"text": "hi"}, "audio/ogg", "accept"),
@@ -346,8 +350,8 @@ def test_jambonz_http_l16_and_ssml(served: Served) -> None:
     with httpx.Client(timeout=30.0) as http:
         response = http.post(served.http + "/v1/jambonz/tts", json=body, headers={"accept": "audio/l16;rate=8000"})
         assert response.status_code == 200 and response.headers["content-type"] == "audio/l16;rate=8000"
-        assert [r.text for r in served.engine.submits] == ["Hello caller."]
-        assert_length(served, len(response.content), 8_000)
+        assert [r.text.strip() for r in served.engine.submits] == ["Hello", "caller."]  # a pause between
+        assert_length(served, len(response.content) - 2 * 1_600, 8_000)  # the break: 200 ms of silence at 8 kHz
         refused = http.post(served.http + "/v1/jambonz/tts", json={"text": "<speak>Hi", "type": "ssml"})
     assert refused.status_code == 400 and "SSML" in refused.json()["error"]
 
