@@ -13,6 +13,9 @@ equals ..."). `MarkupFilter` cuts a context's text pieces into text and `Pause`s
 - everything else is text: a `<` that does not open a tag of the dialect ("x < y", "<3"), or an unknown tag;
 - a tag split across pieces is held until its `>` arrives (at most MAX_TAG_CHARS, past which its `<` is text).
 
+SSML (jambonz, Riva): `ssml_text` turns a `<speak>` document into text with its breaks as `<break time=.../>`
+(`SSML_TAGS`), the rest of its markup left out.
+
 A break whose time cannot be read or is too long is not spoken either; `feed` returns it as a `MarkupProblem`
 for the session to report (the protocol's error), and the text goes on.
 """
@@ -22,6 +25,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from xml.etree import ElementTree
+
+from agent_server.errors import FieldError
 
 MAX_TAG_CHARS = 200  # a `<` followed by this many characters without `>` opens no tag
 MAX_BREAK_MS = 10_000
@@ -126,3 +132,45 @@ def _add_text(pieces: list[Piece], text: str) -> None:
 def spoken_text(pieces: Sequence[Piece]) -> str:
     """The text of `pieces` (pauses left out): what a whole request speaks."""
     return "".join(piece for piece in pieces if isinstance(piece, str))
+
+
+# SSML `<break strength>` without a time, in ms (what SSML engines commonly make of them)
+BREAK_STRENGTH_MS = {"none": 0, "x-weak": 100, "weak": 250, "medium": 400, "strong": 700, "x-strong": 1000}
+
+
+def ssml_text(ssml: str) -> str:
+    """The text an SSML document speaks, its `<break>`s as `<break time="..."/>` (played as pauses, above);
+    the rest of its markup is not rendered here, the text it encloses is spoken."""
+    try:
+        root = ElementTree.fromstring(ssml)
+    except ElementTree.ParseError as exc:
+        raise FieldError("text", f"the SSML is not well-formed: {exc}") from None
+    parts: list[str] = []
+
+    def walk(element: ElementTree.Element) -> None:
+        if element is not root and element.tag.rsplit("}", 1)[-1] == BREAK:
+            parts.append(_break(element))
+        elif element.text:
+            parts.append(element.text)
+        for child in element:
+            walk(child)
+            if child.tail:
+                parts.append(child.tail)
+
+    walk(root)
+    text = " ".join("".join(parts).split())
+    if not spoken_text(MarkupFilter(SSML_TAGS).feed(text)).strip():
+        raise FieldError("text", "the SSML speaks no text")
+    return text
+
+
+def _break(element: ElementTree.Element) -> str:
+    time = element.get("time")
+    if time is None:
+        strength = element.get("strength", "medium")
+        if strength not in BREAK_STRENGTH_MS:
+            raise FieldError("text", f"<break strength={strength!r}>: one of {', '.join(BREAK_STRENGTH_MS)}")
+        if not BREAK_STRENGTH_MS[strength]:
+            return " "
+        time = f"{BREAK_STRENGTH_MS[strength]}ms"
+    return f' <break time="{time}"/> '

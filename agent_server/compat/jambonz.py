@@ -27,7 +27,6 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from xml.etree import ElementTree
 
 import orjson
 
@@ -44,7 +43,7 @@ from agent_server.compat.common import (
 from agent_server.compat.http_speech import HttpSpeechProtocol, Speech
 from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
 from agent_server.hub import Refusal
-from agent_server.markup import BREAK, SSML_TAGS, MarkupFilter, spoken_text
+from agent_server.markup import SSML_TAGS, ssml_text
 from agent_server.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, SessionState, WireProtocol
 from agent_server.speech import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.transport import Head
@@ -117,48 +116,6 @@ def _rate_param(params: list[str]) -> int:
             break
     allowed = ", ".join(str(r) for r in PCM_SAMPLE_RATES_HZ)
     raise FieldError("accept", f"audio/l16 needs rate= one of {allowed}")
-
-
-# SSML `<break strength>` without a time, in ms (what SSML engines commonly make of them)
-BREAK_STRENGTH_MS = {"none": 0, "x-weak": 100, "weak": 250, "medium": 400, "strong": 700, "x-strong": 1000}
-
-
-def ssml_text(ssml: str) -> str:
-    """The text an SSML document speaks, its `<break>`s as `<break time="..."/>` (played as pauses: markup.py);
-    the rest of its markup is not rendered here, the text it encloses is spoken."""
-    try:
-        root = ElementTree.fromstring(ssml)
-    except ElementTree.ParseError as exc:
-        raise FieldError("text", f"the SSML is not well-formed: {exc}") from None
-    parts: list[str] = []
-
-    def walk(element: ElementTree.Element) -> None:
-        if element is not root and element.tag.rsplit("}", 1)[-1] == BREAK:
-            parts.append(_break(element))
-        elif element.text:
-            parts.append(element.text)
-        for child in element:
-            walk(child)
-            if child.tail:
-                parts.append(child.tail)
-
-    walk(root)
-    text = " ".join("".join(parts).split())
-    if not spoken_text(MarkupFilter(SSML_TAGS).feed(text)).strip():
-        raise FieldError("text", "the SSML speaks no text")
-    return text
-
-
-def _break(element: ElementTree.Element) -> str:
-    time = element.get("time")
-    if time is None:
-        strength = element.get("strength", "medium")
-        if strength not in BREAK_STRENGTH_MS:
-            raise FieldError("text", f"<break strength={strength!r}>: one of {', '.join(BREAK_STRENGTH_MS)}")
-        if not BREAK_STRENGTH_MS[strength]:
-            return " "
-        time = f"{BREAK_STRENGTH_MS[strength]}ms"
-    return f' <break time="{time}"/> '
 
 
 def http_error_body(message: str, code: str = BAD_REQUEST) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from agent_server.audio import ENGINE_SAMPLE_RATE_HZ
 from agent_server.codecs import Codec, StreamFormat
 from agent_server.compat.common import make_spec, place_segment, resolve_language, resolve_voice
 from agent_server.errors import RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
+from agent_server.markup import SSML_TAGS, ssml_text
 from agent_server.session import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -196,6 +197,8 @@ class RivaProtocol(WireProtocol[RivaState]):
                         ctx.stream.end(now_s)
                     return
             text = request.text
+            if text.lstrip().startswith("<speak"):  # SSML: its breaks are pauses (markup.py), its text is spoken
+                text = ssml_text(text)
             if text and not ctx.state.joined and not text[0].isspace():
                 text = " " + text  # each request is its own text: keep the word boundary between them
             if await session.push_text(ctx, text, now_s) and text:
@@ -214,7 +217,7 @@ class RivaProtocol(WireProtocol[RivaState]):
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, synthesis.voice_name),
                          output_format=synthesis.output, seed=None, language=synthesis.language,
                          # a unary call's client takes the whole answer at once: nothing to pace
-                         max_audio_ahead_s=math.inf if self.unary else None)
+                         max_audio_ahead_s=math.inf if self.unary else None, markup=SSML_TAGS)
         state = RivaState(request, synthesis, ContextAlignment(lead_ms=synthesis.output.lead_ms))
         return await session.open_context(CONTEXT_ID, spec, state)
 
@@ -244,7 +247,7 @@ class RivaProtocol(WireProtocol[RivaState]):
             else:
                 session.send_audio(ctx, response(event.payload, (), state.synthesis).SerializeToString(),
                                    event.duration_ms)
-        elif isinstance(event, SegmentDone):
+        elif isinstance(event, SegmentDone) and event.text:  # a pause (an SSML break) has no words
             seg = place_segment(state.alignment, event)
             if not state.synthesis.word_offsets:
                 return

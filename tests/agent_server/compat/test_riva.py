@@ -74,6 +74,15 @@ def test_synthesize_batch_with_client_defaults(served: Served) -> None:
     assert len(served.engine.submits) > 1  # more than one segment: the offsets span segments
 
 
+def test_ssml_breaks_are_pauses_and_tags_are_not_spoken(served: Served) -> None:
+    ssml = '<speak>Hello <break time="300ms"/> <emphasis>there</emphasis>.</speak>'
+    response = client(served).synthesize(ssml, sample_rate_hz=16_000, enable_word_time_offsets=True)
+    assert [r.text.strip() for r in served.engine.submits] == ["Hello", "there."]
+    assert [w.word for w in response.meta.words] == ["Hello", "there."]
+    assert_length(served, len(response.audio) - 2 * 4_800, 16_000)  # the break: 300 ms of silence
+    assert response.meta.words[1].start_time - response.meta.words[0].end_time >= 300  # ms
+
+
 def test_synthesize_online_streams_every_text_with_offsets_from_the_call_start(served: Served) -> None:
     texts = ["First sentence here.", "Second one follows it.", "Third."]
     responses = list(client(served).synthesize_online(texts, sample_rate_hz=16_000, enable_word_time_offsets=True))
