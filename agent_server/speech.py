@@ -15,6 +15,12 @@ its `AudioOut` frames and `SegmentDone`, then exactly one `StreamDone`.
 Threading: every method runs on the event loop thread. The engine calls its sink on its own thread; the
 sink only hands the output to `post` (loop.call_soon_threadsafe), so the engine never blocks on us.
 
+Markup (`StreamSpec.markup`: the vendor's inline tags, agent_server/markup.py): a `<break>` ends the segment
+before it and becomes a segment of its own with no text, its silence made here and never submitted; it plays in
+turn like any segment (with its SegmentStarted / SegmentDone, which carry no characters). Speed
+(`StreamSpec.speed`): the encoder plays the audio faster or slower (codecs.TempoEncoder); segment offsets and
+durations are on the audio as it plays.
+
 Ordering: segment N+1 is submitted when segment N has finished generating (GENERATED), so T3 of the next
 segment overlaps the vocoder tail of the current one; audio that arrives for a segment whose turn has not
 come is held until every earlier segment has played. One encoder per context keeps the output stream
