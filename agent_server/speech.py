@@ -355,7 +355,8 @@ class SpeechStream:
         self._playing = 0  # index of the segment whose audio goes out now
         self._next_submit = 0
         self._waiting_for_backlog = False
-        self._listener = ListenerClock()  # what the client holds, for the engine's vocoder (render order, chunk sizes)
+        # what the client holds, for the engine's vocoder (render order, chunk sizes)
+        self._listener = ListenerClock(spec.speed)
         self._markup = MarkupFilter(spec.markup) if spec.markup else None
 
     # ---- the verbs -----------------------------------------------------------------------------

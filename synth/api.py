@@ -143,23 +143,27 @@ class ListenerClock:
     sizes chunks by what the listener holds. One clock per context: every segment of a turn shares it, so a
     segment that starts while the previous one is still playing sees that audio. A report is one reference
     swap (atomic in CPython): no lock.
+
+    `speed`: the listener plays the engine's audio that much faster (the session's speed setting); reports are in
+    seconds as played, `buffered_s` in seconds of the engine's audio (what the vocoder's chunk sizes are in).
     """
 
-    __slots__ = ("_report",)
+    __slots__ = ("_report", "speed")
 
-    def __init__(self) -> None:
+    def __init__(self, speed: float = 1.0) -> None:
         self._report: tuple[float, float] | None = None  # (sent_audio_s, started_monotonic_s)
+        self.speed = speed
 
     def report(self, sent_audio_s: float, started_monotonic_s: float) -> None:
         self._report = (sent_audio_s, started_monotonic_s)
 
     def buffered_s(self, now_monotonic_s: float) -> float | None:
-        """Seconds of audio the listener holds at `now` (None: nothing reported yet)."""
+        """Seconds of the engine's audio the listener holds at `now` (None: nothing reported yet)."""
         report = self._report
         if report is None:
             return None
         sent_audio_s, started_monotonic_s = report
-        return sent_audio_s - (now_monotonic_s - started_monotonic_s)
+        return (sent_audio_s - (now_monotonic_s - started_monotonic_s)) * self.speed
 
 
 @dataclass(slots=True)

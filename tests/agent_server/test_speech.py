@@ -99,11 +99,13 @@ def sync_post(fn: Any, *args: Any) -> None:
 
 
 def make_stream(
-    engine: EngineLike, *, seed: int | None = None, max_ahead_s: float = 20.0, fmt: StreamFormat = PCM24
+    engine: EngineLike, *, seed: int | None = None, max_ahead_s: float = 20.0, fmt: StreamFormat = PCM24,
+    speed: float = 1.0,
 ) -> tuple[SpeechStream, Recorder]:
     recorder = Recorder()
     spec = StreamSpec(
-        voice_id="default", params=SamplingParams(seed=seed), output_format=fmt, max_audio_ahead_s=max_ahead_s
+        voice_id="default", params=SamplingParams(seed=seed), output_format=fmt, max_audio_ahead_s=max_ahead_s,
+        speed=speed,
     )
     stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(), post=sync_post, emit=recorder)
     stream.open()
@@ -294,6 +296,24 @@ def test_the_engine_hears_what_the_listener_holds() -> None:
     assert listener.buffered_s(10.25) == pytest.approx(0.75)
     engine.event(0, EventKind.GENERATED)
     assert engine.submitted[1].listener is listener  # the next segment sees the same listener
+
+
+def test_a_faster_listener_holds_less_of_the_engines_audio() -> None:
+    """At speed 2 a second of the engine's audio plays in half a second: the engine hears its listener in its
+    own audio's seconds (the vocoder sizes chunks in those)."""
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, speed=2.0)
+    stream.push_text("Well hello there, this is the first sentence. ", 0.0)
+    stream.end(0.0)
+    engine.chunk(0, 50)  # 2 s of the engine's audio
+    engine.event(0, EventKind.DONE)
+    sent_s = 0.0
+    for frame in rec.of(AudioOut):
+        sent_s += frame.duration_ms / 1000
+        stream.on_frame_sent(10.0, frame.duration_ms)
+    assert sent_s == pytest.approx(1.0, abs=0.05)  # played in about a second
+    listener = engine.submitted[0].listener
+    assert listener is not None and listener.buffered_s(10.25) == pytest.approx((sent_s - 0.25) * 2.0)
 
 
 # ---- the encode stage: compressed formats on the encoder pool ------------------------------------------

@@ -18,6 +18,9 @@ def test_listener_clock_plays_in_real_time_from_its_start() -> None:
     assert clock.buffered_s(13.0) == -1.0  # ran dry a second ago
     clock.report(sent_audio_s=4.0, started_monotonic_s=10.0)
     assert clock.buffered_s(13.0) == 1.0
+    faster = ListenerClock(speed=2.0)  # the listener plays the engine's audio twice as fast
+    faster.report(sent_audio_s=2.0, started_monotonic_s=10.0)
+    assert faster.buffered_s(10.5) == 3.0  # 1.5 s still to play = 3 s of the engine's audio
 
 
 def test_thread_budget_split_and_parse() -> None:
