@@ -86,6 +86,7 @@ class Voice:
             "voice_id": self.voice_id,
             "name": self.name,
             "builtin": self.builtin,
+            "category": "premade" if self.builtin else "cloned",  # ElevenLabs' word (its SDK and LiveKit read it)
             "status": self.status.name.lower(),
             "duration_s": round(self.duration_s, 3),
             "sample_rate_hz": self.sample_rate_hz,

@@ -71,3 +71,15 @@ def test_stream_closed_early_is_a_barge_in(served_realtime: Served, name: str) -
     while not engine.cancels and time.monotonic() < stop:
         time.sleep(0.02)
     assert engine.cancels, "closing the stream cancelled the engine work"
+
+
+def test_elevenlabs_list_voices(served: Served) -> None:
+    async def listed() -> list[Any]:
+        async with aiohttp.ClientSession() as http:
+            tts = elevenlabs.TTS(api_key="sk", base_url=served.http + "/v1", http_session=http)
+            voices = await tts.list_voices()
+            await tts.aclose()
+            return voices
+
+    voices = asyncio.run(listed())
+    assert [(v.id, v.name, v.category) for v in voices] == [("default", "default", "premade")]
