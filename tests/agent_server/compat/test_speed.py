@@ -145,3 +145,24 @@ def test_native_speed(served: Served) -> None:
     made_s, _ = engine_seconds(served)
     assert abs(sum(s["audio_ms"] for s in segments) / 1000 - made_s / 1.25) < 0.01  # segments as they play
     assert errors[0]["field"] == "speed" and errors[0]["context_id"] == "bad"
+
+
+def test_deepgram_websocket_speed(served: Served) -> None:
+    from deepgram import DeepgramClient
+    from deepgram.environment import DeepgramClientEnvironment
+    from deepgram.speak.v1.types import SpeakV1Text
+
+    env = DeepgramClientEnvironment(base=served.http, production=served.ws, agent=served.ws, agent_rest=served.http)
+    client = DeepgramClient(api_key="dg-test", environment=env)
+    with client.speak.v1.connect(model="aura-2-thalia-en", encoding="linear16", sample_rate="24000",
+                                 speed="1.3") as conn:
+        conn.send_text(SpeakV1Text(text=TEXT))
+        conn.send_flush()
+        audio = b""
+        for message in conn:
+            if isinstance(message, bytes):
+                audio += message
+            elif str(message.type) == "Flushed":
+                break
+        conn.send_close()
+    assert_played_faster(served, len(audio) / 2 / 24_000, 1.3)
