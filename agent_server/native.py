@@ -20,6 +20,7 @@ from agent_server.codecs import StreamFormat
 from agent_server.compat import twilio
 from agent_server.errors import FieldError
 from agent_server.hub import Refusal
+from agent_server.markup import SSML_TAGS
 from agent_server.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
 from agent_server.speech import (
     AudioOut,
@@ -137,6 +138,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             max_audio_ahead_s=session.settings.max_audio_ahead_s,
             cache=message.cache,
             speed=message.speed,
+            markup=SSML_TAGS if message.breaks else frozenset(),
         )
         ctx = await session.open_context(cid, spec, None if sid is None else self._playout(sid))
         if ctx is not None and message.text:

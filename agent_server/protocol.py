@@ -85,6 +85,7 @@ class Open:
     text: str = ""  # optional first text piece
     cache: bool = True  # False: never served from, nor stored in, the phrase cache
     speed: float = 1.0  # the audio played this much faster (0.25-4), its pitch kept
+    breaks: bool = False  # `<break time="..."/>` in the text is a pause (agent_server/markup.py)
     twilio_stream_sid: str | None = None  # the Twilio output mode: the call's streamSid
 
 
@@ -139,7 +140,7 @@ SAMPLING_FIELDS: Mapping[str, type] = {
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
         {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache",
-         "speed", "twilio"}
+         "speed", "breaks", "twilio"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -225,6 +226,9 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     cache = obj.get("cache", True)
     if not isinstance(cache, bool):
         raise FieldError("cache", "must be true or false")
+    breaks = obj.get("breaks", False)
+    if not isinstance(breaks, bool):
+        raise FieldError("breaks", "must be true or false")
     speed = obj.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
         raise FieldError("speed", f"must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (1: as spoken)")
@@ -239,6 +243,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         text=_optional_text(obj, "text") or "",
         cache=cache,
         speed=float(speed),
+        breaks=breaks,
         twilio_stream_sid=_twilio(obj),
     )
 

@@ -107,3 +107,29 @@ def test_cartesia_flush_done_waits_for_a_break_at_the_end_of_the_flushed_text(se
     before, after = asyncio.run(asyncio.wait_for(scenario(), 20))
     assert longest_silence_s(before[-int(0.45 * 48_000):]) >= 0.4  # the pause ends what the flush covered
     assert after and longest_silence_s(after) < 0.4
+
+
+def test_native_breaks_when_asked(served: Served) -> None:
+    from tests.agent_server.native_client import NativeClient
+
+    async def scenario() -> tuple[bytes, list[dict[str, object]], bytes, dict[str, object]]:
+        client = await NativeClient.connect(served.ws + "/v1/stream")
+        text = 'One moment. <break time="600ms"/> Here you go.'
+        with_breaks = await client.open("a", text=text, breaks=True)
+        await client.end("a")
+        await asyncio.wait_for(with_breaks.finished.wait(), 20)
+        as_text = await client.open("b", text='Literal <break time="600ms"/> text.')  # breaks off: it is text
+        await client.end("b")
+        await asyncio.wait_for(as_text.finished.wait(), 20)
+        await client.open("c", text='Bad <break time="soon"/>.', breaks=True)
+        error = await asyncio.wait_for(client.errors.get(), 5)
+        await client.close()
+        return with_breaks.audio, with_breaks.segments_done, as_text.audio, error
+
+    audio, segments, _, error = asyncio.run(scenario())
+    spoken = ["".join(s["alignment"]["chars"]).strip() for s in segments]  # type: ignore[index]
+    assert spoken == ["One moment.", "", "Here you go."]
+    assert abs(float(segments[1]["audio_ms"]) - 600) < 1  # type: ignore[arg-type]
+    assert longest_silence_s(audio) >= 0.6
+    assert any("<break" in request.text for request in served.engine.submits)  # context b: spoken as written
+    assert error["field"] == "text" and error["code"] == "bad_markup" and error["context_id"] == "c"
