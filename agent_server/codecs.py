@@ -354,7 +354,6 @@ class _Tempo:
     def __init__(self, speed: float) -> None:
         graph = av.filter.Graph()
         node = graph.add_abuffer(format="flt", sample_rate=ENGINE_SAMPLE_RATE_HZ, layout="mono")
-        self._source = node
         for factor in atempo_factors(speed):
             tempo = graph.add("atempo", f"{factor:.9g}")
             node.link_to(tempo)

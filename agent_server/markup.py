@@ -16,7 +16,7 @@ equals ..."). `MarkupFilter` cuts a context's text pieces into text and `Pause`s
 SSML (jambonz, Riva): `ssml_text` turns a `<speak>` document into text with its breaks as `<break time=.../>`
 (`SSML_TAGS`), the rest of its markup left out.
 
-A break whose time cannot be read or is too long is not spoken either; `feed` returns it as a `MarkupProblem`
+A break whose time cannot be read or is too long is not spoken either; `take_problems` returns what was wrong
 for the session to report (the protocol's error), and the text goes on.
 """
 
@@ -46,11 +46,6 @@ class Pause:
     duration_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class MarkupProblem:
-    message: str
-
-
 Piece = str | Pause
 
 
@@ -58,7 +53,7 @@ Piece = str | Pause
 class MarkupFilter:
     tags: frozenset[str]
     held: str = ""  # an unfinished tag (from its `<`), waiting for its `>`
-    problems: list[MarkupProblem] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what was wrong with a tag (reported, not spoken)
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces `text` completes, in order (text pieces joined where nothing came between)."""
@@ -94,7 +89,7 @@ class MarkupFilter:
         held, self.held = self.held, ""
         return [held] if held else []
 
-    def take_problems(self) -> list[MarkupProblem]:
+    def take_problems(self) -> list[str]:
         problems, self.problems = self.problems, []
         return problems
 
@@ -110,12 +105,11 @@ class MarkupFilter:
             return  # removed; the text it encloses goes on as text
         time = _TIME.search(match.group(3))
         if time is None:
-            self.problems.append(MarkupProblem(f"{match.group(0)!r}: a break needs time=\"1.5s\" or \"500ms\""))
+            self.problems.append(f"{match.group(0)!r}: a break needs time=\"1.5s\" or \"500ms\"")
             return
         duration_ms = round(float(time.group(1)) * (1 if time.group(2).lower() == "ms" else 1000))
         if not 0 < duration_ms <= MAX_BREAK_MS:
-            self.problems.append(MarkupProblem(f"{match.group(0)!r}: a break lasts more than 0 and at most "
-                                               f"{MAX_BREAK_MS / 1000:g} s"))
+            self.problems.append(f"{match.group(0)!r}: a break lasts more than 0 and at most {MAX_BREAK_MS / 1000:g} s")
             return
         pieces.append(Pause(duration_ms))
 

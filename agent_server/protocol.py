@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from agent_server.audio import OutputFormat
-from agent_server.codecs import MAX_SPEED, MIN_SPEED
 from agent_server.errors import FieldError
+from agent_server.speech import parse_speed
 from synth.api import VARIANTS
 
 PROTOCOL_VERSION = 1
@@ -229,9 +229,6 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     breaks = obj.get("breaks", False)
     if not isinstance(breaks, bool):
         raise FieldError("breaks", "must be true or false")
-    speed = obj.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
-        raise FieldError("speed", f"must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (1: as spoken)")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -242,7 +239,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         language=language.lower() if language else None,
         text=_optional_text(obj, "text") or "",
         cache=cache,
-        speed=float(speed),
+        speed=parse_speed("speed", obj.get("speed")),
         breaks=breaks,
         twilio_stream_sid=_twilio(obj),
     )

@@ -12,10 +12,10 @@ from typing import Any
 
 import orjson
 
-from agent_server.codecs import MAX_SPEED, MIN_SPEED, StreamFormat
+from agent_server.codecs import StreamFormat
 from agent_server.errors import FieldError
 from agent_server.hub import Hub
-from agent_server.speech import SegmentDone, StreamSpec, build_params
+from agent_server.speech import SegmentDone, StreamSpec, build_params, parse_speed
 from agent_server.timestamps import ContextAlignment, SegmentTimes
 
 SEED_LIMIT = 2**63
@@ -100,21 +100,6 @@ def parse_seed(field: str, value: object) -> int | None:
 
 # Cartesia's named speeds (its `speed` and `__experimental_controls.speed`) as multipliers
 CARTESIA_SPEEDS: Mapping[str, float] = {"slowest": 0.7, "slow": 0.85, "normal": 1.0, "fast": 1.15, "fastest": 1.3}
-
-
-def parse_speed(field: str, value: object) -> float:
-    """A speed multiplier (1: as spoken; 1.25: a quarter faster, the pitch kept); None or "" is 1. Numbers
-    in query strings come as text."""
-    if value is None or value == "":
-        return 1.0
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise FieldError(field, f"{field} must be a number (got {value!r})") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_SPEED <= value <= MAX_SPEED:
-        raise FieldError(field, f"{field} must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {value!r})")
-    return float(value)
 
 
 def voice_settings_speed(settings: object) -> float:

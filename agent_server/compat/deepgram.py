@@ -24,7 +24,7 @@ from typing import ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import PieceJoiner, check_model, make_spec, parse_seed, parse_speed, resolve_voice
+from agent_server.compat.common import PieceJoiner, check_model, make_spec, parse_seed, resolve_voice
 from agent_server.compat.formats import deepgram_format
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
 from agent_server.hub import Refusal
@@ -36,7 +36,15 @@ from agent_server.session import (
     Session,
     WireProtocol,
 )
-from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
+from agent_server.speech import (
+    AudioOut,
+    SegmentDone,
+    StreamDone,
+    StreamEvent,
+    StreamStateError,
+    StreamStatus,
+    parse_speed,
+)
 
 DEFAULT_MODEL = "aura-asteria-en"
 MODEL_VERSION = "chatterbox"

@@ -20,12 +20,13 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import check_model, load_object, make_spec, parse_seed, parse_speed, resolve_voice
+from agent_server.compat.common import check_model, load_object, make_spec, parse_seed, resolve_voice
 from agent_server.compat.deepgram import DEFAULT_MODEL
 from agent_server.compat.formats import deepgram_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
 from agent_server.session import Context
+from agent_server.speech import parse_speed
 from agent_server.transport import Head
 
 QUERY_FIELDS = frozenset(

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.codecs import StreamFormat
-from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, parse_speed, resolve_voice
+from agent_server.compat.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
 from agent_server.compat.formats import openai_format
 from agent_server.compat.http_speech import (
     STATUS_BAD_REQUEST,
@@ -31,7 +31,7 @@ from agent_server.compat.http_speech import (
 )
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
 from agent_server.session import Context
-from agent_server.speech import AudioOut
+from agent_server.speech import AudioOut, parse_speed
 from agent_server.transport import Head
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 

@@ -20,7 +20,7 @@ def run(tags: frozenset[str], *pieces: str) -> tuple[list[Piece], list[str]]:
             merged[-1] += item
         else:
             merged.append(item)
-    return merged, [p.message for p in markup.take_problems()]
+    return merged, markup.take_problems()
 
 
 TEXT = 'Hold on. <break time="1.5s" /> Here it is: <spell>ABC</spell>, x < y and <3.<break time="250ms"/>Done'
