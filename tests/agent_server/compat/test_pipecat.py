@@ -102,3 +102,23 @@ def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, tur
 def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
     factory, rate_hz = SERVICES[name]
     assert_barge_in_pipeline(served_realtime, factory, rate_hz, TURN1)
+
+
+def test_elevenlabs_speed_setting_reaches_the_audio(served: Served) -> None:
+    """Pipecat puts its `speed` setting in each context's first message (`voice_settings`): the turn comes back
+    played that much faster."""
+    frames = [LLMFullResponseStartFrame(), *[LLMTextFrame(piece) for piece in TURN1], LLMFullResponseEndFrame(),
+              SleepFrame(sleep=2.0)]
+
+    async def main() -> list[object]:
+        service = ElevenLabsTTSService(api_key="sk", url=served.ws, settings=ElevenLabsTTSService.Settings(
+            voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_flash_v2_5", speed=1.2))
+        down, _ = await run_test(service, frames_to_send=frames,
+                                 pipeline_params=PipelineParams(audio_out_sample_rate=24_000))
+        return list(down)
+
+    audio = [f for f in asyncio.run(main()) if isinstance(f, TTSAudioRawFrame)]
+    played = sum(len(f.audio) for f in audio) // 2
+    made = samples_made(served.engine, served.engine.submits)
+    assert made > 5 * 24_000  # long enough that 1.2x is far outside the tolerance
+    assert abs(played - made / 1.2) <= 0.1 * 24_000 * len(served.engine.submits), (played, made)

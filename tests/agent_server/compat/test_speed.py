@@ -166,3 +166,27 @@ def test_deepgram_websocket_speed(served: Served) -> None:
                 break
         conn.send_close()
     assert_played_faster(served, len(audio) / 2 / 24_000, 1.3)
+
+
+def test_cartesia_websocket_speed_is_the_contexts_first_requests(served: Served) -> None:
+    import orjson
+    from websockets.asyncio.client import connect
+
+    async def scenario() -> bytes:
+        request = {"context_id": "c", "model_id": "sonic-3", "voice": {"mode": "id", "id": "default"},
+                   "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24_000},
+                   "generation_config": {"speed": 0.75}}
+        audio = b""
+        async with connect(served.ws + "/tts/websocket") as ws:
+            await ws.send(orjson.dumps({**request, "transcript": TEXT, "continue": False}).decode())
+            async for raw in ws:
+                message = orjson.loads(raw)
+                assert message["type"] != "error", message
+                if message["type"] == "chunk":
+                    audio += base64.b64decode(message["data"])
+                if message.get("done"):
+                    break
+        return audio
+
+    audio = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert_played_faster(served, len(audio) / 2 / 24_000, 0.75)
