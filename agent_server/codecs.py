@@ -334,6 +334,7 @@ class WavEncoder(_Wrapper):
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 ATEMPO_MIN, ATEMPO_MAX = 0.5, 2.0  # one atempo filter's best range; beyond it, two in a chain
+TEMPO_FRAME_SAMPLES = 480  # 20 ms: what the filter is fed at a time (_Tempo.push)
 
 
 def atempo_factors(speed: float) -> list[float]:
@@ -349,7 +350,8 @@ def atempo_factors(speed: float) -> list[float]:
 
 class _Tempo:
     """One run of FFmpeg's `atempo` (WSOLA: the tempo changes, the pitch does not) on 24 kHz float PCM.
-    It holds back about a window (~40 ms) until more audio or `flush`, after which it is spent."""
+    It holds back ~100 ms (its window, and the frame it answers only when the next comes) until more audio or
+    `flush`, after which it is spent."""
 
     def __init__(self, speed: float) -> None:
         graph = av.filter.Graph()
@@ -363,13 +365,17 @@ class _Tempo:
         self._graph = graph
 
     def push(self, pcm_24k: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        if pcm_24k.size == 0:
-            return np.zeros(0, dtype=np.float32)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm_24k, dtype=np.float32)[None, :], format="flt",
-                                           layout="mono")
-        frame.sample_rate = ENGINE_SAMPLE_RATE_HZ
-        self._graph.push(frame)
-        return self._pull()
+        """What the filter gives back for `pcm_24k`. It is fed in 20 ms frames: atempo answers a frame only when
+        the next one comes, so one whole chunk in one frame would hold that chunk back until the next (the
+        first audio of a turn with it); fed in small frames, it holds back ~100 ms."""
+        pcm = np.ascontiguousarray(pcm_24k, dtype=np.float32)
+        pieces: list[npt.NDArray[np.float32]] = []
+        for at in range(0, pcm.size, TEMPO_FRAME_SAMPLES):
+            frame = av.AudioFrame.from_ndarray(pcm[None, at:at + TEMPO_FRAME_SAMPLES], format="flt", layout="mono")
+            frame.sample_rate = ENGINE_SAMPLE_RATE_HZ
+            self._graph.push(frame)
+            pieces.append(self._pull())
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
 
     def flush(self) -> npt.NDArray[np.float32]:
         self._graph.push(None)

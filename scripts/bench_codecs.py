@@ -6,6 +6,8 @@ For each format:
   when the context opens (its construction is reported apart: open_ms). Target: <= 50 ms.
 - cpu_ms_per_audio_s: encoder CPU time (this thread) per second of audio, pushing engine-like chunks
   (10, 24, 48, 96, 96, ... tokens) with a drain after each "segment" and a finish.
+- with --speed S: the same through the tempo stage a context with that speed gets (codecs.TempoEncoder:
+  FFmpeg's atempo before the encoder); compare a run with --speed 1 (no stage) made beside it.
 - with --contexts N: N contexts encoding at once through one EncoderPool (--workers threads), each
   pushing the same audio: wall time, and audio seconds encoded per wall second.
 
@@ -13,6 +15,7 @@ Usage:
     python scripts/bench_codecs.py                       # every format, 7 repeats, a table
     python scripts/bench_codecs.py --formats mp3-24000 ogg-opus-48000 --repeats 21 --json out.json
     python scripts/bench_codecs.py --contexts 32 --workers 4
+    python scripts/bench_codecs.py --formats raw-pcm-16000 mp3-24000 --speed 1.25
 """
 
 from __future__ import annotations
@@ -78,9 +81,9 @@ def chunks(pcm: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
     return out
 
 
-def first_bytes(fmt: StreamFormat, pcm: npt.NDArray[np.float32]) -> tuple[float, float]:
+def first_bytes(fmt: StreamFormat, pcm: npt.NDArray[np.float32], speed: float) -> tuple[float, float]:
     t0 = time.perf_counter()
-    enc = make_encoder(fmt)
+    enc = make_encoder(fmt, speed)
     t1 = time.perf_counter()
     out = enc.push(pcm[: FIRST_CHUNK_TOKENS * SAMPLES_PER_SPEECH_TOKEN])
     t2 = time.perf_counter()
@@ -90,8 +93,8 @@ def first_bytes(fmt: StreamFormat, pcm: npt.NDArray[np.float32]) -> tuple[float,
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
-def encode_segments(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]]) -> int:
-    enc = make_encoder(fmt)
+def encode_segments(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], speed: float) -> int:
+    enc = make_encoder(fmt, speed)
     n = 0
     for seg in segments:
         for c in seg:
@@ -100,20 +103,21 @@ def encode_segments(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float3
     return n + sum(len(b) for b in enc.finish())
 
 
-def cpu_per_audio_s(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], seconds: float) -> float:
+def cpu_per_audio_s(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], seconds: float,
+                    speed: float) -> float:
     t0 = time.thread_time()
-    encode_segments(fmt, segments)
+    encode_segments(fmt, segments, speed)
     return (time.thread_time() - t0) * 1e3 / seconds
 
 
 async def concurrent(fmt: StreamFormat, segments: list[list[npt.NDArray[np.float32]]], contexts: int,
-                     workers: int) -> float:
+                     workers: int, speed: float) -> float:
     loop = asyncio.get_running_loop()
     pool = EncoderPool(workers)
     done = [asyncio.Event() for _ in range(contexts)]
     t0 = time.perf_counter()
     for k in range(contexts):
-        enc = make_encoder(fmt)
+        enc = make_encoder(fmt, speed)
         lane = pool.lane(loop.call_soon_threadsafe, max_pending=10_000, close=enc.close, on_error=print)
         for seg in segments:
             for c in seg:
@@ -143,6 +147,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12.0, help="audio per cost run (segments of 4 s)")
     parser.add_argument("--contexts", type=int, default=0, help="also run N contexts at once through a pool")
     parser.add_argument("--workers", type=int, default=2, help="pool threads for --contexts")
+    parser.add_argument("--speed", type=float, default=1.0, help="the contexts' speed (1: no tempo stage)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
 
@@ -154,11 +159,12 @@ def main() -> None:
           + (f"{'N ctx audio s / s':>20}" if args.contexts else ""))
     for name in args.formats:
         fmt = FORMATS[name]
-        encode_segments(fmt, segments[:1])  # warm-up: codec tables, first imports
-        opens, firsts = zip(*(first_bytes(fmt, pcm) for _ in range(args.repeats)), strict=True)
-        costs = [cpu_per_audio_s(fmt, segments, args.seconds) for _ in range(args.repeats)]
+        encode_segments(fmt, segments[:1], args.speed)  # warm-up: codec tables, first imports
+        opens, firsts = zip(*(first_bytes(fmt, pcm, args.speed) for _ in range(args.repeats)), strict=True)
+        costs = [cpu_per_audio_s(fmt, segments, args.seconds, args.speed) for _ in range(args.repeats)]
         row: dict[str, Any] = {
             "format": name,
+            "speed": args.speed,
             "open_ms_p50": statistics.median(opens),
             "first_bytes_ms_p50": statistics.median(firsts),
             "first_bytes_ms_p95": sorted(firsts)[max(0, int(0.95 * len(firsts)) - 1)],
@@ -167,7 +173,7 @@ def main() -> None:
         line = (f"{name:<18}{row['open_ms_p50']:>9.2f}{row['first_bytes_ms_p50']:>20.2f}"
                 f"{row['first_bytes_ms_p95']:>8.2f}{row['cpu_ms_per_audio_s_p50']:>18.2f}")
         if args.contexts:
-            wall = asyncio.run(concurrent(fmt, segments, args.contexts, args.workers))
+            wall = asyncio.run(concurrent(fmt, segments, args.contexts, args.workers, args.speed))
             row.update(contexts=args.contexts, workers=args.workers, wall_s=wall,
                        audio_s_per_wall_s=args.contexts * args.seconds / wall)
             line += f"{row['audio_s_per_wall_s']:>20.1f}"

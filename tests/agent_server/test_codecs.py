@@ -334,3 +334,13 @@ def test_speed_one_is_no_tempo_stage_and_out_of_range_is_refused() -> None:
     for bad in (0.2, 4.5):
         with pytest.raises(ValueError):
             make_encoder(fmt, bad)
+
+
+@pytest.mark.parametrize("speed", [0.5, 0.8, 1.25, 2.0])
+def test_speed_gives_a_chunks_audio_back_with_the_chunk(speed: float) -> None:
+    """atempo answers a frame when the next one comes: fed a whole chunk at once it would hold the first chunk
+    of a turn back until the second (time to first audio). Fed in 20 ms frames, it holds back ~100 ms."""
+    enc = make_encoder(StreamFormat("raw", "pcm_s16le", 24_000), speed)
+    first = b"".join(enc.push(speechy(0.4)))  # the engine's smallest first chunk
+    held_back_in_s = 0.4 - len(first) / 2 / 24_000 * speed
+    assert held_back_in_s <= 0.13, held_back_in_s
