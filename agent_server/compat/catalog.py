@@ -70,10 +70,6 @@ CREDENTIALS = frozenset(QUERY_NAMES) | {"xi_api_key"}  # auth.py reads these; ne
 UUID_NAMESPACE = uuid.UUID("6f0b7a52-3c1e-4d1b-9a57-2f3c1f0e8b11")  # Deepgram's model uuid: uuid5(this, voice@version)
 
 
-class CatalogError(VoiceError):
-    """A catalog request refused (a VoiceError: the store's own refusals arrive as these too)."""
-
-
 # ---- who is asking, and the errors in their shape -------------------------------------------------------
 
 
@@ -162,10 +158,10 @@ def _query(request: Request, allowed: frozenset[str], unsupported: frozenset[str
         if name in CREDENTIALS:
             continue
         if name in unsupported:
-            raise CatalogError(STATUS_BAD_REQUEST, name, f"{name!r} is not supported here: voices on this server "
+            raise VoiceError(STATUS_BAD_REQUEST, name, f"{name!r} is not supported here: voices on this server "
                                "have a name, a description and a language")
         if name not in allowed:
-            raise CatalogError(STATUS_BAD_REQUEST, name, f"unknown query parameter {name!r}")
+            raise VoiceError(STATUS_BAD_REQUEST, name, f"unknown query parameter {name!r}")
         query[name] = value
     return query
 
@@ -174,7 +170,7 @@ def _page_size(field: str, raw: str | None, default: int) -> int:
     if raw is None or raw == "":
         return default
     if not is_decimal(raw) or not 1 <= int(raw) <= MAX_PAGE_SIZE:
-        raise CatalogError(STATUS_BAD_REQUEST, field, f"{field} must be an integer from 1 to {MAX_PAGE_SIZE}")
+        raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} must be an integer from 1 to {MAX_PAGE_SIZE}")
     return int(raw)
 
 
@@ -185,7 +181,7 @@ def _flag(field: str, raw: str | None) -> bool | None:
         return True
     if raw.lower() in ("false", "0"):
         return False
-    raise CatalogError(STATUS_BAD_REQUEST, field, f"{field} must be true or false (got {raw!r})")
+    raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} must be true or false (got {raw!r})")
 
 
 def _matches(voice: Voice, search: str) -> bool:
@@ -208,7 +204,7 @@ async def _clone(request: Request, *, text: frozenset[str], file_field: str, max
                  check: Callable[[dict[str, str], int], None]) -> tuple[Voice, dict[str, str]]:
     """A voice from a multipart upload: `check(fields, number of files)` refuses what cannot be honoured."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise CatalogError(STATUS_BAD_REQUEST, file_field, "send multipart/form-data with the clip in "
+        raise VoiceError(STATUS_BAD_REQUEST, file_field, "send multipart/form-data with the clip in "
                            f"`{file_field}`")
     body = await read_body(request, _hub(request).settings.max_voice_upload_bytes)
     async with read_form(request, body, max_files=max_files) as form:
@@ -216,10 +212,10 @@ async def _clone(request: Request, *, text: frozenset[str], file_field: str, max
         uploads = form.getlist(file_field)
         check(fields, len(uploads))
         if not uploads or isinstance(uploads[0], str):
-            raise CatalogError(STATUS_BAD_REQUEST, file_field, f"a WAV clip in `{file_field}` is required")
+            raise VoiceError(STATUS_BAD_REQUEST, file_field, f"a WAV clip in `{file_field}` is required")
         clip = await uploads[0].read()
     if not fields.get("name", "").strip():
-        raise CatalogError(STATUS_BAD_REQUEST, "name", "a voice needs a name")
+        raise VoiceError(STATUS_BAD_REQUEST, "name", "a voice needs a name")
     voice = await _store(request).create(clip, name=fields["name"], description=fields.get("description", ""),
                                          language=fields.get("language", ""))
     return voice, fields
@@ -251,7 +247,7 @@ async def get_model(request: Request, vendor: Vendor) -> Response:
     elif vendor == "openai" and wanted == model_id(variant):
         _query(request, frozenset())
         return JSONResponse(openai_model(variant, _store(request).attached_unix_s))
-    raise CatalogError(STATUS_NOT_FOUND, "model", f"the model {wanted!r} does not exist on this server "
+    raise VoiceError(STATUS_NOT_FOUND, "model", f"the model {wanted!r} does not exist on this server "
                        f"(it runs {model_id(variant)!r})", "not_found")
 
 
@@ -320,17 +316,17 @@ async def elevenlabs_search(request: Request, vendor: Vendor) -> Response:
         raw = query.get(field)
         if raw:
             if raw not in kinds and raw not in others:
-                raise CatalogError(STATUS_BAD_REQUEST, field, f"{field} must be one of "
+                raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} must be one of "
                                    f"{sorted({*kinds, *others})} (got {raw!r})")
             voices = [v for v in voices if kinds.get(raw) == v.builtin]
     if query.get("language"):
         voices = [v for v in voices if v.language == query["language"].lower()]
     sort = query.get("sort") or "created_at_unix"
     if sort not in ("created_at_unix", "name"):
-        raise CatalogError(STATUS_BAD_REQUEST, "sort", f"sort must be created_at_unix or name (got {sort!r})")
+        raise VoiceError(STATUS_BAD_REQUEST, "sort", f"sort must be created_at_unix or name (got {sort!r})")
     direction = query.get("sort_direction") or "desc"
     if direction not in ("asc", "desc"):
-        raise CatalogError(STATUS_BAD_REQUEST, "sort_direction", f"sort_direction must be asc or desc "
+        raise VoiceError(STATUS_BAD_REQUEST, "sort_direction", f"sort_direction must be asc or desc "
                            f"(got {direction!r})")
     if sort == "name":
         voices.sort(key=lambda v: (_display_name(v).lower(), v.voice_id), reverse=direction == "desc")
@@ -339,7 +335,7 @@ async def elevenlabs_search(request: Request, vendor: Vendor) -> Response:
     size = _page_size("page_size", query.get("page_size"), ELEVENLABS_PAGE_SIZE)
     token = query.get("next_page_token") or "0"
     if not is_decimal(token):
-        raise CatalogError(STATUS_BAD_REQUEST, "next_page_token", f"not a page token of this server: {token!r}")
+        raise VoiceError(STATUS_BAD_REQUEST, "next_page_token", f"not a page token of this server: {token!r}")
     start = int(token)
     page = voices[start:start + size]
     more = start + size < len(voices)
@@ -370,13 +366,13 @@ ELEVENLABS_CLONE = frozenset({"name", "description", "labels", "remove_backgroun
 
 def _elevenlabs_clone_check(fields: dict[str, str], n_files: int) -> None:
     if n_files > 1:
-        raise CatalogError(STATUS_BAD_REQUEST, "files", f"one sample per voice here ({n_files} given): send the "
+        raise VoiceError(STATUS_BAD_REQUEST, "files", f"one sample per voice here ({n_files} given): send the "
                            "best 5-60 s WAV clip")
     if fields.get("labels", "null") not in ("null", "{}", ""):
-        raise CatalogError(STATUS_BAD_REQUEST, "labels", "labels are not supported here: voices on this server "
+        raise VoiceError(STATUS_BAD_REQUEST, "labels", "labels are not supported here: voices on this server "
                            "have a name, a description and a language")
     if _flag("remove_background_noise", fields.get("remove_background_noise")):
-        raise CatalogError(STATUS_BAD_REQUEST, "remove_background_noise", "this server does not remove background "
+        raise VoiceError(STATUS_BAD_REQUEST, "remove_background_noise", "this server does not remove background "
                            "noise: send a clean clip")
 
 
@@ -398,7 +394,7 @@ async def cartesia_list(request: Request, vendor: Vendor) -> Response:
     query = _query(request, CARTESIA_LIST, CARTESIA_UNSUPPORTED)
     for expand in request.query_params.getlist("expand[]"):
         if expand != "preview_file_url":
-            raise CatalogError(STATUS_BAD_REQUEST, "expand[]", f"cannot expand {expand!r}")
+            raise VoiceError(STATUS_BAD_REQUEST, "expand[]", f"cannot expand {expand!r}")
     voices = sorted(_store(request).list(), key=lambda v: v.voice_id)  # cursors are voice ids: order by them
     if query.get("q"):
         voices = [v for v in voices if _matches(v, query["q"])]
@@ -408,7 +404,7 @@ async def cartesia_list(request: Request, vendor: Vendor) -> Response:
     size = _page_size("limit", query.get("limit"), CARTESIA_PAGE_SIZE)
     after, before = query.get("starting_after"), query.get("ending_before")
     if after and before:
-        raise CatalogError(STATUS_BAD_REQUEST, "ending_before", "give starting_after or ending_before, not both")
+        raise VoiceError(STATUS_BAD_REQUEST, "ending_before", "give starting_after or ending_before, not both")
     if before:  # the page just before the cursor (ids compare as strings, so a deleted cursor still works)
         earlier = [v for v in voices if v.voice_id < before]
         page, more = earlier[-size:], len(earlier) > size
@@ -435,10 +431,10 @@ CARTESIA_CLONE = frozenset({"name", "description", "language", "accent", "base_v
 def _cartesia_clone_check(fields: dict[str, str], n_files: int) -> None:
     for field in ("accent", "base_voice_id"):
         if fields.get(field):
-            raise CatalogError(STATUS_BAD_REQUEST, field, f"{field} is not supported here: a voice is cloned "
+            raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} is not supported here: a voice is cloned "
                                "from its clip alone")
     if not fields.get("language"):
-        raise CatalogError(STATUS_BAD_REQUEST, "language", "the clip's language is required (e.g. \"en\")")
+        raise VoiceError(STATUS_BAD_REQUEST, "language", "the clip's language is required (e.g. \"en\")")
 
 
 async def cartesia_clone(request: Request, vendor: Vendor) -> Response:
