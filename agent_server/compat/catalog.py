@@ -43,7 +43,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agent_server.auth import ANONYMOUS, QUERY_NAMES, principal_of
-from agent_server.compat.common import is_decimal
+from agent_server.compat.common import is_decimal, query_flag
+from agent_server.errors import FieldError
 from agent_server.hub import Hub
 from agent_server.voices import (
     Voice,
@@ -120,6 +121,9 @@ def _handled(vendor: Vendor | None, handler: Callable[[Request, Vendor], Any]) -
             response: Response = await handler(request, who)
         except VoiceError as exc:
             return error_response(who, exc, uuid.uuid4().hex)
+        except FieldError as exc:  # a shared parser's refusal (common.query_flag): a bad request
+            refused = VoiceError(STATUS_BAD_REQUEST, exc.field, exc.message, exc.code)
+            return error_response(who, refused, uuid.uuid4().hex)
         return response
 
     return endpoint
@@ -172,16 +176,6 @@ def _page_size(field: str, raw: str | None, default: int) -> int:
     if not is_decimal(raw) or not 1 <= int(raw) <= MAX_PAGE_SIZE:
         raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} must be an integer from 1 to {MAX_PAGE_SIZE}")
     return int(raw)
-
-
-def _flag(field: str, raw: str | None) -> bool | None:
-    if raw is None or raw == "":
-        return None
-    if raw.lower() in ("true", "1"):
-        return True
-    if raw.lower() in ("false", "0"):
-        return False
-    raise VoiceError(STATUS_BAD_REQUEST, field, f"{field} must be true or false (got {raw!r})")
 
 
 def _matches(voice: Voice, search: str) -> bool:
@@ -339,7 +333,7 @@ async def elevenlabs_search(request: Request, vendor: Vendor) -> Response:
     start = int(token)
     page = voices[start:start + size]
     more = start + size < len(voices)
-    _flag("include_total_count", query.get("include_total_count"))  # the count is cheap: always given
+    query_flag(query, "include_total_count")  # checked; the count is cheap: always given
     model = model_id(_variant(request))
     return JSONResponse({"voices": [elevenlabs_voice(v, model) for v in page], "has_more": more,
                          "total_count": len(voices), "next_page_token": str(start + size) if more else None})
@@ -371,7 +365,7 @@ def _elevenlabs_clone_check(fields: dict[str, str], n_files: int) -> None:
     if fields.get("labels", "null") not in ("null", "{}", ""):
         raise VoiceError(STATUS_BAD_REQUEST, "labels", "labels are not supported here: voices on this server "
                            "have a name, a description and a language")
-    if _flag("remove_background_noise", fields.get("remove_background_noise")):
+    if query_flag(fields, "remove_background_noise"):
         raise VoiceError(STATUS_BAD_REQUEST, "remove_background_noise", "this server does not remove background "
                            "noise: send a clean clip")
 
@@ -398,8 +392,8 @@ async def cartesia_list(request: Request, vendor: Vendor) -> Response:
     voices = sorted(_store(request).list(), key=lambda v: v.voice_id)  # cursors are voice ids: order by them
     if query.get("q"):
         voices = [v for v in voices if _matches(v, query["q"])]
-    owner = _flag("is_owner", query.get("is_owner"))
-    if owner is not None:
+    if query.get("is_owner"):
+        owner = query_flag(query, "is_owner")
         voices = [v for v in voices if (not v.builtin) == owner]
     size = _page_size("limit", query.get("limit"), CARTESIA_PAGE_SIZE)
     after, before = query.get("starting_after"), query.get("ending_before")
