@@ -139,6 +139,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             cache=message.cache,
             speed=message.speed,
             markup=SSML_TAGS if message.breaks else frozenset(),
+            normalize=message.normalize,
         )
         ctx = await session.open_context(cid, spec, None if sid is None else self._playout(sid))
         if ctx is not None and message.text:

@@ -86,6 +86,7 @@ class Open:
     cache: bool = True  # False: never served from, nor stored in, the phrase cache
     speed: float = 1.0  # the audio played this much faster (0.25-4), its pitch kept
     breaks: bool = False  # `<break time="..."/>` in the text is a pause (agent_server/markup.py)
+    normalize: bool = True  # numbers, money, times ... said as words (agent_server/normalize.py)
     twilio_stream_sid: str | None = None  # the Twilio output mode: the call's streamSid
 
 
@@ -140,7 +141,7 @@ SAMPLING_FIELDS: Mapping[str, type] = {
 MESSAGE_FIELDS: Mapping[str, frozenset[str]] = {
     "open": frozenset(
         {"type", "context_id", "voice", "model", "output_format", "sampling", "seed", "language", "text", "cache",
-         "speed", "breaks", "twilio"}
+         "speed", "breaks", "normalize", "twilio"}
     ),
     "text": frozenset({"type", "context_id", "text"}),
     "flush": frozenset({"type", "context_id"}),
@@ -229,6 +230,9 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     breaks = obj.get("breaks", False)
     if not isinstance(breaks, bool):
         raise FieldError("breaks", "must be true or false")
+    normalize = obj.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise FieldError("normalize", "must be true or false")
     return Open(
         context_id=context_id,
         voice=voice,
@@ -241,6 +245,7 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
         cache=cache,
         speed=parse_speed("speed", obj.get("speed")),
         breaks=breaks,
+        normalize=normalize,
         twilio_stream_sid=_twilio(obj),
     )
 

@@ -35,8 +35,9 @@ Guarantees
   the whole text at once. `max_chars` is never exceeded (in weighted characters, see below).
 
 Lengths (`max_chars`, `min_chars`) are weighted by how long the characters take to say: a CJK
-ideograph or kana counts 3, a Hangul syllable 2, anything else 1. 250 then means about 15 s of speech
-in any script, well inside T3's 1000-token (40 s) cap; 250 raw Chinese characters would not be.
+ideograph or kana counts 3, a Hangul syllable 2, an ASCII digit 4 (said as words: "1999" is "nineteen
+ninety-nine"), anything else 1. 250 then means about 15 s of speech in any script, well inside T3's 1000-token
+(40 s) cap; 250 raw Chinese characters would not be.
 Word counts count a CJK character as half a word.
 
 Defaults and why
@@ -75,6 +76,7 @@ LOOKAHEAD_WS_CHARS = 16
 
 CJK_CHAR_WEIGHT = 3  # ideographs and kana: about 3 Latin characters of speech each
 HANGUL_CHAR_WEIGHT = 2
+DIGIT_CHAR_WEIGHT = 4  # a digit is said as a word or more ("1999", "$4.50": agent_server/normalize.py)
 CJK_CHARS_PER_WORD = 2
 MS_PER_S = 1000.0
 
@@ -105,7 +107,7 @@ _CJK = "\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-
 _HANGUL = "\uac00-\ud7af"
 _CJK_RE = re.compile(f"[{_CJK}]")
 _HANGUL_RE = re.compile(f"[{_HANGUL}]")
-_HEAVY_RE = re.compile(f"[{_CJK}{_HANGUL}]")
+_HEAVY_RE = re.compile(f"[{_CJK}{_HANGUL}0-9]")
 _ALNUM_RE = re.compile(r"[^\W_]")  # exactly str.isalnum()
 _TOKEN_RE = re.compile(r"\S+")
 _WS_RE = re.compile(r"\s*")
@@ -585,14 +587,18 @@ def _char_weight(ch: str) -> int:
         return CJK_CHAR_WEIGHT
     if _HANGUL_RE.match(ch):
         return HANGUL_CHAR_WEIGHT
+    if "0" <= ch <= "9":
+        return DIGIT_CHAR_WEIGHT
     return 1
 
 
 def weighted_len(text: str) -> int:
-    """The length `max_chars` and `min_chars` are measured in (CJK 3, Hangul 2, others 1 per char)."""
+    """The length `max_chars` and `min_chars` are measured in (CJK 3, digits 4, Hangul 2, others 1 per char)."""
     cjk = len(_CJK_RE.findall(text))
     hangul = len(_HANGUL_RE.findall(text))
-    return len(text) + (CJK_CHAR_WEIGHT - 1) * cjk + (HANGUL_CHAR_WEIGHT - 1) * hangul
+    digits = sum(1 for ch in text if "0" <= ch <= "9")
+    return (len(text) + (CJK_CHAR_WEIGHT - 1) * cjk + (HANGUL_CHAR_WEIGHT - 1) * hangul
+            + (DIGIT_CHAR_WEIGHT - 1) * digits)
 
 
 def _word_count(text: str) -> int:

@@ -60,6 +60,7 @@ from agent_server.codecs import MAX_SPEED, MIN_SPEED, EncoderCounts, StreamEncod
 from agent_server.encode_lane import EncoderPool, EncodeStage, InlineStage, LaneFull
 from agent_server.errors import FieldError
 from agent_server.markup import MarkupFilter, Pause, Piece
+from agent_server.normalize import Spoken, spoken_form, unchanged
 from synth.api import (
     CACHED_REASON,
     OUTPUT_SAMPLE_RATE_HZ,
@@ -99,6 +100,7 @@ class StreamSpec:
     cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
     speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
     markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/markup.py); none: text
+    normalize: bool = True  # numbers, money, times ... said as words (agent_server/normalize.py); False: as written
 
     def __post_init__(self) -> None:
         parse_speed("speed", self.speed)
@@ -278,6 +280,7 @@ class SegmentState:
     announced: bool = False  # SegmentStarted emitted
     cached: bool = False  # its STARTED event said it is replayed from the phrase cache
     pause_ms: int = 0  # > 0: a pause (markup): its silence is made here, never submitted; its text is ""
+    spoken: Spoken | None = None  # what the engine was given for `text` (set when submitted)
 
 
 class StreamStateError(RuntimeError):
@@ -496,9 +499,10 @@ class SpeechStream:
         )
         seg.request_id = f"{self.key}/{seg.index}"
         seg.status = SegmentStatus.SUBMITTED
+        seg.spoken = spoken_form(seg.text, self.spec.language) if self.spec.normalize else unchanged(seg.text)
         request = SegmentRequest(
             request_id=seg.request_id,
-            text=seg.text,
+            text=seg.spoken.text,
             sink=self._sink_for(seg),
             voice_id=self.spec.voice_id,
             params=params,
@@ -689,7 +693,8 @@ class SpeechStream:
 
     def _segment_done(self, seg: SegmentState) -> None:
         audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K / self.spec.speed  # as it plays
-        starts, durations = char_alignment(seg.text, seg.audio_offset_ms, audio_ms)
+        spoken = seg.spoken or unchanged(seg.text)  # a pause has none
+        starts, durations = spoken.written_times(*char_alignment(spoken.text, seg.audio_offset_ms, audio_ms))
         self._emit(self, SegmentDone(
             seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations
         ))

@@ -4,8 +4,9 @@
 # scripts/install.sh / pyproject.toml resolve them here, into .whl/ (ignored by git; about 53 MB, under the
 # device's 64 MiB carry).
 # Left out on purpose: resemble-perth (34 MB watermarker model, never used by synth/; gpu_check.sh puts an
-# empty `perth` module on the path so `import chatterbox` works). tokenizers is pinned to what transformers
-# 5.2.0 accepts (the image's 0.23.2 fails its import-time version check).
+# empty `perth` module on the path so `import chatterbox` works); docopt (an sdist, imported only by num2words'
+# command line). tokenizers is pinned to what transformers 5.2.0 accepts (the image's 0.23.2 fails its
+# import-time version check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -17,7 +18,7 @@ mkdir -p .whl
     conformer==0.3.2 omegaconf==2.3.0 librosa==0.11.0 audioread soxr pooch decorator pyloudnorm soundfile \
     cffi pycparser platformdirs \
     starlette==1.10.0 uvicorn==0.55.0 websockets==17.4 wsproto==1.3.2 orjson==3.13.0 structlog==26.1.0 \
-    python-multipart==0.0.34 av==18.1.0 redis==8.2.0 nvidia-riva-client==2.28.0
+    python-multipart==0.0.34 av==18.1.0 redis==8.2.0 nvidia-riva-client==2.28.0 num2words==0.5.14
 # antlr4-python3-runtime 4.9.3 (omegaconf's parser) is published as an sdist only: build its pure-Python wheel
 "$PY" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 du -sh .whl

@@ -107,6 +107,21 @@ def voice_settings_speed(settings: object) -> float:
     return parse_speed("voice_settings.speed", settings.get("speed")) if isinstance(settings, dict) else 1.0
 
 
+ELEVENLABS_NORMALIZATION = ("auto", "on", "off")
+
+
+def elevenlabs_normalization(value: object) -> bool:
+    """ElevenLabs' `apply_text_normalization` (absent: "auto"): whether numbers, money, dates ... are said as
+    words (agent_server/normalize.py). "auto" is on: what ElevenLabs' own "auto" does for the text a voice
+    agent sends (it leaves normalisation to the model only for its larger models)."""
+    if value is None or value == "":
+        return True
+    if value not in ELEVENLABS_NORMALIZATION:
+        raise FieldError("apply_text_normalization",
+                         f"apply_text_normalization must be one of {', '.join(ELEVENLABS_NORMALIZATION)}")
+    return value != "off"
+
+
 def cartesia_speed(request: Mapping[str, Any]) -> float:
     """A Cartesia request's speed: `generation_config.speed` (a multiplier, Sonic 3), else `speed` (a name or a
     multiplier), else the older `voice.__experimental_controls.speed` (a name, or -1..1 from slowest to fastest)."""
@@ -156,6 +171,7 @@ def parse_decimal(raw: str | None) -> int | None:
 def make_spec(
     hub: Hub, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
     max_audio_ahead_s: float | None = None, speed: float = 1.0, markup: frozenset[str] = frozenset(),
+    normalize: bool = True,
 ) -> StreamSpec:
     params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
     settings = hub.settings
@@ -169,6 +185,7 @@ def make_spec(
         max_audio_ahead_s=settings.max_audio_ahead_s if max_audio_ahead_s is None else max_audio_ahead_s,
         speed=speed,
         markup=markup,
+        normalize=normalize,
     )
 
 

@@ -38,6 +38,7 @@ from agent_server.compat.common import (
     PieceJoiner,
     b64,
     check_model,
+    elevenlabs_normalization,
     load_object,
     make_spec,
     parse_decimal,
@@ -86,7 +87,6 @@ IGNORED_QUERY = frozenset(
         "enable_logging",
         "enable_ssml_parsing",
         "optimize_streaming_latency",
-        "apply_text_normalization",
         "apply_language_text_normalization",
         "sync_alignment",
         "auto_mode",
@@ -123,6 +123,7 @@ class Query:
     seed: int | None
     sync_alignment: bool
     auto_mode: bool
+    normalize: bool  # apply_text_normalization is not "off"
 
 
 def parse_query(params: Mapping[str, str], variant: str) -> Query:
@@ -140,6 +141,7 @@ def parse_query(params: Mapping[str, str], variant: str) -> Query:
         seed=parse_seed("seed", params.get("seed")),
         sync_alignment=query_flag(params, "sync_alignment"),
         auto_mode=query_flag(params, "auto_mode"),
+        normalize=elevenlabs_normalization(params.get("apply_text_normalization")),
     )
 
 
@@ -322,7 +324,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         try:
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
-                             speed=voice_settings_speed(voice_settings), markup=ELEVENLABS_TAGS)
+                             speed=voice_settings_speed(voice_settings), markup=ELEVENLABS_TAGS,
+                             normalize=query.normalize)
         except FieldError as error:
             error.context_id = cid
             session.reject(error)

@@ -38,6 +38,7 @@ from agent_server.codecs import StreamFormat
 from agent_server.compat.common import (
     b64,
     check_model,
+    elevenlabs_normalization,
     load_object,
     make_spec,
     parse_seed,
@@ -88,7 +89,6 @@ _OPTIONAL_TYPES: Mapping[str, tuple[type, ...]] = {
     "use_pvc_as_ivc": (bool,),
     "apply_language_text_normalization": (bool,),
 }
-TEXT_NORMALIZATION = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,7 @@ class SpeechRequest:
     seed: int | None
     output: StreamFormat
     speed: float  # voice_settings.speed
+    normalize: bool  # apply_text_normalization is not "off"
     streamed: bool  # /stream routes: the client reads as it comes (every route streams the audio)
     timestamps: bool  # /with-timestamps routes: JSON bodies with alignment
 
@@ -119,10 +120,6 @@ def parse_request(
         value = obj.get(name)
         if value is not None and not isinstance(value, kinds):
             raise FieldError(name, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}")
-    normalization = obj.get("apply_text_normalization")
-    if normalization is not None and normalization not in TEXT_NORMALIZATION:
-        served = ", ".join(TEXT_NORMALIZATION)
-        raise FieldError("apply_text_normalization", f"apply_text_normalization must be one of {served}")
     model_id = obj.get("model_id")
     check_model("model_id", model_id, variant)
     return SpeechRequest(
@@ -133,6 +130,7 @@ def parse_request(
         seed=parse_seed("seed", obj.get("seed")),
         output=output,
         speed=voice_settings_speed(obj.get("voice_settings")),
+        normalize=elevenlabs_normalization(obj.get("apply_text_normalization")),
         streamed=streamed,
         timestamps=timestamps,
     )
@@ -206,7 +204,7 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
                                 streamed=self.streamed, timestamps=self.timestamps)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
-                         speed=request.speed, markup=ELEVENLABS_TAGS)
+                         speed=request.speed, markup=ELEVENLABS_TAGS, normalize=request.normalize)
         return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

@@ -1,0 +1,422 @@
+"""Text normalisation: a segment's numbers, money, times and dates written out as the words to say. Pure.
+
+Chatterbox reads what it is given: its tokenizers have digits, but the models say them badly or not at all
+(resemble-ai/chatterbox#284: numbers skipped in Russian), and an agent's replies are full of them (prices,
+times, order numbers, phone numbers). The hosted APIs normalise by default (ElevenLabs
+`apply_text_normalization: "auto"`, Cartesia, Deepgram Aura, OpenAI), so a client expects "$4.50" to be said
+"four dollars and fifty cents". Number words come from `num2words` (most of Chatterbox's languages).
+
+`spoken_form(text, language)` returns a `Spoken`: the text to synthesise and the spans that map it back onto
+the written text (they tile both), so times measured on what was said land on the characters the client
+sent (`Spoken.written_times`): "$4.50" gets the time of "four dollars and fifty cents".
+
+What is rewritten (English; other languages: see `_LANGUAGES`):
+- money: $ € £ ¥ before (or € after) an amount, "$5 million", "$0.99"; `_CURRENCIES`;
+- percent "12.5%"; ordinals "21st"; times "9:30", "9:05 pm", "14:00"; ISO dates "2024-05-01";
+- years "1999", "2024" (a lone four-digit number 1100-2099 without a thousands comma);
+- digit strings said digit by digit: phone-like groups "555-123-4567", "+1 415 555 0100", numbers with a
+  leading zero "007", and runs longer than `MAX_CARDINAL_DIGITS`;
+- decimals "3.14" ("three point one four"), grouped thousands "1,234,567", negatives "-5", plain integers;
+- "&" between words ("and").
+A number glued to letters ("A17", "mp3", "5km") is set apart by a space. Anything the rules do not know
+stays as written. Languages num2words does not have (el, hi, ms, sw, zh) are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+import numpy as np
+from num2words import CONVERTER_CLASSES, num2words
+
+MAX_CARDINAL_DIGITS = 15  # longer integers are read digit by digit (an ID, not a quantity)
+YEAR_RANGE = range(1100, 2100)
+
+_EN_DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_EN_MAGNITUDES = {"k": "thousand", "thousand": "thousand", "m": "million", "mn": "million", "million": "million",
+                  "b": "billion", "bn": "billion", "billion": "billion", "trillion": "trillion"}
+_EN_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+              "November", "December")
+
+
+@dataclass(frozen=True, slots=True)
+class Currency:
+    code: str  # ISO 4217, for num2words
+    one: str  # English unit, singular and plural
+    many: str
+    cent_one: str
+    cent_many: str
+
+
+_CURRENCIES: dict[str, Currency] = {
+    "$": Currency("USD", "dollar", "dollars", "cent", "cents"),
+    "€": Currency("EUR", "euro", "euros", "cent", "cents"),
+    "£": Currency("GBP", "pound", "pounds", "penny", "pence"),
+    "¥": Currency("JPY", "yen", "yen", "sen", "sen"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageRules:
+    decimal_mark: str  # how the language writes 3.14
+    percent: str  # how "7%" is said, the number's words in place of {}
+    currency: bool  # num2words' to="currency" is right for $ € £ in this language
+    decimals: bool = True  # num2words reads a Decimal right in this language
+
+
+# Languages num2words speaks and what they write; English has its own rules (below) on top.
+_LANGUAGES: dict[str, LanguageRules] = {
+    "en": LanguageRules(".", "{} percent", True),
+    "de": LanguageRules(",", "{} Prozent", True),
+    "fr": LanguageRules(",", "{} pour cent", True),
+    "es": LanguageRules(",", "{} por ciento", True),
+    "it": LanguageRules(",", "{} per cento", True, decimals=False),  # num2words: 3,5 is "three"
+    "pt": LanguageRules(",", "{} por cento", True),
+    "nl": LanguageRules(",", "{} procent", True),
+    "pl": LanguageRules(",", "{} procent", True),
+    "fi": LanguageRules(",", "{} prosenttia", True),
+    "ru": LanguageRules(",", "{} процентов", True),
+    "he": LanguageRules(".", "{} אחוז", True),
+    "sv": LanguageRules(",", "{} procent", False),
+    "da": LanguageRules(",", "{} procent", False),
+    "no": LanguageRules(",", "{} prosent", False),
+    "tr": LanguageRules(",", "yüzde {}", False, decimals=False),  # num2words: 3,5 is "three fifty"
+    "ar": LanguageRules(".", "{} بالمئة", False, decimals=False),  # num2words: riyals for any currency, 3.5 wrong
+    "ja": LanguageRules(".", "{} パーセント", False),
+    "ko": LanguageRules(".", "{} 퍼센트", False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """written[written_start:written_end] is said as spoken[spoken_start:spoken_end]."""
+
+    written_start: int
+    written_end: int
+    spoken_start: int
+    spoken_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Spoken:
+    written: str
+    text: str  # what the engine is given
+    rewrites: tuple[Span, ...]  # the rewritten spans, in order; everything between them is the same text
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rewrites)
+
+    def written_times(self, starts_ms: Sequence[int], durations_ms: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per-character (start, duration) of the spoken text -> the same for the written text: a kept
+        character keeps its time; a rewritten span's time (from its first spoken character's start to its last
+        one's end) is shared out equally over its written characters."""
+        if not self.rewrites:
+            return list(starts_ms), list(durations_ms)
+        spoken_starts = np.asarray(starts_ms, dtype=np.int64)
+        spoken_ends = spoken_starts + np.asarray(durations_ms, dtype=np.int64)
+        starts = np.zeros(len(self.written), dtype=np.int64)
+        ends = np.zeros(len(self.written), dtype=np.int64)
+        written_at = spoken_at = 0
+        for span in (*self.rewrites, Span(len(self.written), len(self.written), len(self.text), len(self.text))):
+            kept = span.written_start - written_at  # == span.spoken_start - spoken_at
+            starts[written_at:span.written_start] = spoken_starts[spoken_at:span.spoken_start]
+            ends[written_at:span.written_start] = spoken_ends[spoken_at:span.spoken_start]
+            written_at, spoken_at = written_at + kept, spoken_at + kept
+            n = span.written_end - span.written_start
+            if n:
+                begin_ms = spoken_starts[span.spoken_start] if span.spoken_end > span.spoken_start else (
+                    spoken_ends[span.spoken_start - 1] if span.spoken_start else 0)
+                end_ms = spoken_ends[span.spoken_end - 1] if span.spoken_end > span.spoken_start else begin_ms
+                edges = np.rint(np.linspace(begin_ms, end_ms, n + 1)).astype(np.int64)
+                starts[span.written_start:span.written_end] = edges[:-1]
+                ends[span.written_start:span.written_end] = edges[1:]
+            written_at, spoken_at = span.written_end, span.spoken_end
+        return starts.tolist(), (ends - starts).tolist()
+
+
+def unchanged(text: str) -> Spoken:
+    return Spoken(text, text, ())
+
+
+def normalizes(language: str | None) -> bool:
+    """Whether `spoken_form` rewrites anything in this language."""
+    return _lang(language) in _LANGUAGES
+
+
+def spoken_form(text: str, language: str | None = None) -> Spoken:
+    """The text with what the rules know written out as words (module docstring); `language`: None is English."""
+    lang = _lang(language)
+    rules = _LANGUAGES.get(lang)
+    if rules is None or not any(c.isdigit() or c in _CURRENCIES or c == "&" for c in text):
+        return unchanged(text)
+    pieces: list[str] = []
+    rewrites: list[Span] = []
+    written_at = spoken_len = 0
+    pos = 0
+    while (found := _next_rewrite(text, pos, _rules_for(lang), lang, rules)) is not None:
+        match, said = found
+        pos = match.end()
+        if said == match[0]:
+            continue  # a rule that keeps what it matched as written (an ISO date outside English)
+        before = text[written_at:match.start()]
+        if match.start() > 0 and _is_spaced(text[match.start() - 1]):
+            said = " " + said
+        if match.end() < len(text) and _is_spaced(text[match.end()]):
+            said += " "
+        pieces.append(before)
+        spoken_len += len(before)
+        rewrites.append(Span(match.start(), match.end(), spoken_len, spoken_len + len(said)))
+        pieces.append(said)
+        spoken_len += len(said)
+        written_at = match.end()
+    pieces.append(text[written_at:])
+    return Spoken(text, "".join(pieces), tuple(rewrites))
+
+
+def _is_spaced(char: str) -> bool:
+    """A letter a number's words must not be glued to ("A17" -> "A seventeen"); CJK scripts use no spaces."""
+    return char.isalnum() and ord(char) < 0x2E80
+
+
+# ---- the rules ------------------------------------------------------------------------------------
+
+Reader = Callable[[re.Match[str], str, LanguageRules], str | None]
+
+_AMOUNT = r"\d{1,3}(?:[,.]\d{3})+(?:[.,]\d+)?|\d+(?:[.,]\d+)?"
+_SYMBOLS = "".join(re.escape(s) for s in _CURRENCIES)
+_NOT_IN_NUMBER = r"(?<![\d.,])"
+_RULES_EN: tuple[tuple[str, str], ...] = (
+    ("money", rf"(?P<m_sym>[{_SYMBOLS}])\s?(?P<m_num>{_AMOUNT})"
+              r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
+    ("money_after", rf"{_NOT_IN_NUMBER}(?P<ma_num>{_AMOUNT})\s?(?P<ma_sym>€)"),
+    ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
+    ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
+    ("time", r"(?<![\d:])(?P<t_h>\d{1,2}):(?P<t_m>\d{2})(?::(?P<t_s>\d{2}))?(?![\d:])"
+             r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w))?"),
+    ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
+    ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"),
+    ("percent", rf"{_NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{_AMOUNT})\s?%"),
+    ("ordinal", r"(?<![\d.,])(?P<o>\d+)(?P<o_suf>st|nd|rd|th)\b"),
+    ("number", rf"{_NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{_AMOUNT})(?![\d])"),
+    ("amp", r"(?<=\w\s)&(?=\s\w)"),
+)
+# other languages: no English words (ordinal suffixes, am/pm, "and", months) and their own decimal mark
+_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "range", "version"})
+_RULES_OTHER = tuple(rule for rule in _RULES_EN if rule[0] not in _ENGLISH_ONLY)
+
+
+def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
+    rules = _COMPILED.get(lang)
+    if rules is None:
+        chosen = _RULES_EN if lang == "en" else _RULES_OTHER
+        rules = _COMPILED[lang] = tuple((re.compile(body), _READERS[name]) for name, body in chosen)
+    return rules
+
+
+def _next_rewrite(
+    text: str, pos: int, rules: Sequence[tuple[re.Pattern[str], Reader]], lang: str, language: LanguageRules
+) -> tuple[re.Match[str], str] | None:
+    """The first place from `pos` that a rule matches and can say; at one place the earlier rule wins. A rule
+    that matches but cannot say it (a month 13, an ordinal "3th") leaves the place to the rules after it."""
+    best: tuple[re.Match[str], str] | None = None
+    for pattern, reader in rules:
+        match = pattern.search(text, pos)
+        while match is not None and (best is None or match.start() < best[0].start()):
+            said = _say(reader, match, lang, language)
+            if said is not None:
+                best = (match, said)
+                break
+            match = pattern.search(text, match.start() + 1)
+    return best
+
+
+def _say(reader: Reader, match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    try:
+        return reader(match, lang, rules)
+    except (NotImplementedError, OverflowError, InvalidOperation, ValueError, TypeError):
+        return None  # num2words lacks it for this language: say it as written
+
+
+def _lang(language: str | None) -> str:
+    return (language or "en").lower().split("-")[0]
+
+
+def _amount(written: str, rules: LanguageRules) -> Decimal | None:
+    """'1,234.5' (English), '1.234,5' (German) -> Decimal; None where the marks do not read as one number in this
+    language ('1,5' in English, '3.5' in German)."""
+    group_mark = "," if rules.decimal_mark == "." else "."
+    whole, mark, fraction = written.partition(rules.decimal_mark)
+    if (mark and not fraction.isdigit()) or not re.fullmatch(rf"\d{{1,3}}(?:{re.escape(group_mark)}\d{{3}})*|\d+",
+                                                                 whole):
+        return None
+    return Decimal(whole.replace(group_mark, "") + ("." + fraction if mark else ""))
+
+
+def _words(value: Decimal | int, lang: str, *, to: str = "cardinal") -> str:
+    said: str = num2words(value, lang=lang, to=to)
+    if lang == "en":  # American reading: no "and", no commas inside a number
+        said = said.replace(",", "").replace(" and ", " ")
+    return said
+
+
+def _digits(written: str, lang: str) -> str:
+    if lang == "en":
+        return " ".join(_EN_DIGITS[int(c)] for c in written if c.isdigit())
+    return " ".join(_words(int(c), lang) for c in written if c.isdigit())
+
+
+def _number(written: str, lang: str, rules: LanguageRules) -> str | None:
+    """A quantity said as one; digit by digit where it is not one (a leading zero, too many digits)."""
+    plain = written.replace(",", "").replace(".", "")
+    value = _amount(written, rules)
+    if value is None:
+        return None
+    integer = written.split(rules.decimal_mark)[0] if rules.decimal_mark in written else written
+    if (len(integer) > 1 and integer[0] == "0" and integer.isdigit()) or len(plain) > MAX_CARDINAL_DIGITS:
+        return _digits(written, lang)
+    if value == value.to_integral_value() and "." not in written and (rules.decimal_mark != "," or "," not in written):
+        return _words(int(value), lang)
+    if lang == "en":
+        whole, _, fraction = written.replace(",", "").partition(".")
+        return f"{_words(int(whole or '0'), lang)} point {_digits(fraction, lang)}"
+    return _words(value, lang) if rules.decimals else None
+
+
+def _read_integer(written: str, lang: str, rules: LanguageRules) -> str | None:
+    """A number as written; a lone four-digit 1100-2099 in English is a year."""
+    if lang == "en" and re.fullmatch(r"\d{4}", written) and int(written) in YEAR_RANGE:
+        return _words(int(written), lang, to="year")
+    return _number(written, lang, rules)
+
+
+def _read_number(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    written = match["n"]
+    said = _number(written, lang, rules) if match["n_neg"] else _read_integer(written, lang, rules)
+    if said is None or not match["n_neg"]:
+        return said
+    return f"{'minus' if lang == 'en' else _words(-1, lang).split()[0]} {said}"
+
+
+def _read_percent(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    said = _number(match["pc"], lang, rules)
+    if said is None:
+        return None
+    if match["pc_neg"]:
+        said = f"{'minus' if lang == 'en' else _words(-1, lang).split()[0]} {said}"
+    return rules.percent.format(said)
+
+
+def _read_money(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    groups = match.groupdict()
+    symbol = groups.get("m_sym") or groups["ma_sym"]
+    written = groups.get("m_num") or groups["ma_num"]
+    currency = _CURRENCIES[symbol]
+    value = _amount(written, rules)
+    if value is None:
+        return None
+    magnitude = (groups.get("m_mag") or "").lower()
+    if lang != "en":
+        if magnitude or not rules.currency:
+            return None
+        return str(num2words(value, lang=lang, to="currency", currency=currency.code))
+    if magnitude:
+        return f"{_number(written, lang, rules)} {_EN_MAGNITUDES[magnitude]} {currency.many}"
+    units = int(value)
+    cents = int((value - units) * 100) if currency.code != "JPY" else 0
+    if value != units and (currency.code == "JPY" or len(written.rpartition(".")[2]) != 2):
+        return f"{_number(written, lang, rules)} {currency.many}"  # "$1.5": one point five dollars
+    parts = []
+    if units or not cents:
+        parts.append(f"{_words(units, lang)} {currency.one if units == 1 else currency.many}")
+    if cents:
+        parts.append(f"{_words(cents, lang)} {currency.cent_one if cents == 1 else currency.cent_many}")
+    return " and ".join(parts)
+
+
+def _read_time(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    hour, minute = int(match["t_h"]), int(match["t_m"])
+    ampm = match["t_ap"]
+    if hour > 24 or minute > 59 or (ampm and not 1 <= hour <= 12):
+        return None
+    if match["t_s"] is not None:  # "1:02:03": a duration or a clock with seconds, said as its numbers
+        return " ".join(_words(int(part), lang) for part in (match["t_h"], match["t_m"], match["t_s"]))
+    said = _words(hour, lang)
+    if minute == 0:
+        said += "" if ampm else " hundred" if hour > 12 or match["t_h"].startswith("0") else " o'clock"
+    elif minute < 10:
+        said += f" oh {_words(minute, lang)}"
+    else:
+        said += f" {_words(minute, lang)}"
+    if ampm:
+        said += " a m" if ampm[0] in "aA" else " p m"
+    return said
+
+
+def _read_date(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    year, month, day = int(match["d_y"]), int(match["d_m"]), int(match["d_d"])
+    if not (1 <= month <= 12 and 1 <= day <= 31):
+        return None
+    if lang != "en":
+        return match[0]  # kept as written: a date is said in a language's own order and words
+    return f"{_EN_MONTHS[month - 1]} {_words(day, lang, to='ordinal')}, {_words(year, lang, to='year')}"
+
+
+def _read_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    value = int(match["o"])
+    expected = {1: "st", 2: "nd", 3: "rd"}.get(value % 10 if value % 100 not in (11, 12, 13) else 0, "th")
+    if match["o_suf"] != expected:
+        return None  # "3th" is not an ordinal we know how to say
+    return _words(value, lang, to="ordinal")
+
+
+def _read_phone(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    written = match["ph"]
+    groups = re.split(r"[ .-]", written.lstrip("+"))
+    if sum(map(len, groups)) < 7 or (len(groups) == 2 and (len(groups[0]), len(groups[1])) != (3, 4)):
+        return None  # "10-20", "2023-2024", "2 500": a range or a number (the rules after this one)
+    if all(len(group) == 3 for group in groups[1:]) and len(groups[0]) <= 3 and written[len(groups[0])] in " .":
+        return _number("".join(groups), lang, rules)  # "1.234.567", "1 234 567": thousands grouped
+    said = ", ".join(_digits(group, lang) for group in groups)
+    if written.startswith("+"):
+        said = f"{'plus' if lang == 'en' else '+'} {said}"
+    return said
+
+
+def _read_version(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    parts = match["v"].split(".")
+    if len(parts) == 4 and all(int(part) <= 255 for part in parts):  # an IPv4 address
+        return " dot ".join(_digits(part, lang) for part in parts)
+    return " point ".join(_number(part, lang, rules) or part for part in parts)
+
+
+def _read_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    first, last = match["r_a"], match["r_b"]
+    if int(first) >= int(last):
+        return None  # "10-5" is no range: a score, a subtraction
+    return f"{_read_integer(first, lang, rules)} to {_read_integer(last, lang, rules)}"
+
+
+def _read_amp(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return "and"
+
+
+_READERS: dict[str, Reader] = {
+    "money": _read_money,
+    "money_after": _read_money,
+    "date": _read_date,
+    "phone": _read_phone,
+    "time": _read_time,
+    "percent": _read_percent,
+    "version": _read_version,
+    "range": _read_range,
+    "ordinal": _read_ordinal,
+    "number": _read_number,
+    "amp": _read_amp,
+}
+_COMPILED: dict[str, tuple[tuple[re.Pattern[str], Reader], ...]] = {}
+
+assert set(_LANGUAGES) <= set(CONVERTER_CLASSES), "every language with rules is one num2words speaks"

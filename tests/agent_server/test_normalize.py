@@ -1,0 +1,143 @@
+"""agent_server/normalize.py: numbers, money, times and dates said as words, in the languages num2words speaks,
+with the spans that put the times measured on the spoken text back on the written characters; and through the
+speech stream: the engine is given the spoken form, the client's alignment is on what it sent."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent_server.normalize import normalizes, spoken_form
+from agent_server.segmenter import Segmenter, weighted_len
+from agent_server.speech import SegmentDone, SpeechStream, StreamSpec, char_alignment
+from synth.api import EventKind, SamplingParams
+
+from tests.agent_server.test_speech import PCM24, ManualEngine, Recorder, sync_post
+
+ENGLISH = [
+    ("It costs $4.50 today.", "It costs four dollars and fifty cents today."),
+    ("That's $1,234,567.89", "That's one million two hundred thirty-four thousand five hundred sixty-seven dollars"
+                             " and eighty-nine cents"),
+    ("$0.99 or $1 or $2.5", "ninety-nine cents or one dollar or two point five dollars"),
+    ("$5 million, $3bn", "five million dollars, three billion dollars"),
+    ("€20 or 20 € or £3.50 or ¥1500", "twenty euros or twenty euros or three pounds and fifty pence or one thousand"
+                                      " five hundred yen"),
+    ("Call 555-123-4567 or +1 415 555 0100.", "Call five five five, one two three, four five six seven or plus one,"
+                                              " four one five, five five five, zero one zero zero."),
+    ("At 9:30 pm, 14:00, 9:05am, 7:00 or 1:02:03", "At nine thirty p m, fourteen hundred, nine oh five a m, seven"
+                                                   " o'clock or one two three"),
+    ("Come at 10:15 p.m.", "Come at ten fifteen p m."),  # the sentence keeps its full stop
+    ("On 2024-05-01 in 1999", "On May first, twenty twenty-four in nineteen ninety-nine"),
+    ("about 12.5% of 3.14, -5% and -5", "about twelve point five percent of three point one four, minus five"
+                                        " percent and minus five"),
+    ("the 21st, 3rd and 11th; 3th", "the twenty-first, third and eleventh; three th"),
+    ("order 00731, id 1234567890123456789", "order zero zero seven three one, id one two three four five six seven"
+                                            " eight nine zero one two three four five six seven eight nine"),
+    ("10-20 minutes, 2023-2024, a 10-5 win", "ten to twenty minutes, twenty twenty-three to twenty twenty-four, a"
+                                             " ten-five win"),
+    ("A17, mp3, 5km, COVID-19", "A seventeen, mp three, five km, COVID-nineteen"),
+    ("Tom & Jerry; v2.4.1 at 192.168.1.1", "Tom and Jerry; v two point four point one at one nine two dot one six"
+                                           " eight dot one dot one"),
+    ("1,5 is not a number in English; 1,234 is", "1,5 is not a number in English; one thousand two hundred"
+                                                 " thirty-four is"),
+    ("No digits here.", "No digits here."),
+]
+
+
+@pytest.mark.parametrize(("written", "said"), ENGLISH)
+def test_english(written: str, said: str) -> None:
+    assert spoken_form(written).text == said
+    assert spoken_form(written, "en").text == said
+
+
+@pytest.mark.parametrize(("language", "written", "said"), [
+    ("de", "4,50 €, 1.234 Stück, 12,5 %", "vier Euro und fünfzig Cent, eintausendzweihundertvierunddreißig Stück,"
+                                          " zwölf Komma fünf Prozent"),
+    ("fr", "3,5 %, 21 h", "trois virgule cinq pour cent, vingt et un h"),
+    ("ru", "25470 рублей", "двадцать пять тысяч четыреста семьдесят рублей"),  # chatterbox#284: skipped as digits
+    ("tr", "%7 ve 7%", "%yedi ve yüzde yedi"),
+    ("ja", "25470円", "二万五千四百七十円"),  # no space between CJK and a number's words
+    ("ar", "3.5 و 25", "3.5 و خمسة و عشرون"),  # num2words reads Arabic decimals wrong: left as written
+    ("de", "am 2024-05-01 um 9:30", "am 2024-05-01 um neun:dreißig"),  # no English date or clock reading
+])
+def test_other_languages(language: str, written: str, said: str) -> None:
+    assert spoken_form(written, language).text == said
+
+
+def test_languages_without_number_words_are_left_as_written() -> None:
+    assert not normalizes("zh") and spoken_form("25470", "zh").text == "25470"
+    assert normalizes("en") and normalizes(None) and normalizes("pt")
+
+
+PIECES = st.sampled_from(["$4.50", "12.5%", "9:30 pm", "21st", "555-123-4567", "1999", "A17", "&", "10-20", "word",
+                          "x", "3.14", "€20", "-5", " ", "  ", ", ", ". ", "007", "1,234", "日本"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECES, max_size=12), st.sampled_from(["en", "de", "ja"]))
+def test_spans_tile_both_texts_and_put_times_on_every_written_character(pieces: list[str], language: str) -> None:
+    written = "".join(pieces)
+    spoken = spoken_form(written, language)
+    assert spoken.written == written
+    # between rewrites the texts are the same
+    w = s = 0
+    for span in spoken.rewrites:
+        assert written[w:span.written_start] == spoken.text[s:span.spoken_start]
+        assert span.written_end > span.written_start and span.spoken_end > span.spoken_start
+        w, s = span.written_end, span.spoken_end
+    assert written[w:] == spoken.text[s:]
+    starts, durations = spoken.written_times(*char_alignment(spoken.text, 100.0, 2_000.0))
+    assert len(starts) == len(durations) == len(written)
+    ends = [a + d for a, d in zip(starts, durations, strict=True)]
+    assert all(d >= 0 for d in durations)
+    assert all(b >= a for a, b in pairwise(starts))  # in order
+    assert all(e <= b for e, b in zip(ends, starts[1:], strict=False))  # no overlap, no gap jumped back
+    if written:
+        assert starts[0] == 100 and ends[-1] == 2_100  # the whole segment, start to end
+
+
+def test_a_rewritten_span_takes_the_time_of_its_words() -> None:
+    spoken = spoken_form("Pay $4.50 now")
+    char_starts, char_durations = char_alignment(spoken.text, 0.0, 3_000.0)
+    starts, durations = spoken.written_times(char_starts, char_durations)
+    said_from = spoken.text.index("four")
+    said_to = spoken.text.index(" now")
+    assert starts[4] == char_starts[said_from]  # "$" starts where "four" does
+    assert starts[8] + durations[8] == char_starts[said_to - 1] + char_durations[said_to - 1]  # "0" ends with "cents"
+    assert starts[:4] == char_starts[:4] and starts[-3:] == char_starts[-3:]  # the kept text keeps its times
+
+
+def test_digits_weigh_in_the_segmenter_as_the_words_they_become() -> None:
+    assert weighted_len("1999") == 16 and weighted_len("abcd") == 4
+    segmenter = Segmenter(max_chars=60, min_chars=20)
+    text = "Your code is 1234 5678 9012 3456 and the total is 99. Thanks"
+    cut = [seg.text for seg in segmenter.push(text, 0.0)] + [seg.text for seg in segmenter.end(0.0)]
+    assert all(weighted_len(seg) <= 60 for seg in cut)
+    assert "".join(cut).replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_engine_hears_the_words_and_the_client_gets_times_on_its_text(normalize: bool) -> None:
+    engine = ManualEngine()
+    recorder = Recorder()
+    spec = StreamSpec(voice_id="default", params=SamplingParams(seed=1), output_format=PCM24, normalize=normalize)
+    stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(), post=sync_post, emit=recorder)
+    stream.open()
+    stream.push_text("Total: $4.50 at 9:30 pm.", 0.0)
+    stream.end(0.0)
+    said = "Total: four dollars and fifty cents at nine thirty p m."
+    assert [r.text for r in engine.submitted] == [said if normalize else "Total: $4.50 at 9:30 pm."]
+    engine.chunk(0, 50)
+    engine.event(0, EventKind.GENERATED)
+    engine.event(0, EventKind.DONE)
+    [done] = recorder.of(SegmentDone)
+    assert done.text == "Total: $4.50 at 9:30 pm."  # what the client sent, character for character
+    assert len(done.char_start_ms) == len(done.char_duration_ms) == len(done.text)
+    dollar, pm = done.text.index("$"), done.text.index("pm")
+    share = (len("four dollars and fifty cents") / len(said)) if normalize else 5 / len(done.text)
+    span_ms = done.char_start_ms[dollar + 4] + done.char_duration_ms[dollar + 4] - done.char_start_ms[dollar]
+    assert span_ms == pytest.approx(share * done.audio_ms, rel=0.15)
+    assert done.char_start_ms[pm] > done.char_start_ms[dollar]
