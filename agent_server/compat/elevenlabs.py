@@ -20,8 +20,10 @@ Alignment: after each segment's audio comes an audio-less message whose alignmen
   chunk"): counted from where the previous message's alignment ended, so a client that adds up each
   message's span (Pipecat) lands every character at its time in the context, gaps between segments
   included (`timestamps.ContextAlignment.chained`);
-- `normalizedAlignment`: the same characters (our text is not normalised) with times from the start of
-  the context's audio (LiveKit reads this one by default and takes the times as they come).
+- `normalizedAlignment`: the same characters with times from the start of the context's audio (LiveKit
+  reads this one by default and takes the times as they come). Both carry the characters the client sent,
+  not their spoken form ("$4.50" has the times of "four dollars and fifty cents": agent_server/normalize.py),
+  so a client's transcript is its own text.
 Both include MP3's encoder delay (`codecs.StreamFormat.lead_ms`).
 """
 

@@ -11,8 +11,9 @@ Routes (`POST`, JSON body), as the `elevenlabs` SDK calls them:
 Query: `output_format` (`formats.elevenlabs_format`, default `mp3_44100_128`), `enable_logging` and
 `optimize_streaming_latency` (accepted, ignored). Body: `text` (required), `model_id`, `language_code`,
 `seed` (served); `voice_settings`, `pronunciation_dictionary_locators`, `previous_text`, `next_text`,
-`previous_request_ids`, `next_request_ids`, `use_pvc_as_ivc`, `apply_text_normalization`,
-`apply_language_text_normalization`, `audio_effects` (type-checked, ignored); anything else is refused.
+`previous_request_ids`, `next_request_ids`, `use_pvc_as_ivc`, `apply_language_text_normalization`,
+`audio_effects` (type-checked, ignored); `apply_text_normalization` (`auto`, `on`: numbers, money, times ...
+said as words, agent_server/normalize.py; `off`: as written); anything else is refused.
 
 Bodies: `/v1/text-to-speech/{voice_id}` and `/stream`: the audio bytes in `output_format`, as they are
 encoded. `/with-timestamps`: one JSON object, written as the audio comes (`{"audio_base64": "` first, the
@@ -21,8 +22,9 @@ line per piece of audio (`alignment` null), and after each segment's audio a lin
 carrying that segment's alignment.
 
 Alignment times are seconds from the start of the request's audio (what Pipecat's HTTP service reads), MP3's
-encoder delay included (`codecs.StreamFormat.lead_ms`); `normalized_alignment` is the same (our text is
-not normalised). Errors: a bad request is 422 `{"detail": [{"loc": ["body"|"query", field], "msg", "type"}]}`
+encoder delay included (`codecs.StreamFormat.lead_ms`); `normalized_alignment` is the same: both are on the
+characters the client sent (a normalised "$4.50" has the times of its words). Errors: a bad request is 422
+`{"detail": [{"loc": ["body"|"query", field], "msg", "type"}]}`
 (the SDK's `UnprocessableEntityError`); other failures `{"detail": {"status", "message"}}` with their status.
 """
 
@@ -161,7 +163,7 @@ WITH_TIMESTAMPS_OPEN = b'{"audio_base64":"'
 
 def with_timestamps_close(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[int]) -> bytes:
     """`/with-timestamps`: what ends the object after the audio's base64 text: the whole request's
-    alignment (our text is not normalised, so `normalized_alignment` is the same)."""
+    alignment (`normalized_alignment` is the same: the request's own characters)."""
     aligned = orjson.dumps(alignment(chars, start_ms, end_ms))
     return b'","alignment":' + aligned + b',"normalized_alignment":' + aligned + b"}"
 
