@@ -12,7 +12,8 @@ sent (`Spoken.written_times`): "$4.50" gets the time of "four dollars and fifty 
 
 What is rewritten (English; other languages: see `_LANGUAGES`):
 - money: $ € £ ¥ before (or € after) an amount, "$5 million", "$0.99"; `_CURRENCIES`;
-- percent "12.5%"; ordinals "21st"; times "9:30", "9:05 pm", "14:00"; ISO dates "2024-05-01";
+- percent "12.5%"; units after a number "72°F", "5 km", "16 GB" (`_EN_UNITS`); ordinals "21st";
+  times "9:30", "9:05 pm", "14:00"; ISO dates "2024-05-01";
 - years "1999", "2024" (a lone four-digit number 1100-2099 without a thousands comma);
 - digit strings said digit by digit: phone-like groups "555-123-4567", "+1 415 555 0100", numbers with a
   leading zero "007", and runs longer than `MAX_CARDINAL_DIGITS`;
@@ -40,6 +41,20 @@ _EN_MAGNITUDES = {"k": "thousand", "thousand": "thousand", "m": "million", "mn":
                   "b": "billion", "bn": "billion", "billion": "billion", "trillion": "trillion"}
 _EN_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
               "November", "December")
+# unit symbol -> (singular, plural): only symbols that mean nothing else after a number ("in", "m", "s" do)
+_EN_UNITS: dict[str, tuple[str, str]] = {
+    "°C": ("degree Celsius", "degrees Celsius"), "°F": ("degree Fahrenheit", "degrees Fahrenheit"),
+    "°": ("degree", "degrees"), "km": ("kilometer", "kilometers"), "cm": ("centimeter", "centimeters"),
+    "mm": ("millimeter", "millimeters"), "kg": ("kilogram", "kilograms"), "mg": ("milligram", "milligrams"),
+    "lb": ("pound", "pounds"), "lbs": ("pounds", "pounds"), "oz": ("ounce", "ounces"), "ft": ("foot", "feet"),
+    "mi": ("mile", "miles"), "mph": ("mile per hour", "miles per hour"), "km/h": ("kilometer per hour",
+    "kilometers per hour"), "kph": ("kilometer per hour", "kilometers per hour"), "ml": ("milliliter", "milliliters"),
+    "KB": ("kilobyte", "kilobytes"), "MB": ("megabyte", "megabytes"), "GB": ("gigabyte", "gigabytes"),
+    "TB": ("terabyte", "terabytes"), "ms": ("millisecond", "milliseconds"), "hrs": ("hours", "hours"),
+    "min": ("minute", "minutes"), "mins": ("minutes", "minutes"), "sec": ("second", "seconds"),
+    "GHz": ("gigahertz", "gigahertz"), "MHz": ("megahertz", "megahertz"), "kWh": ("kilowatt hour",
+    "kilowatt hours"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,12 +215,14 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
     ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"),
     ("percent", rf"{_NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{_AMOUNT})\s?%"),
+    ("measure", rf"{_NOT_IN_NUMBER}(?P<u_neg>(?<![\w-])-)?(?P<u_num>{_AMOUNT})\s?"
+                rf"(?P<u>{'|'.join(re.escape(u) for u in sorted(_EN_UNITS, key=len, reverse=True))})(?![\w/])"),
     ("ordinal", r"(?<![\d.,])(?P<o>\d+)(?P<o_suf>st|nd|rd|th)\b"),
     ("number", rf"{_NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{_AMOUNT})(?![\d])"),
     ("amp", r"(?<=\w\s)&(?=\s\w)"),
 )
 # other languages: no English words (ordinal suffixes, am/pm, "and", months) and their own decimal mark
-_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "range", "version"})
+_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "range", "version", "measure"})
 _RULES_OTHER = tuple(rule for rule in _RULES_EN if rule[0] not in _ENGLISH_ONLY)
 
 
@@ -365,6 +382,16 @@ def _read_date(match: re.Match[str], lang: str, rules: LanguageRules) -> str | N
     return f"{_EN_MONTHS[month - 1]} {_words(day, lang, to='ordinal')}, {_words(year, lang, to='year')}"
 
 
+def _read_measure(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    written = match["u_num"]
+    said = _number(written, lang, rules)
+    if said is None:
+        return None
+    singular, plural = _EN_UNITS[match["u"]]
+    unit = singular if written == "1" else plural
+    return f"{'minus ' if match['u_neg'] else ''}{said} {unit}"
+
+
 def _read_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     value = int(match["o"])
     expected = {1: "st", 2: "nd", 3: "rd"}.get(value % 10 if value % 100 not in (11, 12, 13) else 0, "th")
@@ -413,6 +440,7 @@ _READERS: dict[str, Reader] = {
     "percent": _read_percent,
     "version": _read_version,
     "range": _read_range,
+    "measure": _read_measure,
     "ordinal": _read_ordinal,
     "number": _read_number,
     "amp": _read_amp,

@@ -38,11 +38,14 @@ ENGLISH = [
                                             " eight nine zero one two three four five six seven eight nine"),
     ("10-20 minutes, 2023-2024, a 10-5 win", "ten to twenty minutes, twenty twenty-three to twenty twenty-four, a"
                                              " ten-five win"),
-    ("A17, mp3, 5km, COVID-19", "A seventeen, mp three, five km, COVID-nineteen"),
+    ("A17, mp3, 5km, COVID-19", "A seventeen, mp three, five kilometers, COVID-nineteen"),
     ("Tom & Jerry; v2.4.1 at 192.168.1.1", "Tom and Jerry; v two point four point one at one nine two dot one six"
                                            " eight dot one dot one"),
     ("1,5 is not a number in English; 1,234 is", "1,5 is not a number in English; one thousand two hundred"
                                                  " thirty-four is"),
+    ("72°F, -5 °C, 1 km at 10 km/h, 16 GB, 300 ms, 5 in", "seventy-two degrees Fahrenheit, minus five degrees Celsius,"
+                                                        " one kilometer at ten kilometers per hour, sixteen gigabytes,"
+                                                        " three hundred milliseconds, five in"),
     ("No digits here.", "No digits here."),
 ]
 
@@ -72,8 +75,8 @@ def test_languages_without_number_words_are_left_as_written() -> None:
     assert normalizes("en") and normalizes(None) and normalizes("pt")
 
 
-PIECES = st.sampled_from(["$4.50", "12.5%", "9:30 pm", "21st", "555-123-4567", "1999", "A17", "&", "10-20", "word",
-                          "x", "3.14", "€20", "-5", " ", "  ", ", ", ". ", "007", "1,234", "日本"])
+PIECES = st.sampled_from(["$4.50", "12.5%", "5 km", "72°F", "9:30 pm", "21st", "555-123-4567", "1999", "A17", "&",
+                          "10-20", "word", "x", "3.14", "€20", "-5", " ", "  ", ", ", ". ", "007", "1,234", "日本"])
 
 
 @settings(max_examples=300, deadline=None)
