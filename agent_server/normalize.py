@@ -119,11 +119,7 @@ class Span:
 class Spoken:
     written: str
     text: str  # what the engine is given
-    rewrites: tuple[Span, ...]  # the rewritten spans, in order; everything between them is the same text
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.rewrites)
+    rewrites: tuple[Span, ...]  # the rewritten spans, in order, none empty; between them the texts are the same
 
     def written_times(self, starts_ms: Sequence[int], durations_ms: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per-character (start, duration) of the spoken text -> the same for the written text: a kept
@@ -142,10 +138,8 @@ class Spoken:
             ends[written_at:span.written_start] = spoken_ends[spoken_at:span.spoken_start]
             written_at, spoken_at = written_at + kept, spoken_at + kept
             n = span.written_end - span.written_start
-            if n:
-                begin_ms = spoken_starts[span.spoken_start] if span.spoken_end > span.spoken_start else (
-                    spoken_ends[span.spoken_start - 1] if span.spoken_start else 0)
-                end_ms = spoken_ends[span.spoken_end - 1] if span.spoken_end > span.spoken_start else begin_ms
+            if n:  # (the sentinel after the last rewrite has none)
+                begin_ms, end_ms = spoken_starts[span.spoken_start], spoken_ends[span.spoken_end - 1]
                 edges = np.rint(np.linspace(begin_ms, end_ms, n + 1)).astype(np.int64)
                 starts[span.written_start:span.written_end] = edges[:-1]
                 ends[span.written_start:span.written_end] = edges[1:]
