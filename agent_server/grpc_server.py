@@ -31,12 +31,18 @@ from agent_server.session import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_POLICY,
-    CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER,
     WireProtocol,
     serve,
 )
-from agent_server.transport import HTTP_CLIENT_GONE, Disconnected, InputEnded, Outbound, TransportClosed
+from agent_server.transport import (
+    CLOSE_TOO_BIG,
+    HTTP_CLIENT_GONE,
+    Disconnected,
+    InputEnded,
+    Outbound,
+    TransportClosed,
+)
 
 if TYPE_CHECKING:
     from agent_server.hub import Hub

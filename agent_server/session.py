@@ -66,9 +66,11 @@ from agent_server.speech import (
     StreamStatus,
 )
 from agent_server.transport import (
+    CLOSE_TOO_BIG,
     Disconnected,
     HttpTransport,
     InputEnded,
+    InputRefused,
     Outbound,
     Transport,
     TransportClosed,
@@ -86,7 +88,6 @@ CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server shutting down
 CLOSE_INVALID_PAYLOAD = 1007  # a text frame that is not UTF-8 (the WebSocket layer closes with it)
 CLOSE_POLICY = 1008  # slow client, too many protocol errors, a vendor's fatal error
-CLOSE_TOO_BIG = 1009  # a message over max_message_bytes (the WebSocket layer closes with it)
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013  # busy: max sessions, model loading
 # Sends that find the transport writable complete without yielding to the loop; after this many in a row
@@ -419,6 +420,9 @@ class Session(Generic[S]):
         receive = self.transport.receive
         while self.state < SessionState.CLOSING:
             message = await receive()
+            if isinstance(message, InputRefused):
+                self.close(message.code, message.reason)
+                return
             if isinstance(message, Disconnected):
                 self._client_gone = True
                 if not self._close_queued:  # (uvicorn also reports our own close this way)

@@ -4,8 +4,9 @@ writer (`send`, `close`) over one ASGI connection, plus what flow control needs 
 
 - `WebSocketTransport`: one WebSocket; every message in is one `receive()`, every `send()` one message.
 - `HttpTransport`: one HTTP request; its body is the one message `receive()` returns (then it waits for
-  the client to go), `send(Head)` starts the response, each later `send()` is a chunk of its body and
-  `close()` ends it (with a plain error response when none was started).
+  the client to go; a body over the limit is `InputRefused`: the client still waits for its 413),
+  `send(Head)` starts the response, each later `send()` is a chunk of its body and `close()` ends it (with
+  a plain error response when none was started).
 - `agent_server.grpc_server.GrpcTransport`: one gRPC call; each request is a message, the end of the
   client's requests is `InputEnded`.
 
@@ -39,6 +40,7 @@ OUTQ_FORMAT = struct.Struct("i")
 # none (its own error, in its own shape, is sent by the protocol's `on_close` first).
 HTTP_STATUS_OF_CLOSE = {1001: 503, 1008: 400, 1009: 413, 1011: 500, 1013: 503}
 HTTP_CLIENT_GONE = 1001  # the close code an HTTP session records when its client leaves
+CLOSE_TOO_BIG = 1009  # a message (WebSocket) or body (HTTP) over the limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +57,19 @@ Outbound = bytes | str | Head
 
 @dataclass(frozen=True, slots=True)
 class Disconnected:
-    """The client went away (`code`: its close code), or the transport refused its input (1007, 1009)."""
+    """The client went away (`code`: its close code), or the transport refused its input and closed
+    (a WebSocket message over uvicorn's limit: 1009; invalid UTF-8: 1007)."""
 
     code: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputRefused:
+    """The transport refused what the client sent, and the client is still there for the answer (an HTTP body
+    over the limit): the session closes with `code` (1009: a 413 on HTTP)."""
+
+    code: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +93,7 @@ class Transport(Protocol):
     @property
     def headers(self) -> Mapping[str, str]: ...  # the request's (names case-insensitive)
     async def accept(self) -> None: ...
-    async def receive(self) -> str | bytes | Disconnected | InputEnded: ...
+    async def receive(self) -> str | bytes | Disconnected | InputEnded | InputRefused: ...
     async def send(self, data: Outbound) -> None: ...
     async def close(self, code: int, reason: str) -> None: ...
     def abort(self) -> None: ...
@@ -166,7 +178,7 @@ class HttpTransport(_AsgiConnection):
     async def accept(self) -> None:
         pass
 
-    async def receive(self) -> str | bytes | Disconnected:
+    async def receive(self) -> str | bytes | Disconnected | InputRefused:
         if self._body_read:
             while True:  # the request was its one message: now only the client leaving is news
                 message = await self._receive()
@@ -182,7 +194,7 @@ class HttpTransport(_AsgiConnection):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return Disconnected(1009)
+                return InputRefused(CLOSE_TOO_BIG, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -31,7 +31,6 @@ from agent_server.session import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_POLICY,
-    CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER,
     Context,
     S,
@@ -39,7 +38,7 @@ from agent_server.session import (
     WireProtocol,
 )
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
-from agent_server.transport import Head
+from agent_server.transport import CLOSE_TOO_BIG, Head
 
 STATUS_BAD_REQUEST = 400
 STATUS_TOO_LARGE = 413

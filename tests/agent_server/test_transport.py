@@ -13,7 +13,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from agent_server.transport import Disconnected, Head, HttpTransport, _unsent_probe
+from agent_server.transport import Disconnected, Head, HttpTransport, InputRefused, _unsent_probe
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -96,7 +96,7 @@ def test_the_http_body_is_one_message_then_only_the_client_leaving_is_news() -> 
 
 def test_an_http_body_over_the_limit_is_refused() -> None:
     channel = Channel({"type": "http.request", "body": b"x" * 101, "more_body": False})
-    assert asyncio.run(http(channel).receive()) == Disconnected(1009)
+    assert asyncio.run(http(channel).receive()) == InputRefused(1009, "the request body is over 100 bytes")
 
 
 def test_a_close_with_no_response_started_sends_an_error() -> None:

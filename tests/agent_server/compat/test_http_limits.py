@@ -1,0 +1,41 @@
+"""A request body over the server's limit gets 413 in the vendor's own error shape, on every HTTP speech
+endpoint, whether the body came with a Content-Length or chunked, and the engine never hears of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.agent_server.compat.conftest import Served
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG = "word " * 240_000  # 1.2 MB: over the default 1 MiB
+
+
+def chunked(data: bytes) -> Iterator[bytes]:
+    for at in range(0, len(data), 65_536):
+        yield data[at:at + 65_536]
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize(("path", "body", "message_of"), [
+    ("/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": BIG}, lambda j: j["error"]["code"]),
+    ("/v1/text-to-speech/default", {"text": BIG}, lambda j: j["detail"]["status"]),
+    ("/tts/bytes", {"transcript": BIG}, lambda j: j["error_code"]),
+    ("/v1/speak", {"text": BIG}, lambda j: j["err_code"].lower()),
+], ids=["openai", "elevenlabs", "cartesia", "deepgram"])
+def test_a_body_over_the_limit_is_413_in_the_vendors_shape(
+    served: Served, path: str, body: dict[str, Any], message_of: Any, chunks: bool
+) -> None:
+    data = orjson.dumps(body)
+    content: bytes | Iterator[bytes] = chunked(data) if chunks else data
+    response = httpx.post(served.http + path, content=content, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 413, response.text
+    assert message_of(response.json()) == "body_too_large"
+    assert not served.engine.submits
