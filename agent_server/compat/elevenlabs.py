@@ -64,6 +64,7 @@ from agent_server.errors import (
 from agent_server.hub import Refusal
 from agent_server.markup import ELEVENLABS_TAGS
 from agent_server.session import (
+    CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -284,7 +285,9 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             return
         ctx = session.contexts.get(cid)
         if ctx is not None and ctx.state.closing:
-            session.reject(FieldError("context_id", f"context {cid!r} is closing", "context_closing", context_id=cid))
+            if parsed.text != "" or parsed.flush:  # an empty text is a keep-alive (Pipecat's, every 10 s): nothing
+                session.reject(FieldError("context_id", f"context {cid!r} is closing", "context_closing",
+                                          context_id=cid))
             return
         if ctx is None:
             if parsed.text == "" and not parsed.flush:
@@ -399,9 +402,11 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
     def _render_done(self, ctx: ElevenLabsContext, event: StreamDone) -> None:
         session = self.session
         cid = ctx.context_id if self.multi else None
-        if event.status in (StreamStatus.BUSY, StreamStatus.FAILED):
-            code = CLOSE_TRY_AGAIN_LATER if event.status == StreamStatus.BUSY else CLOSE_INTERNAL_ERROR
-            error = "busy" if event.status == StreamStatus.BUSY else "generation_failed"
+        if event.status in (StreamStatus.BUSY, StreamStatus.FAILED, StreamStatus.SHUTDOWN):
+            # a turn cut short is never an isFinal: the client must not take it for the whole answer
+            code, error = {StreamStatus.BUSY: (CLOSE_TRY_AGAIN_LATER, "busy"),
+                           StreamStatus.FAILED: (CLOSE_INTERNAL_ERROR, "generation_failed"),
+                           StreamStatus.SHUTDOWN: (CLOSE_GOING_AWAY, "shutting_down")}[event.status]
             session.send(error_message(error, event.detail or error, code, cid))
             if not self.multi:
                 session.close(code, event.detail)

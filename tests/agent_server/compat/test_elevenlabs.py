@@ -103,6 +103,7 @@ def test_multi_stream_two_contexts_alignment_and_close_socket(served: Served) ->
             for cid in ("a", "b"):
                 await ws.send(json.dumps({"context_id": cid, "flush": True}))
             await ws.send(json.dumps({"context_id": "a", "close_context": True}))  # flushed: graceful
+            await ws.send(json.dumps({"text": "", "context_id": "a"}))  # Pipecat's keep-alive, still nothing
             await ws.send(json.dumps({"close_socket": True}))
             return await receive_all(ws)
 
