@@ -84,7 +84,12 @@ class Scheduler:
 
     def add(self, state: SegmentState) -> bool:
         """Queue a segment. False means refused (BUSY): nothing free and it may not wait, or the queue is full."""
-        can_start_now = len(self.running) < self.config.max_slots and len(self._free_rows) >= self._rows_needed(state)
+        # what the queue ahead of it will take counts as taken: a burst of submissions between two steps
+        # must not each find the same free slot
+        ahead = [s for _, _, s in self._waiting if s.status == Status.WAITING]
+        slots_free = self.config.max_slots - len(self.running) - len(ahead)
+        rows_free = len(self._free_rows) - sum(self._rows_needed(s) for s in ahead)
+        can_start_now = slots_free > 0 and rows_free >= self._rows_needed(state)
         if not can_start_now and (not state.request.may_wait or self.n_waiting >= self.config.max_waiting):
             state.status = Status.REJECTED
             return False

@@ -38,6 +38,20 @@ def test_admits_into_lowest_rows_and_frees_on_eos() -> None:
     assert plan.decode == [a] and plan.prefill == []
 
 
+def test_a_segment_that_may_not_wait_counts_the_queue_ahead_of_it() -> None:
+    """Submissions between two steps each see what the ones before them will take: with 2 slots, a third
+    first segment that may not wait is refused even though no step has admitted the first two yet."""
+    sched = _scheduler(max_slots=2, max_rows=8, max_waiting=8)
+    a, b, c = _state("a", wait=False), _state("b", wait=False), _state("c", wait=False)
+    assert sched.add(a) and sched.add(b)
+    assert not sched.add(c) and c.status == Status.REJECTED
+    sched.cancel(b)  # a cancelled waiter holds nothing
+    d = _state("d", wait=False)
+    assert sched.add(d)
+    plan = sched.schedule()
+    assert plan.prefill == [a, d]
+
+
 def test_token_limit_ends_generation() -> None:
     sched = _scheduler()
     a = _state("a", max_new=2)
