@@ -65,6 +65,7 @@ from agent_server.speech import (
     StreamStateError,
     StreamStatus,
 )
+from agent_server.transport import CLOSE_NORMAL as CLOSE_NORMAL  # protocols import the close codes from here
 from agent_server.transport import (
     CLOSE_TOO_BIG,
     Disconnected,
@@ -84,7 +85,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("agent_server.session")
 
-CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server shutting down
 CLOSE_INVALID_PAYLOAD = 1007  # a text frame that is not UTF-8 (the WebSocket layer closes with it)
 CLOSE_POLICY = 1008  # slow client, too many protocol errors, a vendor's fatal error
@@ -94,6 +94,7 @@ CLOSE_TRY_AGAIN_LATER = 1013  # busy: max sessions, model loading
 # the writer lets other tasks run, so one session's burst (a 4 s chunk is 200 frames) cannot hold up
 # another session's first frame.
 WRITER_BURST_ITEMS = 8
+DRAIN_IDLE_S = 1.0  # the drain ends a context's input once the client has sent nothing for this long
 INVALID_UTF8_LOG_PERIOD_S = 10.0  # at most one `invalid_utf8` line per period, with a count of the rest
 CLIENT_CLOSE_REASONS = {CLOSE_INVALID_PAYLOAD: "invalid UTF-8 from the client", CLOSE_TOO_BIG: "message too big"}
 
@@ -339,6 +340,8 @@ class Session(Generic[S]):
         for ctx in list(self.contexts.values()):
             if ctx.stream.has_unsegmented_text:
                 ctx.stream.poll(now_s)
+        if self.state == SessionState.DRAINING:
+            self._end_idle_contexts(now_s)
         self.wire.on_tick(now_s)
 
     def begin_drain(self) -> None:
@@ -346,6 +349,18 @@ class Session(Generic[S]):
             self.state = SessionState.DRAINING
             if not self.contexts and not self._opening:
                 self.close(CLOSE_GOING_AWAY, "server shutting down")
+
+    def _end_idle_contexts(self, now_s: float) -> None:
+        """The drain: once the client has sent nothing for DRAIN_IDLE_S, its open contexts have had their turn
+        (a voice agent keeps its socket and context open between turns, and some protocols have no end of a
+        turn at all): their input ends, so what was sent is spoken, they complete and the session closes (1001)
+        instead of holding the shutdown until the grace period runs out. A turn whose text is still coming goes
+        on."""
+        if now_s - self.last_input_s < DRAIN_IDLE_S:
+            return
+        for ctx in list(self.contexts.values()):
+            if ctx.stream.status == StreamStatus.OPEN:
+                ctx.stream.end(now_s)
 
     def close_now(self, code: int, reason: str) -> None:
         for ctx in list(self.contexts.values()):

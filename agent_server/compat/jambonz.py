@@ -44,7 +44,7 @@ from agent_server.compat.http_speech import HttpSpeechProtocol, Speech
 from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
 from agent_server.hub import Refusal
 from agent_server.markup import SSML_TAGS, ssml_text
-from agent_server.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, SessionState, WireProtocol
+from agent_server.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, WireProtocol
 from agent_server.speech import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.transport import Head
 
@@ -277,13 +277,6 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.voice), output_format=query.output,
                          seed=query.seed, language=resolve_language("language", query.language, session.variant))
         return await session.open_context(STREAM_CONTEXT_ID, spec, PieceJoiner())
-
-    def on_tick(self, now_s: float) -> None:
-        """The drain: a jambonz context has no end of its own (it lives until `stop`), so the input ends
-        here; what was sent is spoken, then the session closes (1001) as every protocol's does."""
-        ctx = self.session.contexts.get(STREAM_CONTEXT_ID)
-        if self.session.state == SessionState.DRAINING and ctx is not None and ctx.stream.status == StreamStatus.OPEN:
-            ctx.stream.end(now_s)
 
     def render(self, ctx: JambonzContext, event: StreamEvent) -> None:
         if isinstance(event, AudioOut):

@@ -33,6 +33,7 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
+from agent_server.session import DRAIN_IDLE_S
 from agent_server.settings import Settings
 
 from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
@@ -447,6 +448,31 @@ def test_drain(tmp_path: Path, driver: Driver) -> None:
 
     run(scenario())
     assert not [s for s in engine.submits if "t2" in s.request_id]
+
+
+@pytest.mark.parametrize("driver", WEBSOCKET_DRIVERS, ids=str)
+def test_drain_ends_a_context_left_open_between_turns(tmp_path: Path, driver: Driver) -> None:
+    """A voice agent keeps its socket and its context open between turns (no end, no close_context): the drain
+    ends such a context's input once the client has been quiet for DRAIN_IDLE_S, what it sent is spoken, and
+    the session closes then, not when the grace period runs out."""
+    engine = FakeEngine()
+    grace_s = 8.0
+    app, _ = make_app(tmp_path, engine, shutdown_grace_s=grace_s)
+
+    async def scenario() -> tuple[float, bool]:
+        async with running(app) as hub:
+            ws = await driver.connect(app)
+            for message in driver.text("t1", TEXT, first=True):
+                ws.send_json(message)
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            complete = await hub.drain(grace_s)
+            await ws.wait_closed()
+            return time.monotonic() - started, complete
+
+    took_s, complete = run(scenario())
+    assert complete and took_s < DRAIN_IDLE_S + 3.0, took_s
+    assert " ".join(s.text for s in engine.submits) == TEXT.strip()  # what was sent was spoken
 
 
 # ---- metrics and logs ----------------------------------------------------------------------------------
