@@ -21,6 +21,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp
 from starlette.websockets import WebSocket
 
 from agent_server import compat, metrics, voices
@@ -76,15 +77,22 @@ def create_app(
         *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
     ]
-    middleware = [
-        Middleware(AuthMiddleware, auth=hub.auth),  # every route but the probes and static pages (auth.py)
-        Middleware(SocketControlMiddleware, send_buffer_bytes=settings.socket_send_buffer_bytes),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    middleware = [Middleware(AuthMiddleware, auth=hub.auth)]  # every route but the probes and static pages
+    app = App(routes=routes, lifespan=lifespan, middleware=middleware)
+    app.send_buffer_bytes = settings.socket_send_buffer_bytes
     app.state.hub = hub
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
     metrics.install(app)
     return app
+
+
+class App(Starlette):
+    """Starlette with `SocketControlMiddleware` outside everything, where it sees the server's own `send`."""
+
+    send_buffer_bytes = 0
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return SocketControlMiddleware(super().build_middleware_stack(), send_buffer_bytes=self.send_buffer_bytes)
 
 
 async def start_grpc(hub: Hub, settings: Settings) -> GrpcServer:

@@ -17,6 +17,7 @@ leave the machine (the slow-client watchdog's measure).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import socket
 import struct
@@ -34,12 +35,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent_server.auth import Principal, principal_of
 
 TRANSPORT_ABORT_KEY = "agent_server.transport_abort"
+TRANSPORT_CLOSE_KEY = "agent_server.transport_close"  # close after what is buffered went out (no RST)
+HTTP_TRUNCATED_WAIT_S = 2.0  # how long a cut response waits for its connection to close (see HttpTransport.close)
 TRANSPORT_UNSENT_KEY = "agent_server.transport_unsent_bytes"
 OUTQ_FORMAT = struct.Struct("i")
 # An HTTP session's close code -> the status of the plain error response sent when the protocol started
 # none (its own error, in its own shape, is sent by the protocol's `on_close` first).
 HTTP_STATUS_OF_CLOSE = {1001: 503, 1008: 400, 1009: 413, 1011: 500, 1013: 503}
 HTTP_CLIENT_GONE = 1001  # the close code an HTTP session records when its client leaves
+CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009  # a message (WebSocket) or body (HTTP) over the limit
 
 
@@ -123,6 +127,7 @@ class _AsgiConnection:
         self.path_params: Mapping[str, str] = scope.get("path_params") or {}
         self.headers: Mapping[str, str] = Headers(scope=scope)
         self._abort: Callable[[], None] | None = scope.get(TRANSPORT_ABORT_KEY)
+        self._close_connection: Callable[[], None] | None = scope.get(TRANSPORT_CLOSE_KEY)
         self._unsent: Callable[[], int] | None = scope.get(TRANSPORT_UNSENT_KEY)
 
     def abort(self) -> None:
@@ -172,6 +177,7 @@ class HttpTransport(_AsgiConnection):
         super().__init__(scope, receive, send)
         self.max_body_bytes = max_body_bytes
         self.started = False  # the response head went out
+        self.answering = False  # ... and it was a success (2xx): the body is the answer, streamed as it comes
         self.finished = False  # the response body ended
         self._body_read = False
 
@@ -206,6 +212,7 @@ class HttpTransport(_AsgiConnection):
             headers = [(b"content-type", data.media_type.encode("latin-1"))]
             headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in data.headers]
             self.started = True
+            self.answering = 200 <= data.status < 300
             await self._send_or_closed({"type": "http.response.start", "status": data.status, "headers": headers})
             return
         if not self.started:
@@ -214,15 +221,32 @@ class HttpTransport(_AsgiConnection):
         await self._send_or_closed({"type": "http.response.body", "body": body, "more_body": True})
 
     async def close(self, code: int, reason: str) -> None:
+        """End the response. An answer (a 2xx response, its body streamed) that ends other than normally (a
+        failure, a shutdown, a slow client cut) is cut: the connection closes without the body's end (no last
+        chunk), so the client sees an incomplete response instead of a short audio file that looks whole. An
+        error response was whole when it was sent, and ends as usual."""
         if self.finished:
             return
+        self.finished = True
         if not self.started:
             status = HTTP_STATUS_OF_CLOSE.get(code, 500)
             body = orjson.dumps({"error": {"message": reason or HTTPStatus(status).phrase, "code": status}})
             await self.send(Head(status, "application/json"))
             await self._send_or_closed({"type": "http.response.body", "body": body, "more_body": True})
-        self.finished = True
+        elif self.answering and code != CLOSE_NORMAL and self._close_connection is not None:
+            self._close_connection()  # what was sent still goes out, then FIN
+            await self._wait_disconnect()
+            return
         await self._send_or_closed({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _wait_disconnect(self) -> None:
+        """Until the server has seen the connection go (so it does not report the response as unfinished)."""
+        try:
+            async with asyncio.timeout(HTTP_TRUNCATED_WAIT_S):
+                while (await self._receive())["type"] != "http.disconnect":
+                    pass
+        except TimeoutError:
+            pass
 
 
 def _unsent_probe(transport: Any) -> Callable[[], int] | None:
@@ -247,15 +271,17 @@ def _unsent_probe(transport: Any) -> Callable[[], int] | None:
 
 
 class SocketControlMiddleware:
-    """Bounds each connection's kernel send buffer and exposes `transport.abort` (TRANSPORT_ABORT_KEY) and
-    a probe of the bytes not yet drained by the client (TRANSPORT_UNSENT_KEY) in the scope.
+    """Bounds each connection's kernel send buffer and exposes `transport.abort` (TRANSPORT_ABORT_KEY),
+    `transport.close` (TRANSPORT_CLOSE_KEY: a cut HTTP response) and a probe of the bytes not yet drained by the
+    client (TRANSPORT_UNSENT_KEY) in the scope.
 
     All three serve flow control. Linux lets a socket's send buffer grow to megabytes (tcp_wmem), which
     hides a client that stopped reading for a minute of audio; a fixed SO_SNDBUF keeps the backlog in
     our bounded outbox. A client that does not read can never take a close frame: ASGI has no way to drop
     a connection, so this reaches the server's transport through the raw `send` (uvicorn's is a bound
-    method of its protocol object). Best effort: under another server all three are skipped. Must sit
-    outside Starlette's exception middleware, which wraps `send`.
+    method of its protocol object). Best effort: under another server they are skipped. Must be the
+    outermost ASGI layer (`agent_server.app.App` puts it there): Starlette's own ServerErrorMiddleware, outside
+    every `Middleware` entry, wraps an HTTP request's `send`, and beneath it none of this is reachable.
     """
 
     def __init__(self, app: ASGIApp, send_buffer_bytes: int = 0) -> None:
@@ -267,6 +293,7 @@ class SocketControlMiddleware:
             transport = getattr(getattr(send, "__self__", None), "transport", None)
             if transport is not None and hasattr(transport, "abort"):
                 scope[TRANSPORT_ABORT_KEY] = transport.abort
+                scope[TRANSPORT_CLOSE_KEY] = transport.close
                 scope[TRANSPORT_UNSENT_KEY] = _unsent_probe(transport)
                 sock = transport.get_extra_info("socket")
                 if sock is not None and self.send_buffer_bytes > 0:

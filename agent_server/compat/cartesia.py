@@ -276,8 +276,11 @@ class CartesiaProtocol(WireProtocol[ContextState]):
                 session.send(orjson.dumps(done).decode())
             elif event.status == StreamStatus.BUSY:
                 session.send(error_event(event.detail or "busy", cid, 429, "Busy"))
-            elif event.status in (StreamStatus.FAILED, StreamStatus.SHUTDOWN):
+            elif event.status == StreamStatus.FAILED:
                 session.send(error_event(event.detail or "generation failed", cid, 500, "Generation failed"))
+            elif event.status == StreamStatus.SHUTDOWN:  # the server shutting down or the session closing
+                session.send(error_event(event.detail or "the server is shutting down", cid, 503,
+                                         "Service unavailable"))
             # CANCELLED: the client asked; nothing more is sent for the context
 
 

@@ -40,6 +40,7 @@ from agent_server.session import (
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
 from agent_server.transport import CLOSE_TOO_BIG, Head
 
+NOTHING_TO_SAY = "nothing_to_say"
 STATUS_BAD_REQUEST = 400
 STATUS_TOO_LARGE = 413
 STATUS_BUSY = 429
@@ -159,6 +160,8 @@ class HttpSpeechProtocol(WireProtocol[S]):
 
     def render(self, ctx: Context[S], event: StreamEvent) -> None:
         if isinstance(event, AudioOut):
+            if not self.head_sent and ctx.stream.segment_count == 0:
+                return  # a container's header for no audio at all (WAV): the answer is the 400 below
             if not self.head_sent:
                 self._start(ctx)
             self.render_audio(ctx, event)
@@ -172,8 +175,12 @@ class HttpSpeechProtocol(WireProtocol[S]):
     def _render_done(self, ctx: Context[S], event: StreamDone) -> None:
         session = self.session
         if event.status == StreamStatus.COMPLETED:
+            if not self.head_sent and ctx.stream.segment_count == 0:  # "...", "👍": a 400, never an empty file
+                self.render_error(FieldError("text", "the text has nothing to say (no letter or digit)",
+                                             NOTHING_TO_SAY))
+                return
             if not self.head_sent:
-                self._start(ctx)  # nothing speakable in the input: a body without audio
+                self._start(ctx)  # segments without audio (pauses of no length): a body without audio
             self.render_completed(ctx)
             session.close(CLOSE_NORMAL, "")
             return

@@ -39,3 +39,22 @@ def test_a_body_over_the_limit_is_413_in_the_vendors_shape(
     assert response.status_code == 413, response.text
     assert message_of(response.json()) == "body_too_large"
     assert not served.engine.submits
+
+
+@pytest.mark.parametrize("text", ["...", "👍 !"])
+@pytest.mark.parametrize(("path", "field", "code_of", "status"), [
+    ("/v1/audio/speech", "input", lambda j: j["error"]["code"], 400),
+    ("/v1/text-to-speech/default", "text", lambda j: j["detail"][0]["type"], 422),
+    ("/tts/bytes", "transcript", lambda j: j["error_code"], 400),
+    ("/v1/speak", "text", lambda j: j["err_code"].lower(), 400),
+], ids=["openai", "elevenlabs", "cartesia", "deepgram"])
+def test_text_with_nothing_to_say_is_refused_not_an_empty_file(
+    served: Served, path: str, field: str, code_of: Any, status: int, text: str
+) -> None:
+    body: dict[str, Any] = {"model": "tts-1", "voice": "alloy"} if "audio" in path else {}
+    if path == "/tts/bytes":
+        body = {"model_id": "sonic-2", "voice": {"mode": "id", "id": "default"},
+                "output_format": {"container": "mp3", "sample_rate": 44_100, "bit_rate": 128_000}}
+    response = httpx.post(served.http + path, json={**body, field: text}, timeout=30)
+    assert response.status_code == status, response.text
+    assert code_of(response.json()) == "nothing_to_say"
