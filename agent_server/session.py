@@ -506,8 +506,11 @@ class Session(Generic[S]):
     async def _teardown(self) -> None:
         if self.state < SessionState.CLOSING:
             self.state = SessionState.CLOSING
-        for ctx in list(self.contexts.values()):
-            ctx.stream.cancel(StreamStatus.SHUTDOWN, "session closed")
+        for ctx in list(self.contexts.values()):  # the client leaving is its cancel (metrics: not a shutdown)
+            if self._client_gone:
+                ctx.stream.cancel(StreamStatus.CANCELLED, "the client went away")
+            else:
+                ctx.stream.cancel(StreamStatus.SHUTDOWN, "session closed")
         writer, *others = self._tasks
         for task in others:
             task.cancel()

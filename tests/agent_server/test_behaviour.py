@@ -475,6 +475,29 @@ def test_drain_ends_a_context_left_open_between_turns(tmp_path: Path, driver: Dr
     assert " ".join(s.text for s in engine.submits) == TEXT.strip()  # what was sent was spoken
 
 
+@pytest.mark.parametrize("driver", WEBSOCKET_DRIVERS, ids=str)
+def test_a_client_leaving_mid_turn_cancels_it_not_a_shutdown(tmp_path: Path, driver: Driver) -> None:
+    """The metrics' `reason` of a context whose client went away is `cancelled` (by the client), never
+    `shutdown`: an alert on shutdowns must not fire on ordinary client churn."""
+    engine = FakeEngine(realtime_factor=1.0)
+    app, events = make_app(tmp_path, engine)
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            ws = await driver.connect(app)
+            for message in driver.text("t1", TEXT, first=True):
+                ws.send_json(message)
+            while not engine.submits:
+                await asyncio.sleep(0.005)
+            ws.disconnect(1001)
+            async with asyncio.timeout(5):
+                while hub.sessions:
+                    await asyncio.sleep(0.01)
+
+    run(scenario())
+    assert [e.reason for e in of(events, ContextFinished, driver.name)] == ["cancelled"]
+
+
 # ---- metrics and logs ----------------------------------------------------------------------------------
 
 
