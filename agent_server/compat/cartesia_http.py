@@ -170,6 +170,7 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
     """`POST /tts/bytes`; `CartesiaSseProtocol` is `/tts/sse`."""
 
     name: ClassVar[str] = "cartesia_http"
+    text_field: ClassVar[str] = "transcript"
     sse: ClassVar[bool] = False
 
     def parse(self, body: bytes) -> Speech[HttpState]:

@@ -68,6 +68,7 @@ class Speech(Generic[S]):
 
 class HttpSpeechProtocol(WireProtocol[S]):
     context_id: ClassVar[str] = "speech"
+    text_field: ClassVar[str] = "text"  # the body field that carries the text (errors name it)
 
     def __init__(self, session: Session[S]) -> None:
         super().__init__(session)
@@ -176,7 +177,7 @@ class HttpSpeechProtocol(WireProtocol[S]):
         session = self.session
         if event.status == StreamStatus.COMPLETED:
             if not self.head_sent and ctx.stream.segment_count == 0:  # "...", "👍": a 400, never an empty file
-                self.render_error(FieldError("text", "the text has nothing to say (no letter or digit)",
+                self.render_error(FieldError(self.text_field, "the text has nothing to say (no letter or digit)",
                                              NOTHING_TO_SAY))
                 return
             if not self.head_sent:

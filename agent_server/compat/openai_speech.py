@@ -94,6 +94,7 @@ SpeechContext = Context[SpeechState]
 
 class OpenAISpeechProtocol(HttpSpeechProtocol[SpeechState]):
     name: ClassVar[str] = "openai"
+    text_field: ClassVar[str] = "input"
 
     def parse(self, body: bytes) -> Speech[SpeechState]:
         session = self.session

@@ -43,8 +43,9 @@ def test_a_body_over_the_limit_is_413_in_the_vendors_shape(
 
 @pytest.mark.parametrize("text", ["...", "👍 !"])
 @pytest.mark.parametrize(("path", "field", "code_of", "status"), [
-    ("/v1/audio/speech", "input", lambda j: j["error"]["code"], 400),
-    ("/v1/text-to-speech/default", "text", lambda j: j["detail"][0]["type"], 422),
+    ("/v1/audio/speech", "input", lambda j: j["error"]["param"] == "input" and j["error"]["code"], 400),
+    ("/v1/text-to-speech/default", "text", lambda j: j["detail"][0]["loc"] == ["body", "text"]
+     and j["detail"][0]["type"], 422),
     ("/tts/bytes", "transcript", lambda j: j["error_code"], 400),
     ("/v1/speak", "text", lambda j: j["err_code"].lower(), 400),
 ], ids=["openai", "elevenlabs", "cartesia", "deepgram"])
