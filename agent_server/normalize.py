@@ -166,7 +166,8 @@ def spoken_form(text: str, language: str | None = None) -> Spoken:
     rewrites: list[Span] = []
     written_at = spoken_len = 0
     pos = 0
-    while (found := _next_rewrite(text, pos, _rules_for(lang), lang, rules)) is not None:
+    scan = _Rewrites(text, lang, rules)
+    while (found := scan.after(pos)) is not None:
         match, said = found
         pos = match.end()
         if said == match[0]:
@@ -228,21 +229,37 @@ def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
     return rules
 
 
-def _next_rewrite(
-    text: str, pos: int, rules: Sequence[tuple[re.Pattern[str], Reader]], lang: str, language: LanguageRules
-) -> tuple[re.Match[str], str] | None:
-    """The first place from `pos` that a rule matches and can say; at one place the earlier rule wins. A rule
-    that matches but cannot say it (a month 13, an ordinal "3th") leaves the place to the rules after it."""
-    best: tuple[re.Match[str], str] | None = None
-    for pattern, reader in rules:
-        match = pattern.search(text, pos)
-        while match is not None and (best is None or match.start() < best[0].start()):
-            said = _say(reader, match, lang, language)
+class _Rewrites:
+    """The rewrites of one text, left to right: at each place the earliest match a rule can say; at one place the
+    earlier rule wins. A rule that matches but cannot say it (a month 13, an ordinal "3th") leaves the place to
+    the rules after it. Each rule's next sayable match is kept until the text before it is consumed, so a text
+    is searched about once per rule, not once per rule per rewrite."""
+
+    def __init__(self, text: str, lang: str, language: LanguageRules) -> None:
+        self.text, self.lang, self.language = text, lang, language
+        self.rules = _rules_for(lang)
+        self._next: list[tuple[re.Match[str], str] | None] = [None] * len(self.rules)
+        self._searched = [False] * len(self.rules)
+
+    def after(self, pos: int) -> tuple[re.Match[str], str] | None:
+        best: tuple[re.Match[str], str] | None = None
+        for i, (pattern, reader) in enumerate(self.rules):
+            found = self._next[i]
+            if not self._searched[i] or (found is not None and found[0].start() < pos):
+                found = self._next[i] = self._first_sayable(pattern, reader, pos)
+                self._searched[i] = True
+            if found is not None and (best is None or found[0].start() < best[0].start()):
+                best = found
+        return best
+
+    def _first_sayable(self, pattern: re.Pattern[str], reader: Reader, pos: int) -> tuple[re.Match[str], str] | None:
+        match = pattern.search(self.text, pos)
+        while match is not None:
+            said = _say(reader, match, self.lang, self.language)
             if said is not None:
-                best = (match, said)
-                break
-            match = pattern.search(text, match.start() + 1)
-    return best
+                return match, said
+            match = pattern.search(self.text, match.start() + 1)
+        return None
 
 
 def _say(reader: Reader, match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
