@@ -151,11 +151,6 @@ def unchanged(text: str) -> Spoken:
     return Spoken(text, text, ())
 
 
-def normalizes(language: str | None) -> bool:
-    """Whether `spoken_form` rewrites anything in this language."""
-    return _lang(language) in _LANGUAGES
-
-
 def spoken_form(text: str, language: str | None = None) -> Spoken:
     """The text with what the rules know written out as words (module docstring); `language`: None is English."""
     lang = _lang(language)
