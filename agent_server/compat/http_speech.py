@@ -155,13 +155,17 @@ class HttpSpeechProtocol(WireProtocol[S]):
 
     # ---- the audio ---------------------------------------------------------------------------------
 
+    def _nothing_to_say(self, ctx: Context[S]) -> bool:
+        """No answer started and the text made no segment (no letter or digit in it)."""
+        return not self.head_sent and ctx.stream.segment_count == 0
+
     def _start(self, ctx: Context[S]) -> None:
         self.head_sent = True
         self.session.send(self.head(ctx))
 
     def render(self, ctx: Context[S], event: StreamEvent) -> None:
         if isinstance(event, AudioOut):
-            if not self.head_sent and ctx.stream.segment_count == 0:
+            if self._nothing_to_say(ctx):
                 return  # a container's header for no audio at all (WAV): the answer is the 400 below
             if not self.head_sent:
                 self._start(ctx)
@@ -176,7 +180,7 @@ class HttpSpeechProtocol(WireProtocol[S]):
     def _render_done(self, ctx: Context[S], event: StreamDone) -> None:
         session = self.session
         if event.status == StreamStatus.COMPLETED:
-            if not self.head_sent and ctx.stream.segment_count == 0:  # "...", "👍": a 400, never an empty file
+            if self._nothing_to_say(ctx):  # "...", "👍": a 400, never an empty file
                 self.render_error(FieldError(self.text_field, "the text has nothing to say (no letter or digit)",
                                              NOTHING_TO_SAY))
                 return
