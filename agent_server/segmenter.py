@@ -6,7 +6,8 @@ When a segment is cut
 - First segment of the turn (until one with speech has gone out), as soon as it is speakable:
   a sentence end (any length); a clause break (, ; : — – …, and their CJK forms) once it holds
   `first_min_words` words; a word end once `first_max_words` words are in; or, from `poll`, after
-  `first_wait_ms` with no new text (reason "timeout": everything up to the last complete word).
+  `first_wait_ms` with no new text (reason "timeout": everything up to the last complete word; a
+  word ending in a digit and "," "." or ":" is not complete, "$1," may be "$1,234").
 - Later segments: at sentence ends (. ! ? … and their CJK, Devanagari, Arabic ... forms, or a line
   break before a non-lowercase start), once the segment holds `min_chars` characters; shorter
   sentences ride along with the next one (fewer, longer generations: better prosody).
@@ -93,6 +94,7 @@ CLOSERS = frozenset("\"'”’»)]}」』）】〉》›*`")
 OPENERS = "\"'“‘«([{「『（【〈《‹¿¡*`"
 DASH_TOKENS = frozenset({"-", "--", "—", "–"})
 LINE_BREAKS = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+NUMBER_SEPARATORS = frozenset(".,:")  # inside a number when a digit follows: "1,234" "3.5" "9:30"
 # Straight quotes may open as well as close, so they do not make a word end safe for a timeout cut.
 TIMEOUT_SAFE_ENDS = (TERMINALS | CLAUSE_MARKS | CLOSERS) - frozenset("\"'")
 
@@ -531,7 +533,9 @@ def _timeout_pos(body: str) -> int:
     """Where a timeout cuts: after the last word known to be complete; 0 if there is none."""
     content_end = len(body.rstrip())
     last = body[content_end - 1]
-    if content_end < len(body) or last in TIMEOUT_SAFE_ENDS or _is_cjk(last):
+    # "$1," "3." "9:" may be a number going on ("$1,234", "3.5", "9:30"): not known to be complete.
+    in_number = last in NUMBER_SEPARATORS and content_end >= 2 and body[content_end - 2].isdigit()
+    if content_end < len(body) or (last in TIMEOUT_SAFE_ENDS and not in_number) or _is_cjk(last):
         pos = content_end
     else:  # the last word may go on in the next piece: leave it pending
         token_start = _last_space_before(body, content_end) + 1

@@ -290,6 +290,34 @@ def test_timeout_keeps_a_possibly_unfinished_last_word() -> None:
     assert seg.end(1.2)[-1].text == "checking that. Sure thing."
 
 
+@pytest.mark.parametrize(
+    ("first", "rest", "cut", "spoken_after"),
+    [
+        ("It costs $1,", "234 today.", "It costs", "$1,234 today."),
+        ("We have 12,", "000 users.", "We have", "12,000 users."),
+        ("Pi is about 3.", "14 or so.", "Pi is about", "3.14 or so."),
+        ("We meet at 9:", "30 tomorrow.", "We meet at", "9:30 tomorrow."),
+    ],
+)
+def test_timeout_does_not_split_a_number_at_its_separator(
+    first: str, rest: str, cut: str, spoken_after: str
+) -> None:
+    """An LLM pause after "$1," must not say "one dollar" then "two hundred thirty-four"."""
+    seg = Segmenter()
+    seg.push(first, 0.0)
+    out = seg.poll(1.0)
+    assert [(s.text, s.reason) for s in out] == [(cut, "timeout")]
+    seg.push(rest, 1.1)
+    assert [s.text for s in seg.end(1.2)] == [spoken_after]
+
+
+def test_timeout_cuts_after_a_number_that_ends_a_clause() -> None:
+    seg = Segmenter()
+    seg.push("It costs $12, ", 0.0)
+    out = seg.poll(1.0)
+    assert [(s.text, s.reason) for s in out] == [("It costs $12,", "timeout")]
+
+
 def test_timeout_needs_a_complete_word() -> None:
     seg = Segmenter()
     seg.push("Hmm", 0.0)
