@@ -11,7 +11,10 @@ equals ..."). `MarkupFilter` cuts a context's text pieces into text and `Pause`s
 - the other tags of the dialect are removed and the text they enclose is spoken (`<spell>ABC</spell>` says
   "ABC"; this engine has no per-word speed, volume, emotion or phonemes);
 - everything else is text: a `<` that does not open a tag of the dialect ("x < y", "<3"), or an unknown tag;
-- a tag split across pieces is held until its `>` arrives (at most MAX_TAG_CHARS, past which its `<` is text).
+- a tag split across pieces is held until its `>` arrives (at most MAX_TAG_CHARS, past which its `<` is text);
+- ElevenLabs' v3 audio tags (`[laughs]`, `[whispers]`, `[clears throat]`: square brackets around 1..MAX_AUDIO_TAG_CHARS
+  letters, spaces, hyphens and apostrophes), in the dialects that have them (AUDIO_TAG in `tags`: the v3 models and
+  text to dialogue), are removed: this engine has no such events, and read as text they would be said.
 
 SSML (jambonz, Riva): `ssml_text` turns a `<speak>` document into text with its breaks as `<break time=.../>`
 (`SSML_TAGS`), the rest of its markup left out.
@@ -31,13 +34,19 @@ from agent_server.errors import FieldError
 
 MAX_TAG_CHARS = 200  # a `<` followed by this many characters without `>` opens no tag
 MAX_BREAK_MS = 10_000
+MAX_AUDIO_TAG_CHARS = 40  # "[" + this many characters without "]": the "[" is text
 BREAK = "break"
+AUDIO_TAG = "[audio]"  # in a dialect's tags: it has ElevenLabs v3's square-bracket audio tags
 ELEVENLABS_TAGS = frozenset({BREAK, "phoneme"})
+ELEVENLABS_V3_TAGS = ELEVENLABS_TAGS | {AUDIO_TAG}
+V3_MODEL_PREFIXES = ("eleven_v3", "eleven_v4")  # the ElevenLabs models that read audio tags
 CARTESIA_TAGS = frozenset({BREAK, "speed", "volume", "emotion", "spell"})
 SSML_TAGS = frozenset({BREAK})  # jambonz's SSML, once compat/jambonz.ssml_text has kept only its breaks
 
 _TAG = re.compile(r"<\s*(/?)\s*([A-Za-z][A-Za-z0-9_-]*)\b([^<>]*?)(/?)\s*>")
 _TAG_PREFIX = re.compile(r"<\s*/?\s*[A-Za-z][A-Za-z0-9_-]*")  # what must follow `<` for it to open a tag
+_AUDIO_TAG = re.compile(rf"\[[A-Za-z][A-Za-z' -]{{0,{MAX_AUDIO_TAG_CHARS - 1}}}\]")
+_AUDIO_TAG_PREFIX = re.compile(rf"\[(?:[A-Za-z][A-Za-z' -]{{0,{MAX_AUDIO_TAG_CHARS - 1}}})?")
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
@@ -62,11 +71,16 @@ class MarkupFilter:
         pieces: list[Piece] = []
         at = 0
         while True:
-            opening = buffer.find("<", at)
+            opening = self._next_opening(buffer, at)
             if opening < 0:
                 _add_text(pieces, buffer[at:])
                 return pieces
             _add_text(pieces, buffer[at:opening])
+            if buffer[opening] == "[":
+                at = self._audio_tag(buffer, opening, pieces)
+                if at < 0:
+                    return pieces  # held until its "]"
+                continue
             closing = buffer.find(">", opening)
             if closing < 0:
                 rest = buffer[opening:]
@@ -83,6 +97,26 @@ class MarkupFilter:
                 continue
             self._tag(match, pieces)
             at = closing + 1
+
+    def _next_opening(self, buffer: str, at: int) -> int:
+        angle = buffer.find("<", at)
+        if AUDIO_TAG not in self.tags:
+            return angle
+        square = buffer.find("[", at)
+        return square if angle < 0 or 0 <= square < angle else angle
+
+    def _audio_tag(self, buffer: str, opening: int, pieces: list[Piece]) -> int:
+        """At a "[": skip an audio tag, hold an unfinished one (-1), or keep the "[" as text. Returns where
+        the text goes on."""
+        match = _AUDIO_TAG.match(buffer, opening)
+        if match is not None:
+            return match.end()  # removed, said as nothing
+        prefix = _AUDIO_TAG_PREFIX.match(buffer, opening)
+        if prefix is not None and prefix.end() == len(buffer):
+            self.held = buffer[opening:]
+            return -1
+        _add_text(pieces, "[")
+        return opening + 1
 
     def end(self) -> list[Piece]:
         """The input ended: an unfinished tag is text."""
@@ -112,6 +146,11 @@ class MarkupFilter:
             self.problems.append(f"{match.group(0)!r}: a break lasts more than 0 and at most {MAX_BREAK_MS / 1000:g} s")
             return
         pieces.append(Pause(duration_ms))
+
+
+def elevenlabs_tags(model_id: str | None) -> frozenset[str]:
+    """The markup an ElevenLabs request's text may carry: v3 models' audio tags too."""
+    return ELEVENLABS_V3_TAGS if model_id and model_id.lower().startswith(V3_MODEL_PREFIXES) else ELEVENLABS_TAGS
 
 
 def _add_text(pieces: list[Piece], text: str) -> None:

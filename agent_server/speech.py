@@ -280,6 +280,7 @@ class SegmentState:
     announced: bool = False  # SegmentStarted emitted
     cached: bool = False  # its STARTED event said it is replayed from the phrase cache
     pause_ms: int = 0  # > 0: a pause (markup): its silence is made here, never submitted; its text is ""
+    voice_id: str = ""  # who says it (the stream's voice, or its turn's: `start_turn`)
     spoken: Spoken | None = None  # what the engine was given for `text` (set when submitted)
 
 
@@ -325,8 +326,11 @@ class Stream(Protocol):
     def segment_count(self) -> int: ...
     @property
     def has_unsegmented_text(self) -> bool: ...
+    @property
+    def all_segments_done(self) -> bool: ...
     def open(self) -> None: ...
     def push_text(self, text: str, now_s: float) -> list[str]: ...
+    def start_turn(self, voice_id: str, now_s: float) -> None: ...
     def flush(self, now_s: float) -> None: ...
     def end(self, now_s: float) -> None: ...
     def poll(self, now_s: float) -> None: ...
@@ -375,6 +379,7 @@ class SpeechStream:
         # what the client holds, for the engine's vocoder (render order, chunk sizes)
         self._listener = ListenerClock(spec.speed)
         self._markup = MarkupFilter(spec.markup) if spec.markup else None
+        self._voice_id = spec.voice_id  # the voice of the text pushed next (`start_turn` changes it)
 
     # ---- the verbs -----------------------------------------------------------------------------
 
@@ -393,6 +398,12 @@ class SpeechStream:
             return []
         self._take_pieces(self._markup.feed(text), now_s)
         return self._markup.take_problems()
+
+    def start_turn(self, voice_id: str, now_s: float) -> None:
+        """The text pushed next is a new turn (a line of a dialogue), said by `voice_id` (a voice the caller
+        checked): the text before it is cut as at a flush, so no segment holds two turns or two voices."""
+        self.flush(now_s)
+        self._voice_id = voice_id
 
     def flush(self, now_s: float) -> None:
         self._require_open("flush")
@@ -472,7 +483,8 @@ class SpeechStream:
             if not seg.text.strip():
                 continue
             index = len(self._segments)
-            self._segments.append(SegmentState(index, seg.text, seg.start_char, seg.end_char))
+            self._segments.append(SegmentState(index, seg.text, seg.start_char, seg.end_char,
+                                               voice_id=self._voice_id))
         if cut:
             self._submit_ready()
 
@@ -504,7 +516,7 @@ class SpeechStream:
             request_id=seg.request_id,
             text=seg.spoken.text,
             sink=self._sink_for(seg),
-            voice_id=self.spec.voice_id,
+            voice_id=seg.voice_id,
             params=params,
             language=self.spec.language,
             first_audio_pending=self.times.first_chunk_ready_s is None,

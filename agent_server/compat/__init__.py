@@ -19,6 +19,7 @@ from agent_server.compat import (
     deepgram,
     deepgram_http,
     elevenlabs,
+    elevenlabs_dialogue,
     elevenlabs_http,
     jambonz,
     openai_speech,
@@ -26,6 +27,7 @@ from agent_server.compat import (
 from agent_server.session import http_route, websocket_route
 
 ELEVENLABS_TTS = "/v1/text-to-speech/{voice_id}"
+ELEVENLABS_DIALOGUE = "/v1/text-to-dialogue"
 JAMBONZ_HTTP_PATH = "/v1/jambonz/tts"
 JAMBONZ_STREAM_PATH = "/v1/jambonz/stream"
 
@@ -38,6 +40,13 @@ def routes() -> list[BaseRoute]:
         http_route(ELEVENLABS_TTS + "/stream", elevenlabs_http.ElevenLabsStreamProtocol),
         http_route(ELEVENLABS_TTS + "/with-timestamps", elevenlabs_http.ElevenLabsWithTimestampsProtocol),
         http_route(ELEVENLABS_TTS + "/stream/with-timestamps", elevenlabs_http.ElevenLabsStreamWithTimestampsProtocol),
+        websocket_route(ELEVENLABS_DIALOGUE + "/stream-input", elevenlabs_dialogue.DialogueProtocol),
+        websocket_route(ELEVENLABS_DIALOGUE + "/multi-stream-input", elevenlabs_dialogue.MultiDialogueProtocol),
+        http_route(ELEVENLABS_DIALOGUE, elevenlabs_dialogue.DialogueHttpProtocol),
+        http_route(ELEVENLABS_DIALOGUE + "/stream", elevenlabs_dialogue.DialogueStreamProtocol),
+        http_route(ELEVENLABS_DIALOGUE + "/with-timestamps", elevenlabs_dialogue.DialogueWithTimestampsProtocol),
+        http_route(ELEVENLABS_DIALOGUE + "/stream/with-timestamps",
+                   elevenlabs_dialogue.DialogueStreamWithTimestampsProtocol),
         websocket_route("/tts/websocket", cartesia.CartesiaProtocol),
         http_route("/tts/bytes", cartesia_http.CartesiaBytesProtocol),
         http_route("/tts/sse", cartesia_http.CartesiaSseProtocol),

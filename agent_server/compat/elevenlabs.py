@@ -62,7 +62,7 @@ from agent_server.errors import (
     empty_message,
 )
 from agent_server.hub import Refusal
-from agent_server.markup import ELEVENLABS_TAGS
+from agent_server.markup import elevenlabs_tags
 from agent_server.session import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -329,7 +329,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         try:
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
-                             speed=voice_settings_speed(voice_settings), markup=ELEVENLABS_TAGS,
+                             speed=voice_settings_speed(voice_settings), markup=elevenlabs_tags(query.model_id),
                              normalize=query.normalize)
         except FieldError as error:
             error.context_id = cid

@@ -30,6 +30,8 @@ characters the client sent (a normalised "$4.50" has the times of its words). Er
 
 from __future__ import annotations
 
+import bisect
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,7 +54,7 @@ from agent_server.compat.common import (
 from agent_server.compat.formats import elevenlabs_format
 from agent_server.compat.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, Speech
 from agent_server.errors import FieldError, empty_message
-from agent_server.markup import ELEVENLABS_TAGS
+from agent_server.markup import elevenlabs_tags
 from agent_server.session import Context
 from agent_server.speech import AudioOut, SegmentDone
 from agent_server.timestamps import ContextAlignment, seconds
@@ -118,10 +120,7 @@ def parse_request(
         raise FieldError("text", "text must be a string")
     if text is None or not text.strip():
         raise empty_message()
-    for name, kinds in _OPTIONAL_TYPES.items():
-        value = obj.get(name)
-        if value is not None and not isinstance(value, kinds):
-            raise FieldError(name, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}")
+    check_optional_types(obj, _OPTIONAL_TYPES)
     model_id = obj.get("model_id")
     check_model("model_id", model_id, variant)
     return SpeechRequest(
@@ -138,10 +137,22 @@ def parse_request(
     )
 
 
+def check_optional_types(obj: Mapping[str, Any], types: Mapping[str, tuple[type, ...]]) -> None:
+    for name, kinds in types.items():
+        value = obj.get(name)
+        if value is not None and not isinstance(value, kinds):
+            raise FieldError(name, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}")
+
+
+def field_path(name: str) -> list[str | int]:
+    """"inputs[0].voice_id" -> ["inputs", 0, "voice_id"]: a `loc` as FastAPI writes it."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"\.|\[(\d+)\]\.?", name) if part]
+
+
 def error_body(exc: FieldError) -> tuple[int, dict[str, Any]]:
     """A refused request: 422 with FastAPI's validation shape, as ElevenLabs answers."""
     where = "query" if exc.field in QUERY_FIELDS else "body"
-    detail = {"loc": [where, exc.field], "msg": exc.message, "type": exc.code}
+    detail = {"loc": [where, *field_path(exc.field)], "msg": exc.message, "type": exc.code}
     return STATUS_UNPROCESSABLE, {"detail": [detail]}
 
 
@@ -161,21 +172,64 @@ def alignment(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[in
 WITH_TIMESTAMPS_OPEN = b'{"audio_base64":"'
 
 
-def with_timestamps_close(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[int]) -> bytes:
+def with_timestamps_close(chars: Sequence[str], start_ms: Sequence[int], end_ms: Sequence[int],
+                          voice_segments: list[dict[str, Any]] | None = None) -> bytes:
     """`/with-timestamps`: what ends the object after the audio's base64 text: the whole request's
-    alignment (`normalized_alignment` is the same: the request's own characters)."""
+    alignment (`normalized_alignment` is the same: the request's own characters); a dialogue's
+    `voice_segments` (compat/elevenlabs_dialogue.py)."""
     aligned = orjson.dumps(alignment(chars, start_ms, end_ms))
-    return b'","alignment":' + aligned + b',"normalized_alignment":' + aligned + b"}"
+    tail = b"" if voice_segments is None else b',"voice_segments":' + orjson.dumps(voice_segments)
+    return b'","alignment":' + aligned + b',"normalized_alignment":' + aligned + tail + b"}"
 
 
-def stream_line(audio: bytes, aligned: dict[str, Any] | None) -> bytes:
-    """One line of `/stream/with-timestamps`: a piece of audio, or ("") the alignment of a segment."""
-    body = {"audio_base64": b64(audio), "alignment": aligned, "normalized_alignment": aligned}
+def stream_line(audio: bytes, aligned: dict[str, Any] | None,
+                voice_segments: list[dict[str, Any]] | None = None) -> bytes:
+    """One line of `/stream/with-timestamps`: a piece of audio, or ("") the alignment of a segment
+    (a dialogue's lines carry `voice_segments`)."""
+    body: dict[str, Any] = {"audio_base64": b64(audio), "alignment": aligned, "normalized_alignment": aligned}
+    if voice_segments is not None:
+        body["voice_segments"] = voice_segments
     return orjson.dumps(body) + b"\n"
 
 
 def media_type(request: SpeechRequest) -> str:
     return "application/json" if request.timestamps else request.output.mime_type
+
+
+def voice_segment(voice_id: str, start_ms: float, end_ms: float, first_char: int, end_char: int,
+                  line: int) -> dict[str, Any]:
+    """One `voice_segments` entry of a dialogue: a line's voice, its audio span, its characters."""
+    return {"voice_id": voice_id, "start_time_seconds": round(start_ms / 1000.0, 3),
+            "end_time_seconds": round(end_ms / 1000.0, 3), "character_start_index": first_char,
+            "character_end_index": end_char, "dialogue_input_index": line}
+
+
+@dataclass(slots=True)
+class LineTrack:
+    """A dialogue's lines (compat/elevenlabs_dialogue.py): their voices as the client named them, where
+    each starts in the concatenated text, and the line of each segment placed so far."""
+
+    voice_ids: list[str]
+    starts: list[int]
+    segment_lines: list[int] = field(default_factory=list)
+
+    def line_of(self, start_char: int) -> int:
+        return max(0, bisect.bisect_right(self.starts, start_char) - 1)
+
+    def whole_request(self, alignment: ContextAlignment, chars_kept: int) -> list[dict[str, Any]]:
+        """`voice_segments` of the whole answer: one per line, over the first `chars_kept` characters."""
+        out: list[dict[str, Any]] = []
+        first_char = 0
+        for seg, line in zip(alignment.segments, self.segment_lines, strict=True):
+            end_char = min(first_char + len(seg.chars), chars_kept)
+            if out and out[-1]["dialogue_input_index"] == line:
+                out[-1]["end_time_seconds"] = round(seg.audio_end_ms / 1000.0, 3)
+                out[-1]["character_end_index"] = end_char
+            else:
+                out.append(voice_segment(self.voice_ids[line], seg.audio_start_ms, seg.audio_end_ms, first_char,
+                                         end_char, line))
+            first_char += len(seg.chars)
+        return out
 
 
 # ---- the protocol --------------------------------------------------------------------------------
@@ -187,6 +241,7 @@ class HttpState:
     alignment: ContextAlignment
     audio_b64: Base64Stream = field(default_factory=Base64Stream)  # /with-timestamps: the audio as it comes
     opened: bool = False  # /with-timestamps: the object's opening went out
+    lines: LineTrack | None = None  # a dialogue: its bodies carry `voice_segments`
 
 
 HttpContext = Context[HttpState]
@@ -206,7 +261,7 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
                                 streamed=self.streamed, timestamps=self.timestamps)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
-                         speed=request.speed, markup=ELEVENLABS_TAGS, normalize=request.normalize)
+                         speed=request.speed, markup=elevenlabs_tags(request.model_id), normalize=request.normalize)
         return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
@@ -224,7 +279,8 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
         if not state.request.timestamps:
             self.session.send_audio(ctx, event.payload, event.duration_ms)
         elif state.request.streamed:
-            self.session.send_audio(ctx, stream_line(event.payload, None), event.duration_ms)
+            no_segments: list[dict[str, Any]] | None = None if state.lines is None else []
+            self.session.send_audio(ctx, stream_line(event.payload, None, no_segments), event.duration_ms)
         else:
             self.session.send_audio(ctx, self._opening(state) + state.audio_b64.push(event.payload), event.duration_ms)
 
@@ -233,8 +289,14 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
             return  # a pause (<break>): silence, no characters
         state = ctx.state
         seg = place_segment(state.alignment, event)
+        voice_segments = None
+        if state.lines is not None:
+            line = state.lines.line_of(event.start_char)
+            state.lines.segment_lines.append(line)
+            voice_segments = [voice_segment(state.lines.voice_ids[line], seg.audio_start_ms, seg.audio_end_ms, 0,
+                                            len(seg.chars), line)]
         if state.request.timestamps and state.request.streamed:
-            self.session.send(stream_line(b"", alignment(seg.chars, seg.start_ms, seg.end_ms)), ctx)
+            self.session.send(stream_line(b"", alignment(seg.chars, seg.start_ms, seg.end_ms), voice_segments), ctx)
 
     def render_completed(self, ctx: HttpContext) -> None:
         state = ctx.state
@@ -243,8 +305,9 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
             chars, start_ms, end_ms = aligned.chars, aligned.start_ms, aligned.end_ms
             if chars and chars[-1].isspace() and not state.request.text[-1:].isspace():
                 del chars[-1], start_ms[-1], end_ms[-1]  # the zero-length space that ended the last segment
+            voice_segments = None if state.lines is None else state.lines.whole_request(aligned, len(chars))
             self.session.send(self._opening(state) + state.audio_b64.finish()
-                              + with_timestamps_close(chars, start_ms, end_ms))
+                              + with_timestamps_close(chars, start_ms, end_ms, voice_segments))
 
     @staticmethod
     def _opening(state: HttpState) -> bytes:

@@ -58,12 +58,22 @@ INTERNAL = (STATUS_INTERNAL, "internal_error")
 
 
 @dataclass(frozen=True, slots=True)
+class Turn:
+    """A line of a dialogue: its text, said by its own voice (`SpeechStream.start_turn`)."""
+
+    voice_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Speech(Generic[S]):
-    """One parsed request: what to open, what to say, the vendor's state for the context."""
+    """One parsed request: what to open, what to say, the vendor's state for the context. A dialogue
+    gives `turns` (`text` is then their concatenation, for the record): each is pushed as its own turn."""
 
     spec: StreamSpec
     text: str
     state: S
+    turns: tuple[Turn, ...] = ()
 
 
 class HttpSpeechProtocol(WireProtocol[S]):
@@ -113,9 +123,12 @@ class HttpSpeechProtocol(WireProtocol[S]):
         ctx = await session.open_context(self.context_id, speech.spec, speech.state)
         if ctx is None:
             return
-        if not await session.push_text(ctx, speech.text, now_s):
-            ctx.stream.cancel()
-            return
+        for turn in speech.turns or (Turn(speech.spec.voice_id, speech.text),):
+            if speech.turns:
+                ctx.stream.start_turn(turn.voice_id, now_s)
+            if not await session.push_text(ctx, turn.text, now_s):
+                ctx.stream.cancel()
+                return
         ctx.stream.end(now_s)
 
     # ---- refusals and errors: a status line while none went out ------------------------------------

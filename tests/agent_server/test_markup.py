@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from agent_server.markup import CARTESIA_TAGS, ELEVENLABS_TAGS, MAX_TAG_CHARS, MarkupFilter, Pause, Piece
+from agent_server.markup import (
+    CARTESIA_TAGS,
+    ELEVENLABS_TAGS,
+    ELEVENLABS_V3_TAGS,
+    MAX_AUDIO_TAG_CHARS,
+    MAX_TAG_CHARS,
+    MarkupFilter,
+    Pause,
+    Piece,
+    elevenlabs_tags,
+)
 
 
 def run(tags: frozenset[str], *pieces: str) -> tuple[list[Piece], list[str]]:
@@ -38,6 +48,28 @@ def test_each_dialect_keeps_the_tags_it_does_not_have_as_text() -> None:
     assert run(ELEVENLABS_TAGS, '<phoneme alphabet="ipa" ph="tə">tomato</phoneme>') == (["tomato"], [])
     assert run(CARTESIA_TAGS, '<speed ratio="1.2"/>Fast<emotion value="happy"/>!') == (["Fast!"], [])
     assert run(CARTESIA_TAGS, "<b>bold</b>") == (["<b>bold</b>"], [])
+
+
+V3_TEXT = ("[giggling] Knock knock. [whispers]Who is it?<break time=\"1s\"/> See [1], [a b] and [not-a-tag!] "
+           "[clears throat]")
+V3_EXPECTED: list[Piece] = [" Knock knock. Who is it?", Pause(1000), " See [1],  and [not-a-tag!] "]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7, len(V3_TEXT)])
+def test_v3_audio_tags_are_not_said_wherever_the_pieces_split(cut: int) -> None:
+    pieces = [V3_TEXT[i:i + cut] for i in range(0, len(V3_TEXT), cut)]
+    assert run(ELEVENLABS_V3_TAGS, *pieces) == (V3_EXPECTED, [])
+
+
+def test_audio_tags_only_where_the_dialect_has_them() -> None:
+    assert run(ELEVENLABS_TAGS, "[laughs] Fine.") == (["[laughs] Fine."], [])
+    assert elevenlabs_tags("eleven_v3") == ELEVENLABS_V3_TAGS == elevenlabs_tags("eleven_v3_conversational")
+    assert elevenlabs_tags("eleven_flash_v2_5") == ELEVENLABS_TAGS == elevenlabs_tags(None)
+    long_aside = "[" + "a" * (MAX_AUDIO_TAG_CHARS + 1) + "] x"
+    assert run(ELEVENLABS_V3_TAGS, long_aside) == ([long_aside], [])  # too long for a tag: text
+    markup = MarkupFilter(ELEVENLABS_V3_TAGS)
+    assert markup.feed("so [sigh") == ["so "]
+    assert markup.end() == ["[sigh"]  # the input ended inside it: text
 
 
 def test_a_bad_break_is_reported_not_spoken_and_the_text_goes_on() -> None:

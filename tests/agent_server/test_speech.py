@@ -156,6 +156,31 @@ def test_segments_go_one_at_a_time_and_play_in_order() -> None:
     assert rec.events[0] == StreamStarted()
 
 
+def test_each_turn_is_said_by_its_own_voice_and_never_shares_a_segment() -> None:
+    """A dialogue: `start_turn` cuts what came before (even mid-sentence) and later segments take the
+    turn's voice; the voices reach the engine segment by segment."""
+    engine = ManualEngine()
+    stream, rec = make_stream(engine)
+    stream.start_turn("alice", 0.0)
+    stream.push_text("Knock knock, who is it", 0.0)
+    stream.start_turn("bob", 0.01)
+    stream.push_text("It is me. Your neighbour from next door.", 0.01)
+    stream.start_turn("bob", 0.02)
+    stream.push_text("Open up", 0.02)
+    stream.end(0.03)
+    for index in range(3):
+        engine.event(index, EventKind.GENERATED)
+        engine.chunk(index, 1)
+        engine.event(index, EventKind.DONE)
+    assert [(r.voice_id, r.text) for r in engine.submitted] == [
+        ("alice", "Knock knock, who is it"),
+        ("bob", "It is me. Your neighbour from next door."),
+        ("bob", "Open up"),
+    ]
+    assert [d.start_char for d in rec.of(SegmentDone)] == [0, 22, 62]
+    assert rec.events[-1] == StreamDone(StreamStatus.COMPLETED)
+
+
 def test_cancel_stops_audio_at_once_and_cancels_engine_work() -> None:
     engine = ManualEngine()
     stream, rec = make_stream(engine)

@@ -24,6 +24,9 @@ PIECES = ["Sure, I ", "can help ", "with that. ", "Your flight ", "leaves at ", 
 PLUGINS: dict[str, tuple[Callable[[Served, aiohttp.ClientSession], Any], int]] = {
     "elevenlabs": (lambda s, h: elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", encoding="pcm_16000",
                                                http_session=h), 16_000),
+    # eleven_v3 (and v4): the plugin speaks text-to-dialogue multi-stream-input (compat/elevenlabs_dialogue.py)
+    "elevenlabs_v3": (lambda s, h: elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", model="eleven_v3",
+                                                  encoding="pcm_16000", http_session=h), 16_000),
     "cartesia": (lambda s, h: cartesia.TTS(api_key="sk", base_url=s.http, sample_rate=16_000, http_session=h), 16_000),
     "deepgram": (lambda s, h: deepgram.TTS(api_key="dg", base_url=s.http + "/v1/speak", sample_rate=16_000,
                                            http_session=h), 16_000),
@@ -83,3 +86,21 @@ def test_elevenlabs_list_voices(served: Served) -> None:
 
     voices = asyncio.run(listed())
     assert [(v.id, v.name, v.category) for v in voices] == [("default", "default", "premade")]
+
+
+def test_elevenlabs_v3_synthesize_is_text_to_dialogue_over_http(served: Served) -> None:
+    """`synthesize` with a dialogue model posts to /v1/text-to-dialogue/stream (one line, its voice)."""
+    async def synthesized() -> tuple[int, set[int]]:
+        async with aiohttp.ClientSession() as http:
+            tts = PLUGINS["elevenlabs_v3"][0](served, http)
+            n_bytes, rates = 0, set()
+            async for event in tts.synthesize("".join(PIECES)):
+                n_bytes += len(event.frame.data.tobytes())
+                rates.add(event.frame.sample_rate)
+            await tts.aclose()
+            return n_bytes, rates
+
+    n_bytes, rates = asyncio.run(synthesized())
+    assert rates == {16_000}
+    assert_length(served, n_bytes, 16_000)
+    assert len(served.engine.submits) == 2  # the text's two sentences, the default voice's

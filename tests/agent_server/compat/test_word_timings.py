@@ -115,6 +115,18 @@ def test_livekit_elevenlabs_word_times(served: Served) -> None:
     assert len(words) >= len(WORDS) - 1  # LiveKit holds the very last word until more text comes
 
 
+def test_livekit_elevenlabs_dialogue_word_times(served: Served) -> None:
+    """`model="eleven_v3"`: LiveKit speaks text-to-dialogue multi-stream-input, whose alignment is relative to
+    each message (it adds each message's audio to its clock): every word must still land on its audio."""
+    def make(s: Served, http: aiohttp.ClientSession) -> Any:
+        return lk_elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", model="eleven_v3", encoding="pcm_16000",
+                                 http_session=http)
+
+    audio, words = asyncio.run(livekit_words(served, make))
+    assert_words_on_the_audio(served, audio, words)
+    assert len(words) >= len(WORDS) - 1
+
+
 # ---- compressed formats: the times against the audio as a standard decoder (ffmpeg, through PyAV) plays it ----
 
 

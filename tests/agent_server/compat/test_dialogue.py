@@ -1,0 +1,231 @@
+"""ElevenLabs text to dialogue (compat/elevenlabs_dialogue.py): the `elevenlabs` SDK's four HTTP calls and
+the documented WebSocket messages (LiveKit's `model="eleven_v3"` client is in test_livekit.py and
+test_word_timings.py), against a real server whose FakeEngine records which voice said each segment."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from elevenlabs import DialogueInput
+from elevenlabs.client import ElevenLabs
+from elevenlabs.core.api_error import ApiError
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from agent_server.voices import encode_wav_pcm16
+
+from tests.agent_server.compat.conftest import Served, assert_length, start
+
+pytestmark = pytest.mark.timeout(60)
+
+LINES = [("ann", "Knock knock."), ("bob", "Who is there? It is late, you know."), ("ann", "Lettuce.")]
+MULTI = "/v1/text-to-dialogue/multi-stream-input"
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """A server with two voices of its own, "ann" and "bob"."""
+    for served in start(tmp_path):
+        rate_hz = 16_000
+        t = np.arange(6 * rate_hz) / rate_hz
+        for name, tone_hz in (("ann", 220), ("bob", 330)):
+            clip = encode_wav_pcm16((0.3 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32), rate_hz)
+            made = httpx.post(f"{served.http}/v1/voices?name={name}&voice_id={name}", content=clip,
+                              headers={"content-type": "audio/wav"})
+            assert made.status_code == 201, made.text
+        yield served
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30.0) as client:  # closed after the test: no socket left open
+        yield client
+
+
+def client(served: Served, http: httpx.Client) -> ElevenLabs:
+    return ElevenLabs(api_key="sk-test", base_url=served.http, httpx_client=http)
+
+
+def inputs(lines: list[tuple[str, str]] = LINES) -> list[DialogueInput]:
+    return [DialogueInput(text=text, voice_id=voice) for voice, text in lines]
+
+
+def said(served: Served) -> list[tuple[str, str]]:
+    return [(r.voice_id, r.text) for r in served.engine.submits]
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------
+
+
+def test_convert_says_each_line_in_its_voice(served: Served, http: httpx.Client) -> None:
+    audio = b"".join(client(served, http).text_to_dialogue.convert(inputs=inputs(), output_format="pcm_16000"))
+    assert said(served) == LINES  # one segment per line here, each to the engine with its own voice
+    assert_length(served, len(audio), 16_000)
+
+
+def test_a_vendor_voice_id_is_the_default_voice_and_lines_stay_apart(served: Served, http: httpx.Client) -> None:
+    lines = [("JBFqnCBsd6RMkjVDRZzb", "[giggling] Knock knock"), ("Aw4FAjKCGjjNkVhN1Xmq", "[curious] Who is there?")]
+    b"".join(client(served, http).text_to_dialogue.stream(inputs=inputs(lines)))  # the SDK's example; default MP3
+    assert said(served) == [("default", "Knock knock"), ("default", "Who is there?")]  # v3 audio tags: not said
+    assert len(said(served)) == 2  # one line never runs into the next, even in one voice
+
+
+def test_convert_with_timestamps_has_a_voice_segment_per_line(served: Served, http: httpx.Client) -> None:
+    result = client(served, http).text_to_dialogue.convert_with_timestamps(inputs=inputs(), output_format="pcm_16000")
+    audio = base64.b64decode(result.audio_base_64)
+    chars = result.alignment.characters
+    assert "".join(chars) == " ".join(text for _, text in LINES)  # lines joined at their boundary space
+    segments = result.voice_segments
+    assert [(s.voice_id, s.dialogue_input_index) for s in segments] == [("ann", 0), ("bob", 1), ("ann", 2)]
+    assert segments[0].character_start_index == 0 and segments[-1].character_end_index == len(chars)
+    for before, after in itertools.pairwise(segments):
+        assert before.character_end_index == after.character_start_index
+        assert before.end_time_seconds <= after.start_time_seconds
+    for segment, (_, text) in zip(segments, LINES, strict=True):
+        assert "".join(chars[segment.character_start_index:segment.character_end_index]).strip() == text
+    starts = result.alignment.character_start_times_seconds
+    assert starts == sorted(starts) and starts[-1] < len(audio) / 2 / 16_000
+    assert result.normalized_alignment == result.alignment
+
+
+def test_stream_with_timestamps_lines_carry_voice_segments(served: Served, http: httpx.Client) -> None:
+    chunks = list(client(served, http).text_to_dialogue.stream_with_timestamps(inputs=inputs(),
+                                                                            output_format="pcm_16000"))
+    assert all(chunk.voice_segments is not None for chunk in chunks)  # a required field of every line
+    aligned = [chunk for chunk in chunks if chunk.alignment is not None]
+    assert [(c.voice_segments[0].voice_id, c.voice_segments[0].dialogue_input_index) for c in aligned] == [
+        ("ann", 0), ("bob", 1), ("ann", 2)]
+    for chunk in aligned:
+        (segment,) = chunk.voice_segments
+        assert (segment.character_start_index, segment.character_end_index) == (0, len(chunk.alignment.characters))
+    audio = b"".join(base64.b64decode(c.audio_base_64) for c in chunks)
+    assert_length(served, len(audio), 16_000)
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({}, ["body", "inputs"]),
+        ({"inputs": "hello"}, ["body", "inputs"]),
+        ({"inputs": []}, ["body", "inputs"]),
+        ({"inputs": [{"text": "Hi."}]}, ["body", "inputs", 0, "voice_id"]),
+        ({"inputs": [{"text": "Hi.", "voice_id": "a", "speed": 2}]}, ["body", "inputs", 0, "speed"]),
+        ({"inputs": [{"text": 5, "voice_id": "a"}]}, ["body", "inputs", 0, "text"]),
+        ({"inputs": [{"text": " ... ", "voice_id": "a"}]}, ["body", "inputs"]),
+        ({"inputs": [{"text": "Hi.", "voice_id": f"v{i}"} for i in range(11)]}, ["body", "inputs"]),
+        ({"inputs": [{"text": "Hi.", "voice_id": "a"}], "settings": 1}, ["body", "settings"]),
+        ({"inputs": [{"text": "Hi.", "voice_id": "a"}], "text": "Hi."}, ["body", "text"]),
+    ],
+)
+def test_a_bad_request_is_a_422_naming_the_field(served: Served, body: dict[str, Any], loc: list[Any]) -> None:
+    response = httpx.post(served.http + "/v1/text-to-dialogue", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == loc
+    assert said(served) == []
+
+
+def test_the_sdk_raises_the_422(served: Served, http: httpx.Client) -> None:
+    with pytest.raises(ApiError) as raised:
+        b"".join(client(served, http).text_to_dialogue.convert(inputs=[DialogueInput(text="Hi.", voice_id="")]))
+    assert raised.value.status_code == 422
+
+
+# ---- WebSocket -------------------------------------------------------------------------------------------
+
+
+async def exchange(url: str, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int | None]:
+    """Send `messages`, read until the socket closes: (what came, the close code)."""
+    got = []
+    async with connect(url) as ws:
+        for message in messages:
+            await ws.send(json.dumps(message))
+        try:
+            while True:
+                got.append(json.loads(await ws.recv()))
+        except ConnectionClosed:
+            return got, ws.close_code
+
+
+def test_multi_stream_input_turns_voices_and_events(served: Served) -> None:
+    url = served.ws + MULTI + "?output_format=pcm_16000&sync_alignment=true"
+    messages: list[dict[str, Any]] = [
+        {"context_id": "c1", "voices": ["ann", "bob"]},
+        {"context_id": "c1", "inputs": [{"text": "Hello there, ", "voice_id": "ann"}]},
+        {"context_id": "c1", "inputs": [{"text": "how are you doing today?", "voice_id": "ann"}]},
+        {"context_id": "c1", "keep_alive": True},
+        {"context_id": "c1", "inputs": [{"text": "Fine, thanks.", "voice_id": "bob"},
+                                        {"text": "And you?", "voice_id": "bob", "new_turn": True}], "flush": True},
+        {"context_id": "c1", "close_context": True},
+        {"close_socket": True},
+    ]
+    got, code = asyncio.run(exchange(url, messages))
+    assert code == 1000
+    assert said(served) == [("ann", "Hello there, how are you doing"), ("ann", "today?"),  # first: 6 words
+                            ("bob", "Fine, thanks."), ("bob", "And you?")]
+    assert all(m["context_id"] == "c1" for m in got)
+    audio = b"".join(base64.b64decode(m["audio"]) for m in got if m.get("audio"))
+    assert_length(served, len(audio), 16_000)
+    kinds = [next(k for k in ("alignment", "is_final_audio_for_turn", "is_final", "audio") if k in m) for m in got]
+    assert kinds.count("alignment") == 4 and kinds.count("is_final_audio_for_turn") == 1
+    assert kinds[-2:] == ["is_final_audio_for_turn", "is_final"]
+    # each alignment is relative to its message's place (the audio sent before it): the words, placed on
+    # that clock, start no earlier than the audio before their segment and end within the audio sent
+    clock_ms, last_end_ms = 0.0, 0.0
+    for message in got:
+        if message.get("audio"):
+            clock_ms += len(base64.b64decode(message["audio"])) / 32.0
+        elif "alignment" in message:
+            aligned = message["alignment"]
+            starts = [clock_ms + s for s in aligned["char_start_times_ms"]]
+            ends = [s + d for s, d in zip(starts, aligned["char_durations_ms"], strict=True)]
+            assert last_end_ms - 1 <= starts[0] and ends[-1] <= clock_ms + 1, (starts[0], ends[-1], clock_ms)
+            last_end_ms = ends[-1]
+    assert last_end_ms > 0.9 * clock_ms
+
+
+def test_without_sync_alignment_no_alignment_is_sent(served: Served) -> None:
+    got, _ = asyncio.run(exchange(served.ws + MULTI, [
+        {"context_id": "a", "voices": ["ann"], "inputs": [{"text": "Just one line.", "voice_id": "ann"}]},
+        {"context_id": "a", "close_context": True}, {"close_socket": True}]))
+    assert not any("alignment" in m for m in got) and got[-1] == {"is_final": True, "context_id": "a"}
+
+
+BAD_MESSAGES: list[tuple[list[dict[str, Any]], str]] = [
+    ([{"context_id": "c", "inputs": [{"text": "Hi.", "voice_id": "ann"}]}], "voices"),
+    ([{"context_id": "c", "voices": ["ann"]}, {"context_id": "c", "inputs": [{"text": "Hi.", "voice_id": "bob"}]}],
+     "inputs[0].voice_id"),
+    ([{"context_id": "c", "voices": ["ann"]}, {"context_id": "c", "voices": ["bob"]}], "voices"),
+    ([{"voices": ["ann"]}], "context_id"),
+    ([{"context_id": "c", "voices": ["ann"], "text": "Hi."}], "text"),
+    ([{"context_id": "c", "voices": ["ann"], "flush": "yes"}], "flush"),
+]
+
+
+@pytest.mark.parametrize(("messages", "param"), BAD_MESSAGES)
+def test_a_bad_message_is_an_error_naming_the_param_then_1008(served: Served, messages: list[dict[str, Any]],
+                                                             param: str) -> None:
+    got, code = asyncio.run(exchange(served.ws + MULTI, messages))
+    assert code == 1008
+    error = got[-1]
+    assert error["param"] == param and error["code"] == 1008 and error["error"] and error["message"], error
+    assert said(served) == []
+
+
+def test_stream_input_has_one_context_and_closes_after_it(served: Served) -> None:
+    url = served.ws + "/v1/text-to-dialogue/stream-input?output_format=pcm_16000"
+    got, code = asyncio.run(exchange(url, [
+        {"voices": ["ann", "bob"], "inputs": [{"text": "Ready?", "voice_id": "ann"}]},
+        {"inputs": [{"text": "Always.", "voice_id": "bob"}], "close_socket": False},
+        {"close_socket": True}]))
+    assert code == 1000 and got[-1] == {"is_final": True}
+    assert said(served) == [("ann", "Ready?"), ("bob", "Always.")]
+    assert all("context_id" not in m for m in got)
