@@ -19,7 +19,9 @@ Markup (`StreamSpec.markup`: the vendor's inline tags, agent_server/markup.py): 
 before it and becomes a segment of its own with no text, its silence made here and never submitted; it plays in
 turn like any segment (with its SegmentStarted / SegmentDone, which carry no characters). Speed
 (`StreamSpec.speed`): the encoder plays the audio faster or slower (codecs.TempoEncoder); segment offsets and
-durations are on the audio as it plays.
+durations are on the audio as it plays. Voices: a segment is said by `StreamSpec.voice_id`, or after
+`stream.start_turn(voice_id, now_s)` (a dialogue's next line, compat/elevenlabs_dialogue.py) by that turn's
+voice; `start_turn` cuts the text before it as a flush does, so no segment holds two turns.
 
 Ordering: segment N+1 is submitted when segment N has finished generating (GENERATED), so T3 of the next
 segment overlaps the vocoder tail of the current one; audio that arrives for a segment whose turn has not

@@ -69,7 +69,7 @@ def test_elevenlabs_voice_settings_speed_moves_the_word_timings_too(served: Serv
     with pytest.raises(ApiError) as refused:
         b"".join(client.text_to_speech.convert("default", text=TEXT, voice_settings=VoiceSettings(speed=0.1)))
     assert refused.value.status_code == 422
-    assert refused.value.body["detail"][0]["loc"] == ["body", "voice_settings.speed"]
+    assert refused.value.body["detail"][0]["loc"] == ["body", "voice_settings", "speed"]
 
 
 def test_elevenlabs_websocket_takes_the_speed_of_the_first_message(served: Served) -> None:
