@@ -35,7 +35,9 @@ WebSocket `/v1/text-to-dialogue/multi-stream-input` (many contexts per socket; w
   "context_id"}` when the context ends; errors `{"message", "error", "code", "param", "context_id"}`.
   Alignment times are relative to the message ("alignment restarts at 0 on every message"): the place of an
   audio-less message is the end of the audio sent before it, so its characters, said before that, have
-  negative times (LiveKit adds them to the audio it has received and lands each word at its time).
+  negative times. LiveKit finds that place by adding up the audio it received, Pipecat by adding up each
+  alignment's span: a one-space alignment before each segment's brings the spans to that place too
+  (`_send_alignment`), so both land each word at its time.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ class DialogueContext:
     alignment: ContextAlignment
     voice: str | None = None  # the voice of the last line (None: no line yet)
     sent_ms: float = 0.0  # audio sent so far (where an audio-less message sits)
+    spans_ms: int | None = None  # the alignment spans sent so far, added up (None: no alignment yet)
     flushed: bool = False  # a flush waits for its audio to be all out (is_final_audio_for_turn)
     closing: bool = False  # close_context / close_socket / inactivity: no more input
 
@@ -401,13 +404,31 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             if event.text:  # a pause (<break>) has no characters
                 seg = place_segment(state.alignment, event)
                 if self.query is not None and self.query.sync_alignment:
-                    here_ms = state.alignment.lead_ms + state.sent_ms
-                    self.session.send(self._json(ctx, {"audio": "", "alignment": _alignment(seg, here_ms)}), ctx)
+                    self._send_alignment(ctx, seg)
             if state.flushed and ctx.stream.all_segments_done:
                 state.flushed = False
                 self.session.send(self._json(ctx, {"is_final_audio_for_turn": True}), ctx)
         elif isinstance(event, StreamDone):
             self._render_done(ctx, event)
+
+    def _send_alignment(self, ctx: DialogueCtx, seg: SegmentTimes) -> None:
+        """A segment's alignment, relative to where its message sits: the audio sent before it (what LiveKit
+        adds). Pipecat adds up the messages' spans instead (each one's last character's end): a message of one
+        space first moves that sum to the same place (an empty alignment opens the context's, as Pipecat strips
+        spaces that lead it), so both clients land every character at its time."""
+        state = ctx.state
+        here_ms = round(state.alignment.lead_ms + state.sent_ms)
+        if state.spans_ms is None:
+            self.session.send(self._json(ctx, {"audio": "", "alignment": _chars([], [], [])}), ctx)
+            state.spans_ms = 0
+        if state.spans_ms != here_ms:
+            self.session.send(self._json(ctx, {"audio": "", "alignment": _chars([" "], [here_ms - state.spans_ms],
+                                                                                  [0])}), ctx)
+        starts = [start - here_ms for start in seg.start_ms]
+        durations = [end - start for start, end in zip(seg.start_ms, seg.end_ms, strict=True)]
+        self.session.send(self._json(ctx, {"audio": "", "alignment": _chars(list(seg.chars), starts, durations)}),
+                          ctx)
+        state.spans_ms = seg.end_ms[-1] if seg.end_ms else here_ms
 
     def _json(self, ctx: DialogueCtx, body: dict[str, Any]) -> str:
         if self.multi:
@@ -455,8 +476,5 @@ def _context_id(obj: Mapping[str, Any], multi: bool, close_socket: bool) -> str:
     return cid
 
 
-def _alignment(seg: SegmentTimes, here_ms: float) -> dict[str, Any]:
-    """A segment's characters, their times relative to the message's place in the audio (`here_ms`)."""
-    origin = round(here_ms)
-    return {"chars": list(seg.chars), "char_start_times_ms": [s - origin for s in seg.start_ms],
-            "char_durations_ms": [e - s for s, e in zip(seg.start_ms, seg.end_ms, strict=True)]}
+def _chars(chars: list[str], start_ms: list[int], duration_ms: list[int]) -> dict[str, Any]:
+    return {"chars": chars, "char_start_times_ms": start_ms, "char_durations_ms": duration_ms}

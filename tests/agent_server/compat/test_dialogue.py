@@ -174,22 +174,30 @@ def test_multi_stream_input_turns_voices_and_events(served: Served) -> None:
     assert all(m["context_id"] == "c1" for m in got)
     audio = b"".join(base64.b64decode(m["audio"]) for m in got if m.get("audio"))
     assert_length(served, len(audio), 16_000)
-    kinds = [next(k for k in ("alignment", "is_final_audio_for_turn", "is_final", "audio") if k in m) for m in got]
-    assert kinds.count("alignment") == 4 and kinds.count("is_final_audio_for_turn") == 1
-    assert kinds[-2:] == ["is_final_audio_for_turn", "is_final"]
-    # each alignment is relative to its message's place (the audio sent before it): the words, placed on
-    # that clock, start no earlier than the audio before their segment and end within the audio sent
-    clock_ms, last_end_ms = 0.0, 0.0
+    words = [m for m in got if "alignment" in m and "".join(m["alignment"]["chars"]).strip()]
+    assert len(words) == 4  # one alignment per segment (and messages of no characters, or one space)
+    kinds = ["is_final_audio_for_turn" if "is_final_audio_for_turn" in m else "is_final" if "is_final" in m
+             else "other" for m in got]
+    assert kinds.count("is_final_audio_for_turn") == 1 and kinds[-2:] == ["is_final_audio_for_turn", "is_final"]
+    # Alignment times are relative to the message. LiveKit places a message where the audio before it ends;
+    # Pipecat where the spans of the alignments before it (each one's last character's end) add up to. Both
+    # must put every character at the same time, inside the audio, never going back.
+    audio_clock_ms, span_clock_ms, last_ms = 0.0, 0.0, 0.0
     for message in got:
         if message.get("audio"):
-            clock_ms += len(base64.b64decode(message["audio"])) / 32.0
+            audio_clock_ms += len(base64.b64decode(message["audio"])) / 32.0
         elif "alignment" in message:
             aligned = message["alignment"]
-            starts = [clock_ms + s for s in aligned["char_start_times_ms"]]
-            ends = [s + d for s, d in zip(starts, aligned["char_durations_ms"], strict=True)]
-            assert last_end_ms - 1 <= starts[0] and ends[-1] <= clock_ms + 1, (starts[0], ends[-1], clock_ms)
-            last_end_ms = ends[-1]
-    assert last_end_ms > 0.9 * clock_ms
+            starts, durations = aligned["char_start_times_ms"], aligned["char_durations_ms"]
+            for char, start, duration in zip(aligned["chars"], starts, durations, strict=True):
+                if char != " ":
+                    at_ms = audio_clock_ms + start  # LiveKit's
+                    assert abs(at_ms - (span_clock_ms + start)) <= 1, (audio_clock_ms, span_clock_ms)  # Pipecat's
+                    assert last_ms - 1 <= at_ms and at_ms + duration <= audio_clock_ms + 1
+                    last_ms = at_ms
+            if starts:
+                span_clock_ms += starts[-1] + durations[-1]
+    assert last_ms > 0.8 * audio_clock_ms
 
 
 def test_without_sync_alignment_no_alignment_is_sent(served: Served) -> None:

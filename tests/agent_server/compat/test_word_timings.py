@@ -30,6 +30,7 @@ from livekit.plugins import cartesia as lk_cartesia
 from livekit.plugins import elevenlabs as lk_elevenlabs
 from pipecat.frames.frames import LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame, TTSAudioRawFrame
 from pipecat.pipeline.worker import PipelineParams
+from pipecat.services.elevenlabs.dialogue.tts import ElevenLabsDialogueTTSService
 from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
 from pipecat.tests.utils import SleepFrame, run_test
 from websockets.asyncio.client import connect
@@ -190,20 +191,23 @@ def test_livekit_cartesia_word_times(served: Served) -> None:
 # ---- Pipecat: ElevenLabs WebSocket (alignment, message-relative, added up by the service) -----------------
 
 
-def test_pipecat_elevenlabs_word_times(served: Served) -> None:
+@pytest.mark.parametrize("service_class", [ElevenLabsTTSService, ElevenLabsDialogueTTSService])
+def test_pipecat_elevenlabs_word_times(served: Served, service_class: Any) -> None:
+    """Pipecat's ElevenLabs services: text to speech (multi-stream-input) and text to dialogue (eleven_v3; its
+    clock adds up each alignment message's span, where LiveKit's adds up the audio: both must land)."""
     words: list[tuple[str, float]] = []
+    model = "eleven_v3" if service_class is ElevenLabsDialogueTTSService else "eleven_flash_v2_5"
 
     async def main() -> list[object]:
-        service = ElevenLabsTTSService(
-            api_key="sk", url=served.ws,
-            settings=ElevenLabsTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_flash_v2_5"))
+        service = service_class(
+            api_key="sk", url=served.ws, settings=service_class.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model=model))
         consume = service.add_word_timestamps
 
         async def record(word_times: list[tuple[str, float]], *args: Any, **kwargs: Any) -> None:
             words.extend(word_times)  # what the service computed from our messages, as it hands it on
             await consume(word_times, *args, **kwargs)
 
-        service.add_word_timestamps = record  # type: ignore[method-assign]
+        service.add_word_timestamps = record
         frames = [LLMFullResponseStartFrame(), *[LLMTextFrame(p) for p in PIECES], LLMFullResponseEndFrame(),
                   SleepFrame(sleep=2.0)]
         down, _ = await run_test(service, frames_to_send=frames,
