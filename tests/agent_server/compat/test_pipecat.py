@@ -23,6 +23,7 @@ from pipecat.frames.frames import (
 from pipecat.pipeline.worker import PipelineParams
 from pipecat.services.cartesia.tts import CartesiaTTSService
 from pipecat.services.deepgram.tts import DeepgramTTSService
+from pipecat.services.elevenlabs.dialogue.tts import ElevenLabsDialogueTTSService
 from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
 from pipecat.services.openai.tts import OpenAITTSService
 from pipecat.services.tts_service import TTSService
@@ -43,6 +44,10 @@ SERVICES: dict[str, tuple[Factory, int]] = {
     "elevenlabs": (lambda s, _: ElevenLabsTTSService(
         api_key="sk", url=s.ws,
         settings=ElevenLabsTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_flash_v2_5")), 16_000),
+    # eleven_v3: text to dialogue's multi-stream-input (compat/elevenlabs_dialogue.py)
+    "elevenlabs_dialogue": (lambda s, _: ElevenLabsDialogueTTSService(
+        api_key="sk", url=s.ws,
+        settings=ElevenLabsDialogueTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_v3")), 16_000),
     "cartesia": (lambda s, _: CartesiaTTSService(
         api_key="sk", url=s.ws + "/tts/websocket",
         settings=CartesiaTTSService.Settings(voice="a0e99841-438c-4a64-b679-ae501e7d6091")), 16_000),
