@@ -21,6 +21,7 @@ import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import structlog
@@ -195,6 +196,13 @@ class GracefulServer(uvicorn.Server):
             sock.close()
         self.drained = await self.hub.drain(self.grace_s, give_up=lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A second signal skips the drain's wait: SIGTERM as well (uvicorn: a second SIGINT only), as a
+        supervisor or `kill` sends it."""
+        if self.should_exit:
+            self.force_exit = True
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

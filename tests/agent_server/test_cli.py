@@ -9,6 +9,7 @@ import asyncio
 import json
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,30 @@ def test_exit_status_says_whether_the_drain_was_complete(tmp_path: Path) -> None
         assert proc.wait(20) == EXIT_DRAIN_CUT
     assert reason == "shutdown"
     assert any(line.get("event") == "drain_deadline" for line in log_lines(log_path))
+
+
+def test_a_second_sigterm_skips_the_wait(tmp_path: Path) -> None:
+    """The drain waits up to --shutdown-grace-s for speech to end; a second SIGTERM (not only Ctrl-C twice)
+    cuts it short: the process exits at once, the turn ended as shutdown."""
+    env = {"FAKE_ENGINE_OPTIONS": json.dumps({"realtime_factor": 1.0})}
+    with cli_server(tmp_path, env, "--shutdown-grace-s", "60") as (proc, port, _):
+
+        async def speak_then_signal_twice() -> tuple[str | None, float]:
+            client = await NativeClient.connect(f"ws://127.0.0.1:{port}/v1/stream")
+            try:
+                log = await client.open("long", text="A long answer that takes many seconds to speak. " * 8)
+                await client.end("long")
+                while not log.frames:
+                    await asyncio.sleep(0.01)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                started_s = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(log.finished.wait(), 10)
+                return (None if log.done is None else str(log.done["reason"])), time.monotonic() - started_s
+            finally:
+                await client.close()
+
+        reason, waited_s = asyncio.run(speak_then_signal_twice())
+        assert proc.wait(20) == EXIT_DRAIN_CUT
+    assert reason == "shutdown" and waited_s < 10
