@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import logging
 import socket
 import threading
 import time
@@ -498,6 +499,18 @@ def create_metrics_app(main_app: Starlette) -> Starlette:
     return app
 
 
+METRICS_THREAD = "metrics-http"
+
+
+class _NotFromThread(logging.Filter):
+    def __init__(self, thread_name: str) -> None:
+        super().__init__()
+        self.thread_name = thread_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != self.thread_name
+
+
 def serve_in_thread(
     main_app: Starlette, host: str, port: int, **config: Any
 ) -> tuple[uvicorn.Server, threading.Thread]:
@@ -507,10 +520,15 @@ def serve_in_thread(
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    options: dict[str, Any] = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": 1, **config}
+    # uvicorn's `access_log=False` empties the process-wide "uvicorn.access" logger, the main port's too:
+    # the scrapes' lines are left out by the thread that logs them instead.
+    options: dict[str, Any] = {"log_config": None, "timeout_graceful_shutdown": 1, **config}
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _NotFromThread) and f.thread_name == METRICS_THREAD for f in access.filters):
+        access.addFilter(_NotFromThread(METRICS_THREAD))
     app = create_metrics_app(main_app)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1], lifespan="off", **options))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="metrics-http", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=METRICS_THREAD, daemon=True)
     thread.start()
     return server, thread
 

@@ -4,6 +4,7 @@ registry, the metrics port serves the same numbers, and several apps never share
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
@@ -182,6 +183,8 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
     engine = StatsFakeEngine(realtime_factor=0.2)
     with metrics_server(engine, Settings(data_dir=tmp_path), sample_period_s=0.1) as (server, m):
         app = server.app
+        access = logging.getLogger("uvicorn.access")
+        access_before = (access.propagate, list(access.handlers))
         side, side_thread = metrics.serve_in_thread(app, "127.0.0.1", 0)
         try:
             wait_for(lambda: side.started)
@@ -208,6 +211,13 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
             assert httpx.get(side_url + "/").headers["location"] == "/dashboard"
             assert httpx.get(side_url + "/v1/stream").status_code == 404
             assert httpx.get(server.http_url + "/").text.startswith("<!doctype html>")
+
+            # the main port's access lines go on (uvicorn's access_log=False would have silenced both ports)
+            assert (access.propagate, access.handlers) == access_before
+            assert access.filter(logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "GET /", None, None))
+            scraped = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "GET /metrics", None, None)
+            scraped.threadName = metrics.METRICS_THREAD
+            assert not access.filter(scraped)  # the metrics port's own are left out
 
             hello, sample = read_stream(side_url)
             assert hello["variant"] == "english" and hello["random_weights"] is True
