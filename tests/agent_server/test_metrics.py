@@ -184,6 +184,8 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
     with metrics_server(engine, Settings(data_dir=tmp_path), sample_period_s=0.1) as (server, m):
         app = server.app
         access = logging.getLogger("uvicorn.access")
+        propagated = access.propagate
+        access.propagate = True  # as a server with access lines has it (the test server runs without)
         access_before = (access.propagate, list(access.handlers))
         side, side_thread = metrics.serve_in_thread(app, "127.0.0.1", 0)
         try:
@@ -248,6 +250,7 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
         finally:
             side.should_exit = True
             side_thread.join(10)
+            access.propagate = propagated
     assert not side_thread.is_alive()
     assert m.hub.engine is None or not m.hub.engine.alive
 
