@@ -203,6 +203,7 @@ class SegmentDone:
     speech_tokens: int
     char_start_ms: list[int]  # per character of `text`, from the start of the stream's audio
     char_duration_ms: list[int]
+    turn: int = 0  # the turn it belongs to: 0 before the first `start_turn`, then 1, 2, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +284,7 @@ class SegmentState:
     cached: bool = False  # its STARTED event said it is replayed from the phrase cache
     pause_ms: int = 0  # > 0: a pause (markup): its silence is made here, never submitted; its text is ""
     voice_id: str = ""  # who says it (the stream's voice, or its turn's: `start_turn`)
+    turn: int = 0  # `SegmentDone.turn`
     spoken: Spoken | None = None  # what the engine was given for `text` (set when submitted)
 
 
@@ -332,7 +334,7 @@ class Stream(Protocol):
     def all_segments_done(self) -> bool: ...
     def open(self) -> None: ...
     def push_text(self, text: str, now_s: float) -> list[str]: ...
-    def start_turn(self, voice_id: str, now_s: float) -> None: ...
+    def start_turn(self, voice_id: str, now_s: float) -> int: ...
     def flush(self, now_s: float) -> None: ...
     def end(self, now_s: float) -> None: ...
     def poll(self, now_s: float) -> None: ...
@@ -382,6 +384,7 @@ class SpeechStream:
         self._listener = ListenerClock(spec.speed)
         self._markup = MarkupFilter(spec.markup) if spec.markup else None
         self._voice_id = spec.voice_id  # the voice of the text pushed next (`start_turn` changes it)
+        self._turn = 0  # how many turns were started
 
     # ---- the verbs -----------------------------------------------------------------------------
 
@@ -401,11 +404,14 @@ class SpeechStream:
         self._take_pieces(self._markup.feed(text), now_s)
         return self._markup.take_problems()
 
-    def start_turn(self, voice_id: str, now_s: float) -> None:
+    def start_turn(self, voice_id: str, now_s: float) -> int:
         """The text pushed next is a new turn (a line of a dialogue), said by `voice_id` (a voice the caller
-        checked): the text before it is cut as at a flush, so no segment holds two turns or two voices."""
+        checked): the text before it is cut as at a flush, so no segment holds two turns or two voices.
+        Returns the turn's number (1 for the first), which its segments' `SegmentDone.turn` carries."""
         self.flush(now_s)
         self._voice_id = voice_id
+        self._turn += 1
+        return self._turn
 
     def flush(self, now_s: float) -> None:
         self._require_open("flush")
@@ -486,7 +492,7 @@ class SpeechStream:
                 continue
             index = len(self._segments)
             self._segments.append(SegmentState(index, seg.text, seg.start_char, seg.end_char,
-                                               voice_id=self._voice_id))
+                                               voice_id=self._voice_id, turn=self._turn))
         if cut:
             self._submit_ready()
 
@@ -710,7 +716,8 @@ class SpeechStream:
         spoken = seg.spoken or unchanged(seg.text)  # a pause has none
         starts, durations = spoken.written_times(*char_alignment(spoken.text, seg.audio_offset_ms, audio_ms))
         self._emit(self, SegmentDone(
-            seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations
+            seg.index, seg.text, seg.start_char, seg.audio_offset_ms, audio_ms, seg.speech_tokens, starts, durations,
+            seg.turn,
         ))
 
     def _maybe_complete(self) -> None:

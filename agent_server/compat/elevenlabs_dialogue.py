@@ -182,12 +182,8 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
         turns = tuple(Turn(resolve_voice(session.hub, line.voice_id), line.text) for line in lines)
         spec = make_spec(session.hub, voice_id=turns[0].voice_id, output_format=output, seed=request.seed,
                          language=request.language, markup=ELEVENLABS_V3_TAGS, normalize=request.normalize)
-        starts, at = [], 0
-        for line in lines:
-            starts.append(at)
-            at += len(line.text)
         state = HttpState(request, ContextAlignment(lead_ms=output.lead_ms),
-                          lines=LineTrack([line.voice_id for line in lines], starts))
+                          lines=LineTrack([line.voice_id for line in lines]))
         return Speech(spec, request.text, state, turns)
 
 

@@ -30,7 +30,6 @@ characters the client sent (a normalised "$4.50" has the times of its words). Er
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,15 +205,15 @@ def voice_segment(voice_id: str, start_ms: float, end_ms: float, first_char: int
 
 @dataclass(slots=True)
 class LineTrack:
-    """A dialogue's lines (compat/elevenlabs_dialogue.py): their voices as the client named them, where
-    each starts in the concatenated text, and the line of each segment placed so far."""
+    """A dialogue's lines (compat/elevenlabs_dialogue.py), each pushed as a turn of its own (line i is turn
+    i + 1: `SpeechStream.start_turn`): their voices as the client named them, and each placed segment's line."""
 
     voice_ids: list[str]
-    starts: list[int]
     segment_lines: list[int] = field(default_factory=list)
 
-    def line_of(self, start_char: int) -> int:
-        return max(0, bisect.bisect_right(self.starts, start_char) - 1)
+    @staticmethod
+    def line_of(turn: int) -> int:
+        return turn - 1
 
     def whole_request(self, alignment: ContextAlignment, chars_kept: int) -> list[dict[str, Any]]:
         """`voice_segments` of the whole answer: one per line, over the first `chars_kept` characters."""
@@ -291,7 +290,7 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
         seg = place_segment(state.alignment, event)
         voice_segments = None
         if state.lines is not None:
-            line = state.lines.line_of(event.start_char)
+            line = state.lines.line_of(event.turn)
             state.lines.segment_lines.append(line)
             voice_segments = [voice_segment(state.lines.voice_ids[line], seg.audio_start_ms, seg.audio_end_ms, 0,
                                             len(seg.chars), line)]

@@ -97,6 +97,35 @@ def test_convert_with_timestamps_has_a_voice_segment_per_line(served: Served, ht
     assert result.normalized_alignment == result.alignment
 
 
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        # v3 tags and whitespace are not in the alignment: the lines must still get their own voice segment
+        ([("ann", "[excited] Wait, really?"), ("bob", "Yes."), ("ann", "Wow.")],
+         [("ann", 0, "Wait, really?"), ("bob", 1, "Yes."), ("ann", 2, "Wow.")]),
+        ([("ann", "Hello "), ("bob", "world.")], [("ann", 0, "Hello"), ("bob", 1, "world.")]),
+        ([("ann", "  padded  "), ("bob", "\nnext\n")], [("ann", 0, "padded"), ("bob", 1, "next")]),
+        ([("ann", "Wait [pause] here."), ("bob", "Okay.")], [("ann", 0, "Wait here."), ("bob", 1, "Okay.")]),
+        ([("ann", "First line."), ("bob", "[sighs]"), ("ann", "Third line.")],  # a line with nothing to say
+         [("ann", 0, "First line."), ("ann", 2, "Third line.")]),
+    ],
+)
+def test_voice_segments_follow_the_lines_whatever_they_hold(
+    served: Served, http: httpx.Client, lines: list[tuple[str, str]], expected: list[tuple[str, int, str]]
+) -> None:
+    result = client(served, http).text_to_dialogue.convert_with_timestamps(inputs=inputs(lines),
+                                                                         output_format="pcm_16000")
+    chars = result.alignment.characters
+    got = [(s.voice_id, s.dialogue_input_index,
+            "".join(chars[s.character_start_index:s.character_end_index]).strip()) for s in result.voice_segments]
+    assert got == expected
+    chunks = list(client(served, http).text_to_dialogue.stream_with_timestamps(inputs=inputs(lines),
+                                                                              output_format="pcm_16000"))
+    streamed = [(c.voice_segments[0].voice_id, c.voice_segments[0].dialogue_input_index,
+                 "".join(c.alignment.characters).strip()) for c in chunks if c.alignment is not None]
+    assert streamed == expected
+
+
 def test_stream_with_timestamps_lines_carry_voice_segments(served: Served, http: httpx.Client) -> None:
     chunks = list(client(served, http).text_to_dialogue.stream_with_timestamps(inputs=inputs(),
                                                                             output_format="pcm_16000"))
