@@ -42,6 +42,7 @@ WebSocket `/v1/text-to-dialogue/multi-stream-input` (many contexts per socket; w
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -95,6 +96,7 @@ from agent_server.session import (
 from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.timestamps import ContextAlignment, SegmentTimes
 
+MAX_GONE_CONTEXTS = 256  # refused or ended context ids remembered per socket (their late messages get an error)
 MAX_VOICES = 10  # distinct voices in one request or context, as the vendor allows
 MAX_INPUTS = 1000  # lines in one HTTP request (the text limits bound it too)
 INPUT_FIELDS = frozenset({"text", "voice_id"})
@@ -257,6 +259,9 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         super().__init__(session)
         self.query: Query | None = None
         self._closing_socket = False
+        # contexts refused (busy) or ended, by id -> why: a later message for one gets an error of its own,
+        # not "first message needs voices" (which would close the socket and every other context with it)
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     async def on_open(self) -> None:
         try:
@@ -298,9 +303,18 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         ctx = session.contexts.get(cid)
         if ctx is None and (flags["close_context"] or flags["keep_alive"]) and "voices" not in obj:
             return  # nothing open under that id: nothing to close or keep alive
+        if ctx is None and "voices" not in obj and cid in self._gone:
+            why = self._gone[cid]
+            session.send(error_message("context_closed", f"context {cid!r} {why}: open it again with voices",
+                                       CLOSE_TRY_AGAIN_LATER if why.startswith("was refused") else CLOSE_POLICY,
+                                       "context_id", cid))
+            return  # the socket stays open: the client's other contexts go on
         if ctx is None:
+            self._gone.pop(cid, None)
             ctx = await self._open(cid, obj, now_s)
             if ctx is None:
+                if session.state == SessionState.OPEN:
+                    self._forget(cid, "was refused (busy)")
                 return
         elif "voices" in obj:
             session.reject(FieldError("voices", "voices are set by a context's first message only",
@@ -340,6 +354,9 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         if flush and stream.status == StreamStatus.OPEN:
             stream.flush(now_s)
             state.flushed = True
+            if stream.all_segments_done:  # nothing to say, or all of it said: the turn's audio is all out now
+                state.flushed = False
+                self.session.send(self._json(ctx, {"is_final_audio_for_turn": True}), ctx)
 
     async def _open(self, cid: str, obj: Mapping[str, Any], now_s: float) -> DialogueCtx | None:
         session = self.session
@@ -431,7 +448,14 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             body["context_id"] = ctx.context_id
         return orjson.dumps(body).decode()
 
+    def _forget(self, cid: str, why: str) -> None:
+        self._gone[cid] = why
+        self._gone.move_to_end(cid)
+        while len(self._gone) > MAX_GONE_CONTEXTS:
+            self._gone.popitem(last=False)
+
     def _render_done(self, ctx: DialogueCtx, event: StreamDone) -> None:
+        self._forget(ctx.context_id, "has ended")
         session = self.session
         cid = ctx.context_id if self.multi else None
         if event.status in (StreamStatus.BUSY, StreamStatus.FAILED, StreamStatus.SHUTDOWN):

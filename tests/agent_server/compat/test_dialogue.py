@@ -266,3 +266,50 @@ def test_stream_input_has_one_context_and_closes_after_it(served: Served) -> Non
     assert code == 1000 and got[-1] == {"is_final": True}
     assert said(served) == [("ann", "Ready?"), ("bob", "Always.")]
     assert all("context_id" not in m for m in got)
+
+
+def test_a_context_refused_or_ended_gets_its_own_error_and_the_others_go_on(served: Served) -> None:
+    """Past the per-socket context limit a new context is refused (busy); the client's next message for it (LiveKit
+    sends its text right after the registration) must not close the socket under the contexts that are open."""
+    limit = served.live.hub.settings.max_contexts_per_session
+    messages: list[dict[str, Any]] = [{"context_id": f"c{i}", "voices": ["ann"]} for i in range(limit + 1)]
+    messages += [
+        {"context_id": f"c{limit}", "inputs": [{"text": "Am I in?", "voice_id": "ann"}]},
+        {"context_id": "c0", "inputs": [{"text": "Still here.", "voice_id": "ann"}], "flush": True},
+        {"context_id": "c0", "close_context": True},
+    ]
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+        async with connect(served.ws + MULTI + "?output_format=pcm_16000") as ws:
+            for message in messages:
+                await ws.send(json.dumps(message))
+            got: list[dict[str, Any]] = []
+            while not any(m.get("is_final") for m in got):
+                got.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            await ws.send(json.dumps({"context_id": "c0", "inputs": [{"text": "Again.", "voice_id": "ann"}]}))
+            late = [json.loads(await asyncio.wait_for(ws.recv(), 10))]
+            await ws.send(json.dumps({"close_socket": True}))
+            try:
+                while True:
+                    late.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            except ConnectionClosed:
+                return got, late, ws.close_code
+
+    got, late, code = asyncio.run(scenario())
+    refused = f"c{limit}"
+    errors = [m for m in got if "error" in m]
+    assert [(m["error"], m["context_id"]) for m in errors] == [("max_active_conversations", refused),
+                                                                ("context_closed", refused)]
+    assert [m["context_id"] for m in got if m.get("is_final")] == ["c0"]  # spoken to its end, socket open
+    assert any(m.get("audio") and m["context_id"] == "c0" for m in got)
+    assert (late[0]["error"], late[0]["context_id"]) == ("context_closed", "c0") and "ended" in late[0]["message"]
+    assert code == 1000  # close_socket: the other contexts end, then the socket
+    assert said(served) == [("ann", "Still here.")]
+
+
+def test_a_flush_with_nothing_to_say_still_ends_its_turn(served: Served) -> None:
+    got, _ = asyncio.run(exchange(served.ws + MULTI, [
+        {"context_id": "a", "voices": ["ann"], "inputs": [{"text": "[laughs] ", "voice_id": "ann"}], "flush": True},
+        {"context_id": "a", "close_context": True}, {"close_socket": True}]))
+    assert got == [{"is_final_audio_for_turn": True, "context_id": "a"}, {"is_final": True, "context_id": "a"}]
+    assert said(served) == []
