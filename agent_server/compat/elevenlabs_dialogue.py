@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from agent_server.codecs import MS_PER_S, StreamFormat
 from agent_server.compat.common import (
     b64,
     check_model,
@@ -225,6 +226,55 @@ class DialogueStreamWithTimestampsProtocol(DialogueHttpProtocol):
 # ---- WebSocket -------------------------------------------------------------------------------------
 
 
+RAW_BYTES_PER_SAMPLE: Mapping[str, int] = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
+OGG_PAGE_HEADER_BYTES = 27
+OPUS_GRANULE_PER_MS = 48  # Ogg Opus granule positions count 48 kHz samples
+
+
+@dataclass(slots=True)
+class ReceivedAudio:
+    """How much audio the bytes sent so far hold, counted from the bytes as a client counts them (LiveKit
+    places an audio-less message there): raw PCM and G.711 by their size; MP3 (constant bit rate) by size x 8 /
+    bit rate, its encoder's priming included; Ogg Opus by its last complete page's granule position. The
+    encoders' own count (what went into the codec, the priming added) for the rest: a codec holds back
+    audio it has taken (MP3: up to ~100 ms), which a client has not received yet."""
+
+    fmt: StreamFormat
+    bytes_sent: int = 0
+    encoded_ms: float = 0.0
+    ogg_end_ms: float = 0.0
+    ogg_tail: bytes = b""
+
+    def add(self, payload: bytes, duration_ms: float) -> None:
+        self.bytes_sent += len(payload)
+        self.encoded_ms += duration_ms
+        if self.fmt.container == "ogg":
+            self.ogg_tail += payload
+            while len(self.ogg_tail) >= OGG_PAGE_HEADER_BYTES:
+                header_bytes = OGG_PAGE_HEADER_BYTES + self.ogg_tail[OGG_PAGE_HEADER_BYTES - 1]
+                if len(self.ogg_tail) < header_bytes:
+                    break
+                page_bytes = header_bytes + sum(self.ogg_tail[OGG_PAGE_HEADER_BYTES:header_bytes])
+                if len(self.ogg_tail) < page_bytes:
+                    break
+                granule = int.from_bytes(self.ogg_tail[6:14], "little", signed=True)
+                if granule > 0:  # 0 on header pages, -1 on a page where no packet ends
+                    self.ogg_end_ms = granule / OPUS_GRANULE_PER_MS
+                self.ogg_tail = self.ogg_tail[page_bytes:]
+
+    @property
+    def ms(self) -> float:
+        fmt = self.fmt
+        if fmt.container == "raw":
+            return self.bytes_sent * MS_PER_S / (RAW_BYTES_PER_SAMPLE[fmt.codec] * fmt.sample_rate_hz)
+        bitrate_bps = fmt.effective_bitrate_bps
+        if fmt.container == "mp3" and bitrate_bps:
+            return self.bytes_sent * 8 * MS_PER_S / bitrate_bps
+        if fmt.container == "ogg":
+            return self.ogg_end_ms
+        return fmt.lead_ms + self.encoded_ms
+
+
 @dataclass(slots=True)
 class DialogueContext:
     """What a dialogue context keeps beside its stream."""
@@ -232,8 +282,8 @@ class DialogueContext:
     voices: tuple[str, ...]  # the context's voices, as the client named them
     last_input_s: float
     alignment: ContextAlignment
+    received: ReceivedAudio  # the audio sent so far, as the client counts it (where an audio-less message sits)
     voice: str | None = None  # the voice of the last line (None: no line yet)
-    sent_ms: float = 0.0  # audio sent so far (where an audio-less message sits)
     spans_ms: int | None = None  # the alignment spans sent so far, added up (None: no alignment yet)
     flushed: bool = False  # a flush waits for its audio to be all out (is_final_audio_for_turn)
     closing: bool = False  # close_context / close_socket / inactivity: no more input
@@ -377,7 +427,8 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             error.context_id = cid
             session.reject(error)
             return None
-        state = DialogueContext(tuple(voices), now_s, ContextAlignment(lead_ms=query.output_format.lead_ms))
+        state = DialogueContext(tuple(voices), now_s, ContextAlignment(lead_ms=query.output_format.lead_ms),
+                                ReceivedAudio(query.output_format))
         return await session.open_context(cid, spec, state)
 
     def _close_context(self, ctx: DialogueCtx, now_s: float) -> None:
@@ -411,7 +462,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
     def render(self, ctx: DialogueCtx, event: StreamEvent) -> None:
         state = ctx.state
         if isinstance(event, AudioOut):
-            state.sent_ms += event.duration_ms
+            state.received.add(event.payload, event.duration_ms)
             self.session.send_audio(ctx, self._json(ctx, {"audio": b64(event.payload)}), event.duration_ms)
         elif isinstance(event, SegmentDone):
             if event.text:  # a pause (<break>) has no characters
@@ -430,7 +481,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         space first moves that sum to the same place (an empty alignment opens the context's, as Pipecat strips
         spaces that lead it), so both clients land every character at its time."""
         state = ctx.state
-        here_ms = round(state.alignment.lead_ms + state.sent_ms)
+        here_ms = round(state.received.ms)
         if state.spans_ms is None:
             self.session.send(self._json(ctx, {"audio": "", "alignment": _chars([], [], [])}), ctx)
             state.spans_ms = 0

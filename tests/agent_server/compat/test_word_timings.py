@@ -178,6 +178,73 @@ def test_compressed_formats_times_are_where_the_decoded_audio_is(served: Served,
     assert_words_on_the_audio(served, pcm16, words, rate_hz)
 
 
+async def dialogue_messages(url: str) -> list[dict[str, Any]]:
+    """One text-to-dialogue context as LiveKit drives it: registration, pieces, flush, close_context."""
+    messages = []
+    async with connect(url) as ws:
+        await ws.send(json.dumps({"context_id": "a", "voices": ["v"]}))
+        for piece in PIECES:
+            await ws.send(json.dumps({"context_id": "a", "inputs": [{"text": piece, "voice_id": "v"}]}))
+        await ws.send(json.dumps({"context_id": "a", "flush": True}))
+        await ws.send(json.dumps({"context_id": "a", "close_context": True}))
+        async for raw in ws:
+            messages.append(json.loads(raw))
+            if messages[-1].get("is_final"):
+                return messages
+    raise AssertionError("no is_final")
+
+
+def ogg_end_ms(data: bytes) -> float:
+    """The last complete Ogg page's granule position, in ms (how LiveKit counts Opus audio received)."""
+    end_ms, pos = 0.0, 0
+    while len(data) - pos >= 27:
+        header = 27 + data[pos + 26]
+        if len(data) - pos < header or len(data) - pos < header + sum(data[pos + 27:pos + header]):
+            break
+        granule = int.from_bytes(data[pos + 6:pos + 14], "little", signed=True)
+        end_ms = granule / 48 if granule > 0 else end_ms
+        pos += header + sum(data[pos + 27:pos + header])
+    return end_ms
+
+
+@pytest.mark.parametrize("output_format", ["mp3_22050_32", "mp3_44100_128", "opus_48000_64", "pcm_16000"])
+def test_dialogue_times_from_the_bytes_received_are_where_the_decoded_audio_is(served: Served,
+                                                                               output_format: str) -> None:
+    """Text to dialogue's alignment is relative to the audio received before it, which LiveKit counts from the
+    bytes (MP3: size x 8 / bit rate; Opus: the Ogg granule; PCM: its size), not from what went into the codec
+    (which holds some back): every segment's first word is where PyAV finds that segment's audio."""
+    url = f"{served.ws}/v1/text-to-dialogue/multi-stream-input?output_format={output_format}&sync_alignment=true"
+    messages = asyncio.run(dialogue_messages(url))
+    encoded, words = b"", []
+    codec, rate, *rest = output_format.split("_")
+    for message in messages:
+        if message.get("audio"):
+            encoded += base64.b64decode(message["audio"])
+        elif message.get("alignment"):
+            if codec == "pcm":
+                received_ms = len(encoded) / 2 / int(rate) * 1000
+            elif codec == "mp3":
+                received_ms = len(encoded) * 8 / int(rest[0])
+            else:
+                received_ms = ogg_end_ms(encoded)
+            aligned = message["alignment"]
+            text = "".join(aligned["chars"])
+            at = 0
+            for word in text.split():
+                at = text.index(word, at)
+                words.append((word, (received_ms + aligned["char_start_times_ms"][at]) / 1000.0))
+                at += len(word)
+    if codec == "pcm":
+        pcm16, rate_hz = encoded, int(rate)
+    else:
+        with av.open(io.BytesIO(encoded), "r") as container:
+            stream = container.streams.audio[0]
+            rate_hz = stream.rate
+            decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(stream)])
+        pcm16 = (np.clip(decoded, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+    assert_words_on_the_audio(served, pcm16, words, rate_hz)
+
+
 def test_livekit_cartesia_word_times(served: Served) -> None:
     def make(s: Served, http: aiohttp.ClientSession) -> Any:
         return lk_cartesia.TTS(api_key="sk", base_url=s.http, sample_rate=RATE_HZ, http_session=http,
