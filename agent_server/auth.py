@@ -17,7 +17,9 @@ used where only a key will do) before any route runs, so a refused WebSocket is 
   /v1/tokens/revoke`) and is what a browser puts in the WebSocket URL (`?token=...`). The secret is
   `Settings.token_secret` (AGENT_SERVER_TOKEN_SECRET; set it when several server processes must accept
   each other's tokens) or a random one per process.
-- mode: `on`, `off` or `auto` (on when keys are configured, else off). Off is logged loudly at start
+- mode: `on`, `off` or `auto`: on when keys are configured or a keys file is named (an empty file refuses
+  to start rather than leave the port open), and from the moment a key is added to the shared state (`python
+  -m agent_server.keys add`; revoking every key later does not turn it off), else off. Off is logged loudly
   (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning).
 - per-key limits: concurrent sessions (checked by `Hub.admit`, so a refusal is the protocol's own
   `busy` + close 1013, or 429 over HTTP) and text characters per minute (a token bucket charged by the
@@ -146,6 +148,7 @@ class Auth:
         max_sessions_per_key: int = 0,
         max_text_chars_per_minute_per_key: int = 0,
         shared: SharedState | None = None,
+        keys_file: str | None = None,
     ) -> None:
         if mode not in AUTH_MODES:
             raise AuthConfigError(f"auth must be one of {', '.join(AUTH_MODES)} (got {mode!r})")
@@ -158,8 +161,13 @@ class Auth:
         if mode == "on" and not self._key_hashes and not self.shared.shared:
             raise AuthConfigError("auth is on but no API keys are configured "
                                   "(AGENT_SERVER_API_KEYS or --api-keys-file)")
+        if mode != "off" and keys_file is not None and not self._key_hashes and not self.shared.shared:
+            raise AuthConfigError(f"the API keys file {keys_file} holds no key: the server would be open to "
+                                  "anyone (add keys, or --auth off to run without them)")
         self.mode = mode
-        self.enabled = mode == "on" or (mode == "auto" and bool(self._key_hashes))
+        # auto: on once any key is known (configured, a keys file named, or added to the shared state at run
+        # time with `python -m agent_server.keys`), and never back off (revoking every key must not open it)
+        self._auto_on = mode == "auto" and (bool(self._key_hashes) or keys_file is not None)
         self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
         self.token_ttl_s = token_ttl_s
         self.allowed_origins = frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip())
@@ -186,7 +194,18 @@ class Auth:
             max_sessions_per_key=settings.max_sessions_per_key,
             max_text_chars_per_minute_per_key=settings.max_text_chars_per_minute_per_key,
             shared=shared,
+            keys_file=None if keys_file is None else str(keys_file),
         )
+
+    @property
+    def enabled(self) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        if not self._auto_on and self.shared.mirror.key_hashes:
+            self._auto_on = True
+            log.info("auth_on", reason="a key was added to the shared state", shared_keys=len(
+                self.shared.mirror.key_hashes))
+        return self._auto_on
 
     @property
     def key_count(self) -> int:

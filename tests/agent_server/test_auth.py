@@ -196,6 +196,34 @@ def test_keys_are_kept_hashed_and_shared_keys_and_revocations_apply() -> None:
     run(scenario())
 
 
+def test_auto_turns_on_with_the_first_shared_key_and_stays_on() -> None:
+    """auto with no configured key: open, until a key is added to the shared state (`python -m
+    agent_server.keys add` on a fleet); revoking that key later must not open the server again."""
+    auth = Auth(mode="auto")
+    assert not auth.enabled and auth.check(scope()) is None
+    key = "k-fleet-added-1"
+
+    async def scenario() -> None:
+        await auth.shared.add_key(key_hash(key), fingerprint(key))
+        with pytest.raises(Denied):
+            auth.check(scope())  # on now: no credential is refused
+        assert auth.check(scope({"X-API-Key": key})) == Principal(fingerprint(key))
+        await auth.shared.revoke_key(fingerprint(key))
+        with pytest.raises(Denied):
+            auth.check(scope())  # still on
+        assert auth.enabled and auth.status_json()["enabled"] is True
+
+    run(scenario())
+
+
+def test_a_named_keys_file_means_keys_even_when_empty(tmp_path: Path) -> None:
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(AuthConfigError, match="holds no key"):
+        Auth.from_settings(Settings(api_keys_file=empty))  # auto: would have been an open server
+    assert not Auth.from_settings(Settings(api_keys_file=empty, auth="off")).enabled
+
+
 # ---- a real server -------------------------------------------------------------------------------
 
 
