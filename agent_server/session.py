@@ -220,6 +220,8 @@ class Session(Generic[S]):
         self.state = SessionState.OPEN
         self.contexts: dict[str, Context[S]] = {}
         self.log = log.bind(session_id=self.session_id, protocol=self.protocol_name)
+        if self.principal is not None:  # every line of the session names its API key (by fingerprint)
+            self.log = self.log.bind(key=self.principal.key_id)
         self.close_code = CLOSE_NORMAL
         self.close_reason = ""
         self.last_input_s = time.monotonic()  # the last client message

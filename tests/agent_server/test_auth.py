@@ -274,9 +274,14 @@ def test_http_endpoints_need_a_key(server: LiveServer) -> None:
     bad_origin = httpx.get(base + "/v1/voices", headers={"X-API-Key": KEY_A, "Origin": "https://evil.example"})
     assert bad_origin.status_code == 403
     assert httpx.get(base + "/v1/voices", headers={"X-API-Key": KEY_A, "Origin": ORIGIN}).status_code == 200
-    speech = httpx.post(base + "/v1/audio/speech", headers={"Authorization": f"Bearer {KEY_A}"},
-                        json={"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "pcm"})
+    with capture_logs() as logs:
+        speech = httpx.post(base + "/v1/audio/speech", headers={"Authorization": f"Bearer {KEY_A}"},
+                            json={"model": "tts-1", "input": "Hello there.", "voice": "alloy",
+                                  "response_format": "pcm"})
     assert speech.status_code == 200 and len(speech.content) > 0
+    session_lines = [e for e in logs if e["event"] in ("session_opened", "context_done", "session_closed")]
+    assert len(session_lines) == 3 and all(e["key"] == fingerprint(KEY_A) for e in session_lines)  # traceable
+    assert KEY_A not in repr(logs)
 
 
 def test_websocket_handshakes_are_refused_before_upgrade(server: LiveServer) -> None:
