@@ -116,12 +116,16 @@ def check_key_format(key: str) -> str:
 
 
 def read_keys_file(path: Path) -> list[str]:
-    """One key per line; blank lines and `#` comments are skipped."""
+    """One key per line; blank lines and `#` comments (a line's own, or after a key and a space) are skipped.
+    A line that cannot be a key is refused naming the file and the line."""
     keys = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split(" #", 1)[0].split("\t#", 1)[0].strip()
         if line and not line.startswith("#"):
-            keys.append(line)
+            try:
+                keys.append(check_key_format(line))
+            except AuthConfigError as exc:
+                raise AuthConfigError(f"{path}, line {number}: {exc}") from None
     return keys
 
 

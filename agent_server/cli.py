@@ -33,6 +33,7 @@ from agent_server.hub import Hub
 from agent_server.logging import configure_logging
 from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, ON_OFF, Settings
 from synth.api import VARIANTS
+from synth.loading import config_problem
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
@@ -302,6 +303,16 @@ def build_server(app: Any, settings: Settings, **config_overrides: Any) -> Grace
 def main(argv: Sequence[str] | None = None) -> None:
     settings = settings_from(argv, os.environ)
     configure_logging(settings.log_level)
+    engine_config = settings.engine_config()
+    problem = config_problem(engine_config)
+    if problem is not None:  # before the port opens: no restart would fix it
+        build_parser().error(problem)
+    cores = len(os.sched_getaffinity(0))
+    if engine_config.decode_threads + engine_config.vocoder_threads > cores:
+        structlog.get_logger("agent_server.cli").warning(
+            "threads_oversubscribed", threads=settings.threads, cores=cores,
+            message="more compute threads than cores: OpenMP teams that outnumber the cores collapse (a step "
+                    "several times slower); see --threads in the README")
     # The event loop shares the GIL with the engine thread; by default a thread holding it keeps it for
     # 5 ms, which would show up in every first frame's latency. 1 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -330,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGHUP, on_sighup)
     metrics_server = None
     if settings.metrics_port:
-        metrics_server, metrics_thread = metrics.serve_in_thread(app, settings.host, settings.metrics_port,
-                                                                 log_level=settings.log_level)
+        try:
+            metrics_server, metrics_thread = metrics.serve_in_thread(app, settings.host, settings.metrics_port,
+                                                                     log_level=settings.log_level)
+        except OSError as exc:
+            build_parser().error(f"--metrics-port {settings.metrics_port}: {exc.strerror or exc}")
     try:
         server.run()
     finally:

@@ -156,6 +156,8 @@ class Settings:
             raise ValueError("tls_certfile and tls_keyfile go together")
         if not 1.0 <= self.inactivity_timeout_s <= MAX_INACTIVITY_TIMEOUT_S:
             raise ValueError(f"inactivity_timeout_s must be in [1, {MAX_INACTIVITY_TIMEOUT_S:g}]")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0 (0: close at once)")
         if self.handshake_timeout_s < 0:
             raise ValueError("handshake_timeout_s must be >= 0 (0: no deadline)")
         if self.auth not in AUTH_MODES:

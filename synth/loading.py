@@ -20,7 +20,7 @@ from chatterbox.models.t3.modules.cond_enc import T3Cond
 from chatterbox.models.voice_encoder import VoiceEncoder
 from safetensors.torch import load_file
 
-from synth.api import MULTILINGUAL_LANGUAGES, Variant
+from synth.api import MULTILINGUAL_LANGUAGES, EngineConfig, Variant
 from synth.presets import (
     BUILTIN_VOICE_FILE,
     CHECKPOINT_FILES,
@@ -63,6 +63,25 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def config_problem(config: EngineConfig) -> str | None:
+    """What in `config` this machine cannot run, found before any weights load (the CLI refuses to start
+    with it: a supervisor restarting the process would not fix it). None: nothing. The engine checks the
+    same when it is built."""
+    from synth.invariant_ops import bf16_gemms_supported
+
+    device = resolve_device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"device={config.device!r}, but torch finds no CUDA device here"
+    for name in ("cuda_graphs", "vocoder_graphs"):
+        if getattr(config, name) == "on" and device.type != "cuda":
+            return f"{name}='on' needs a CUDA device (device={config.device!r} is {device.type} here)"
+    if config.cpu_weights == "bf16" and (device.type != "cpu" or config.dtype != "float32"):
+        return "cpu_weights='bf16' is for the CPU with dtype float32 (on a GPU use dtype bfloat16)"
+    if config.cpu_vocoder == "bf16" and (device.type != "cpu" or not bf16_gemms_supported()):
+        return "cpu_vocoder='bf16' needs the CPU and one with AVX512-BF16 or AMX; use cpu_vocoder='fp32'"
+    return None
 
 
 def load_models(variant: Variant, weights: str, device: str = "auto") -> ModelBundle:

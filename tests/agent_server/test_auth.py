@@ -71,7 +71,7 @@ def test_modes() -> None:
 
 def test_keys_from_environment_and_file_are_never_shown(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
-    keys_file.write_text(f"# comment\n\n{KEY_B}\n")
+    keys_file.write_text(f"# comment\n\n{KEY_B}  # after a key, a comment\n")
     settings = settings_from(["--api-keys-file", str(keys_file)], {"AGENT_SERVER_API_KEYS": f"{KEY_A}, "})
     assert settings.api_keys == (KEY_A,) and settings.auth == "auto"
     assert KEY_A not in repr(settings)

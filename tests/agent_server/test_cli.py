@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,12 +19,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from agent_server.cli import EXIT_DRAIN_CUT
 
-from tests.agent_server.live_server import cli_server
+from tests.agent_server.live_server import REPO, cli_server
 from tests.agent_server.native_client import NativeClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -266,3 +270,32 @@ def test_a_second_sigterm_skips_the_wait(tmp_path: Path) -> None:
         reason, waited_s = asyncio.run(speak_then_signal_twice())
         assert proc.wait(20) == EXIT_DRAIN_CUT
     assert reason == "shutdown" and waited_s < 10
+
+
+def refused_start(tmp_path: Path, *args: str) -> tuple[int, str]:
+    """Run `agent-server` with settings it must refuse: (exit status, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "AGENT_SERVER_DATA_DIR": str(tmp_path),
+           "AGENT_SERVER_ENGINE_FACTORY": "tests.agent_server.fake_engine:make_engine"}
+    done = subprocess.run([sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port", "1", *args],
+                          env=env, capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stderr
+
+
+def test_settings_no_restart_can_fix_are_refused_before_the_port_opens(tmp_path: Path) -> None:
+    """Exit 2 with the reason, not a traceback, nor the engine-failed status (70) a supervisor restarts on."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file-key-0001 # the billing team's\nnot a key\n")
+    cases: list[tuple[tuple[str, ...], str]] = [
+        (("--shutdown-grace-s", "-1"), "shutdown_grace_s must be >= 0"),
+        (("--api-keys-file", str(keys)), f"{keys}, line 2: an API key must be"),
+    ]
+    if not torch.cuda.is_available():
+        cases += [(("--cuda-graphs", "on"), "cuda_graphs='on' needs a CUDA device"),
+                  (("--device", "cuda"), "torch finds no CUDA device")]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases.append((("--metrics-port", str(taken.getsockname()[1])), "--metrics-port"))
+        for args, reason in cases:
+            status, stderr = refused_start(tmp_path, *args)
+            assert status == 2 and reason in stderr and "Traceback" not in stderr, (args, status, stderr[-2000:])
