@@ -17,7 +17,8 @@ let dirty = false;
 // ---- the feed -----------------------------------------------------------------------------------------
 
 function connect() {
-  const source = new EventSource("/dashboard/stream");
+  // with --metrics-auth, open the page as /dashboard?token=… (EventSource cannot set a header): passed on
+  const source = new EventSource("/dashboard/stream" + location.search);
   source.addEventListener("hello", (e) => {
     hello = JSON.parse(e.data);
     dash.hello = hello;

@@ -4,6 +4,16 @@
 
 const $ = (id) => document.getElementById(id);
 const WS_URL = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/stream`;
+// With auth on (docs/operations.md, "Access") the page needs a credential: its own URL's ?token= (a short-lived
+// token your backend minted with POST /v1/tokens) or ?api_key=, or one pasted into the field a 401 shows (kept
+// for this tab only). WebSockets carry it in the URL (browsers cannot set their headers), fetches in a header.
+const CREDENTIAL_STORE = "agent-server-credential";
+const pageQuery = new URLSearchParams(location.search);
+const auth = {
+  credential: pageQuery.get("token") || pageQuery.get("api_key") || pageQuery.get("access_token")
+    || sessionStorage.getItem(CREDENTIAL_STORE) || "",
+  needed: false,
+};
 const HEADER_BYTES = 12;
 const ENCODING_NAMES = { 1: "pcm_s16le", 2: "mulaw", 3: "alaw" };
 const MAX_TURNS_SHOWN = 4;
@@ -41,8 +51,36 @@ const turnsByStream = new Map();
 const turns = []; // newest first
 let current = null;
 
+function wsUrl() {
+  return auth.credential ? `${WS_URL}?token=${encodeURIComponent(auth.credential)}` : WS_URL;
+}
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  if (auth.credential) headers.set("Authorization", `Bearer ${auth.credential}`);
+  const r = await fetch(path, { ...options, headers });
+  if (r.status === 401) askForCredential();
+  return r;
+}
+
+function askForCredential() {
+  auth.needed = true;
+  $("auth-banner").hidden = false;
+  setPill("bad", auth.credential ? "the key or token was refused" : "this server needs an API key");
+}
+
+function useCredential() {
+  auth.credential = $("credential").value.trim();
+  sessionStorage.setItem(CREDENTIAL_STORE, auth.credential);
+  auth.needed = false;
+  $("auth-banner").hidden = true;
+  loadStatus();
+  loadVoices();
+  if (conn.ws) conn.ws.close(); // reconnects with the credential
+}
+
 function connect() {
-  const ws = new WebSocket(WS_URL);
+  const ws = new WebSocket(wsUrl());
   ws.binaryType = "arraybuffer";
   conn.ws = ws;
   ws.onmessage = (e) => (typeof e.data === "string" ? onEvent(JSON.parse(e.data)) : onFrame(e.data));
@@ -50,7 +88,7 @@ function connect() {
     if (conn.ws !== ws) return;
     demo.ready = false;
     conn.info = null;
-    setPill("bad", "disconnected, retrying…");
+    if (!auth.needed) setPill("bad", "disconnected, retrying…");
     if (current && !current.finished) finishTurn(current, "failed", "connection lost");
     setTimeout(connect, RECONNECT_MS);
   };
@@ -569,7 +607,7 @@ class SimSession {
     this.open = false;
     this.stopped = false;
     this.ctx = null;
-    this.ws = new WebSocket(WS_URL);
+    this.ws = new WebSocket(wsUrl());
     this.ws.binaryType = "arraybuffer";
     this.ws.onmessage = (e) => this.onMessage(e.data);
     this.ws.onclose = () => {
@@ -665,7 +703,7 @@ function renderLoad() {
 // ---- voices, status, controls -----------------------------------------------------------------------
 
 async function loadVoices(select) {
-  const r = await fetch("/v1/voices");
+  const r = await api("/v1/voices");
   if (!r.ok) return;
   const { voices } = await r.json();
   const el = $("voice");
@@ -691,7 +729,7 @@ async function upload() {
   showMsg("upload-msg", "computing the voice…");
   $("upload").disabled = true;
   try {
-    const r = await fetch("/v1/voices", { method: "POST", body: form });
+    const r = await api("/v1/voices", { method: "POST", body: form });
     const body = await r.json();
     if (!r.ok) return showMsg("upload-msg", (body.error && body.error.message) || `HTTP ${r.status}`, "err");
     await loadVoices(body.voice_id);
@@ -705,7 +743,8 @@ async function upload() {
 
 async function loadStatus() {
   try {
-    const r = await fetch("/v1/status");
+    const r = await api("/v1/status");
+    if (r.status === 401) return;
     const s = await r.json();
     showServer(s.variant, s.random_weights, s.engine && s.engine.max_slots, s.status);
   } catch (err) {
@@ -799,6 +838,8 @@ function init() {
   $("sampling-reset").addEventListener("click", resetSampling);
   $("upload").addEventListener("click", upload);
   $("load-toggle").addEventListener("click", toggleLoad);
+  $("credential-use").addEventListener("click", useCredential);
+  $("credential").addEventListener("keydown", (e) => e.key === "Enter" && useCredential());
   $("text").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("speak").click();
   });

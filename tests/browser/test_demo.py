@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -139,3 +140,35 @@ def test_speed_slider_plays_the_turn_faster(tab: Tab, server: Any) -> None:
     spoken_s = 0.04 * sum(round(1.5 * len(s)) for s in sentences)  # the engine's audio, as in the test above
     assert state["samplesPlayed"] == pytest.approx(spoken_s / 1.5 * NATIVE_RATE_HZ, rel=0.1)
     assert tab.errors == []
+
+
+def test_with_auth_on_the_page_asks_for_a_key_and_uses_a_token(tab: Tab, tmp_path: Path) -> None:
+    """A server with keys: the page opened bare says it needs a key (not "disconnected, retrying" forever);
+    a key pasted into its field connects it; opened as /?token=<a token minted with the key> it connects at
+    once (the WebSocket carries the token in its URL, the fetches in a header)."""
+    from agent_server.settings import Settings
+
+    from tests.agent_server.fake_engine import FakeEngine
+    from tests.agent_server.live_server import live_server
+
+    key = "sk-browser-demo-0123456789"
+    with live_server(FakeEngine(realtime_factor=0.2), Settings(data_dir=tmp_path, api_keys=(key,))) as live:
+        page = tab.page
+        page.goto(live.http_url + "/")
+        page.wait_for_selector("#auth-banner", state="visible", timeout=10_000)
+        assert "needs an API key" in page.inner_text("#server-pill")
+        assert not page.evaluate("window.__demo.ready")
+        page.fill("#credential", key)
+        page.click("#credential-use")
+        page.wait_for_function("window.__demo && window.__demo.ready", timeout=10_000)
+        assert page.is_hidden("#auth-banner")
+        speak_and_wait(page)
+        assert demo_state(page)["lastReason"] == "completed"
+
+        token = httpx.post(live.http_url + "/v1/tokens", headers={"Authorization": f"Bearer {key}"}).json()["token"]
+        fresh = tab.page.context.new_page()  # a tab of its own: sessionStorage does not carry over
+        fresh.goto(f"{live.http_url}/?token={token}")
+        fresh.wait_for_function("window.__demo && window.__demo.ready", timeout=10_000)
+        assert fresh.is_hidden("#auth-banner") and fresh.evaluate("window.__demo.voices") == ["default"]
+    unexpected = [e for e in tab.errors if "401" not in e and "WebSocket" not in e]  # but the refusals before the key
+    assert unexpected == [], tab.errors
