@@ -127,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         "a dead replica's sessions stop counting against per-key limits within this", type=float)
     add("--agent-check-port", "agent_check_port",
         "serve HAProxy's agent check here: free capacity as a weight, drain, down (0: off)", type=int)
+    add("--max-contexts-per-session", "max_contexts_per_session",
+        "contexts open at once on one socket (multi-context protocols; past it: busy for that context)", type=int)
+    add("--max-text-piece-chars", "max_text_piece_chars", "characters in one text message", type=int)
+    add("--max-context-text-chars", "max_context_text_chars", "characters pushed into one context", type=int)
+    add("--max-message-bytes", "max_message_bytes", "one WebSocket message or HTTP body (past it: 1009 / 413)",
+        type=int)
+    add("--max-protocol-errors", "max_protocol_errors", "client errors per session before close 1008", type=int)
+    add("--outbox-max-items", "outbox_max_items", "frames and events waiting for one client's socket", type=int)
+    add("--slow-client-stall-s", "slow_client_stall_s",
+        "a client whose socket took nothing for this long is dropped (close 1008)", type=float)
     add("--phrase-cache-mb", "phrase_cache_mb", "in-process phrase cache budget in MiB (0: off)", type=float)
     add("--phrase-cache-ttl-s", "phrase_cache_ttl_s", "a phrase cache entry's life in Redis", type=float)
     add("--cache-redis-url", "cache_redis_url", "the phrase cache's own Redis (allkeys-lru); default: --redis-url")

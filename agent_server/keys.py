@@ -7,7 +7,8 @@
 
 Only a key's SHA-256 is stored. A key added or revoked here counts on every replica within one sync period
 (0.25 s); keys configured by environment or file keep working without Redis (docs/operations.md). A revoked
-key's tokens are refused too. (AGENT_SERVER_REDIS_URL and AGENT_SERVER_REDIS_PREFIX work as for the server.)
+key's tokens are refused too. A server in `--auth auto` (the default) turns auth on with the first key added
+here. (AGENT_SERVER_REDIS_URL and AGENT_SERVER_REDIS_PREFIX work as for the server.)
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ KEY_PREFIX = "sk-"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m agent_server.keys", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m agent_server.keys", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default=os.environ.get("AGENT_SERVER_REDIS_URL"),
                         help="the fleet's Redis (env AGENT_SERVER_REDIS_URL)")
-    parser.add_argument("--redis-prefix", default=os.environ.get("AGENT_SERVER_REDIS_PREFIX", DEFAULT_PREFIX))
+    parser.add_argument("--redis-prefix", default=os.environ.get("AGENT_SERVER_REDIS_PREFIX", DEFAULT_PREFIX),
+                        help=f"the fleet's key prefix in Redis, as the servers' (env AGENT_SERVER_REDIS_PREFIX, "
+                             f"default {DEFAULT_PREFIX!r})")
     commands = parser.add_subparsers(dest="command", required=True)
     add = commands.add_parser("add", help="add a key (a new random one unless --key)")
-    add.add_argument("--key", help="register this key instead of making one (prefer the env var in scripts)")
+    add.add_argument("--key", help="register this key instead of making one (a script passes it from a variable of "
+                                   "its own, as in --key \"$EXISTING_KEY\", so it stays out of the shell history)")
     revoke = commands.add_parser("revoke", help="revoke a key (and its tokens) on every replica")
     revoke.add_argument("key", help="the key's fingerprint (k_...) or the key itself")
     commands.add_parser("list", help="fingerprints of the keys added here, and of revoked keys")

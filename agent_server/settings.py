@@ -156,6 +156,10 @@ class Settings:
             raise ValueError("tls_certfile and tls_keyfile go together")
         if not 1.0 <= self.inactivity_timeout_s <= MAX_INACTIVITY_TIMEOUT_S:
             raise ValueError(f"inactivity_timeout_s must be in [1, {MAX_INACTIVITY_TIMEOUT_S:g}]")
+        if self.max_context_text_chars < self.max_text_piece_chars:
+            raise ValueError("max_context_text_chars must be >= max_text_piece_chars")
+        if self.slow_client_stall_s <= 0:
+            raise ValueError("slow_client_stall_s must be > 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0 (0: close at once)")
         if self.handshake_timeout_s < 0:
@@ -175,7 +179,8 @@ class Settings:
             raise ValueError("agent_check_port must be in 0..65535 (0: off)")
         if self.phrase_cache_mb < 0 or self.phrase_cache_ttl_s <= 0:
             raise ValueError("phrase_cache_mb must be >= 0 and phrase_cache_ttl_s > 0")
-        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items", "encoder_threads"):
+        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items", "encoder_threads",
+                     "max_text_piece_chars", "max_context_text_chars", "max_message_bytes", "max_protocol_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -252,4 +257,11 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "phrase_cache_ttl_s": ("AGENT_SERVER_PHRASE_CACHE_TTL_S",),
     "cache_redis_url": ("AGENT_SERVER_CACHE_REDIS_URL",),
     "prewarm_file": ("AGENT_SERVER_PREWARM",),
+    "max_contexts_per_session": ("AGENT_SERVER_MAX_CONTEXTS_PER_SESSION",),
+    "max_text_piece_chars": ("AGENT_SERVER_MAX_TEXT_PIECE_CHARS",),
+    "max_context_text_chars": ("AGENT_SERVER_MAX_CONTEXT_TEXT_CHARS",),
+    "max_message_bytes": ("AGENT_SERVER_MAX_MESSAGE_BYTES",),
+    "max_protocol_errors": ("AGENT_SERVER_MAX_PROTOCOL_ERRORS",),
+    "outbox_max_items": ("AGENT_SERVER_OUTBOX_MAX_ITEMS",),
+    "slow_client_stall_s": ("AGENT_SERVER_SLOW_CLIENT_STALL_S",),
 }

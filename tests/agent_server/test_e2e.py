@@ -636,6 +636,12 @@ def test_settings_from_flags_and_environment() -> None:
     assert settings_from(["--cpu-vocoder", "bf16"], {}).engine_config().cpu_vocoder == "bf16"
     assert settings_from([], {"AGENT_SERVER_CPU_VOCODER": "bf16"}).cpu_vocoder == "bf16"
     assert settings_from([], {}).engine_config().cpu_vocoder == "fp32"
+    limits = settings_from(["--max-contexts-per-session", "32", "--slow-client-stall-s", "5"],
+                           {"AGENT_SERVER_MAX_TEXT_PIECE_CHARS": "8000", "AGENT_SERVER_MAX_PROTOCOL_ERRORS": "4"})
+    assert (limits.max_contexts_per_session, limits.slow_client_stall_s) == (32, 5.0)
+    assert (limits.max_text_piece_chars, limits.max_protocol_errors) == (8000, 4)
+    with pytest.raises(SystemExit):  # a context smaller than one piece
+        settings_from(["--max-context-text-chars", "100"], {})
     with pytest.raises(SystemExit):
         settings_from(["--cpu-weights", "int4"], {})
     with pytest.raises(SystemExit):  # the analyzer reads the multilingual model's heads only
