@@ -206,7 +206,8 @@ class HttpSpeechProtocol(WireProtocol[S]):
             if event.status != StreamStatus.CANCELLED:
                 status = STATUS_BUSY if event.status == StreamStatus.BUSY else STATUS_UNAVAILABLE
                 self.render_failed(ctx, status, event.reason, event.detail or event.reason)
-            session.close(CLOSE_INTERNAL_ERROR, event.detail or event.reason)
+            cut = CLOSE_GOING_AWAY if event.status == StreamStatus.SHUTDOWN else CLOSE_INTERNAL_ERROR  # (the log's)
+            session.close(cut, event.detail or event.reason)
         elif event.status == StreamStatus.BUSY:
             self._error_response(STATUS_BUSY, "busy", event.detail or "no free slot", None)
             session.close(CLOSE_TRY_AGAIN_LATER, event.detail)
