@@ -33,7 +33,6 @@ from agent_server.hub import Hub
 from agent_server.logging import configure_logging
 from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, ON_OFF, Settings
 from synth.api import VARIANTS
-from synth.loading import config_problem
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
@@ -310,13 +309,32 @@ def build_server(app: Any, settings: Settings, **config_overrides: Any) -> Grace
     return GracefulServer(config, app.state.hub, settings.shutdown_grace_s)
 
 
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why `port` cannot be listened on now (taken, not allowed), or None (0: off)."""
+    if not port:
+        return None
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     settings = settings_from(argv, os.environ)
     configure_logging(settings.log_level)
+    from synth.loading import config_problem  # here: chatterbox's import warns, now into the JSON log
+
     engine_config = settings.engine_config()
     problem = config_problem(engine_config)
     if problem is not None:  # before the port opens: no restart would fix it
         build_parser().error(problem)
+    for flag, port in (("--grpc-port", settings.grpc_port), ("--agent-check-port", settings.agent_check_port)):
+        taken = _bind_problem(settings.host, port)  # they open in the lifespan, where a failure is a traceback
+        if taken is not None:
+            build_parser().error(f"{flag} {port}: {taken}")
     cores = len(os.sched_getaffinity(0))
     if engine_config.decode_threads + engine_config.vocoder_threads > cores:
         structlog.get_logger("agent_server.cli").warning(

@@ -295,7 +295,8 @@ def test_settings_no_restart_can_fix_are_refused_before_the_port_opens(tmp_path:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        cases.append((("--metrics-port", str(taken.getsockname()[1])), "--metrics-port"))
+        for flag in ("--metrics-port", "--grpc-port", "--agent-check-port"):
+            cases.append(((flag, str(taken.getsockname()[1])), flag))
         for args, reason in cases:
             status, stderr = refused_start(tmp_path, *args)
             assert status == 2 and reason in stderr and "Traceback" not in stderr, (args, status, stderr[-2000:])
