@@ -109,6 +109,23 @@ MESSAGE_FIELDS = frozenset(
      "pronunciation_dictionary_locators", "xi_api_key", "authorization", "single_use_token"}
 )
 
+BODY_TYPES: Mapping[str, tuple[type, ...]] = {
+    "settings": (dict,),
+    "audio_effects": (dict,),
+    "pronunciation_dictionary_locators": (list,),
+    "previous_request_ids": (list,),
+    "next_request_ids": (list,),
+    "previous_text": (str,),
+    "future_text": (str,),
+    "model_id": (str,),
+    "language_code": (str,),
+    "use_pvc_as_ivc": (bool,),
+}
+FIRST_MESSAGE_TYPES: Mapping[str, tuple[type, ...]] = {
+    "voice_settings": (dict,),
+    "pronunciation_dictionary_locators": (list,),
+}
+
 
 # ---- pure: the lines -------------------------------------------------------------------------------
 
@@ -173,7 +190,7 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
         check_voices("inputs", [line.voice_id for line in lines])
         if not any(line.text.strip() for line in lines):
             raise empty_message(field="inputs")
-        check_optional_types(obj, {**_DIALOGUE_TYPES})
+        check_optional_types(obj, BODY_TYPES)
         check_model("model_id", obj.get("model_id"), session.variant)
         request = SpeechRequest(
             voice_id=lines[0].voice_id, text="".join(line.text for line in lines), model_id=obj.get("model_id"),
@@ -188,26 +205,6 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
         state = HttpState(request, ContextAlignment(lead_ms=output.lead_ms),
                           lines=LineTrack([line.voice_id for line in lines]))
         return Speech(spec, request.text, state, turns)
-
-
-_DIALOGUE_TYPES: Mapping[str, tuple[type, ...]] = {
-    "settings": (dict,),
-    "audio_effects": (dict,),
-    "pronunciation_dictionary_locators": (list,),
-    "previous_request_ids": (list,),
-    "next_request_ids": (list,),
-    "previous_text": (str,),
-    "future_text": (str,),
-    "model_id": (str,),
-    "language_code": (str,),
-    "use_pvc_as_ivc": (bool,),
-}
-
-
-_FIRST_MESSAGE_TYPES: Mapping[str, tuple[type, ...]] = {
-    "voice_settings": (dict,),
-    "pronunciation_dictionary_locators": (list,),
-}
 
 
 class DialogueStreamProtocol(DialogueHttpProtocol):
@@ -419,7 +416,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
                 raise FieldError("voices", "a context's first message needs voices: a list of 1.."
                                  f"{MAX_VOICES} voice ids")
             check_voices("voices", voices)
-            check_optional_types(obj, _FIRST_MESSAGE_TYPES)
+            check_optional_types(obj, FIRST_MESSAGE_TYPES)
             spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, voices[0]),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
                              markup=ELEVENLABS_V3_TAGS, normalize=query.normalize)
