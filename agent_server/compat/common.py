@@ -213,18 +213,23 @@ class PieceJoiner:
     """Joins the text pieces of one context the way they were meant to be read. Some clients send each
     sentence as a piece with its spaces stripped (Pipecat: "with that." then "Your flight"); glued, the
     segmenter would see "that.Your", one run-on word. A piece that starts with a letter or digit right after
-    a piece that ended on punctuation gets a space, unless both sides are digits ("3." + "5" is 3.5)."""
+    a piece that ended on punctuation gets a space, unless both sides are digits and the piece before was a
+    token (no space inside: an LLM's "3" "." "5" is 3.5, its "1," "000" is 1,000). A sentence ending in a
+    number ("Your order is 12.") then one starting with one ("3 items shipped.") are two sentences: Pipecat
+    cuts a sentence only after seeing what follows its period, so "12.3" never reaches it split."""
 
     tail: str = ""  # the last two characters of the text so far
+    last_was_token: bool = True  # the last non-empty piece had no whitespace inside
 
     def join(self, piece: str) -> str:
         if not piece:
             return piece
         tail = self.tail
-        if (tail and tail[-1] in BREAK_PUNCTUATION and piece[0].isalnum()
-                and not (len(tail) == 2 and tail[0].isdigit() and piece[0].isdigit())):
+        number_goes_on = len(tail) == 2 and tail[0].isdigit() and piece[0].isdigit() and self.last_was_token
+        if tail and tail[-1] in BREAK_PUNCTUATION and piece[0].isalnum() and not number_goes_on:
             piece = " " + piece
         self.tail = (tail + piece)[-2:]
+        self.last_was_token = not any(c.isspace() for c in piece.strip())
         return piece
 
 

@@ -13,8 +13,11 @@ from agent_server.compat.http_speech import Base64Stream
 @pytest.mark.parametrize(("pieces", "joined"), [
     (["Sure, I can help.", "Your flight leaves at nine."], "Sure, I can help. Your flight leaves at nine."),
     (["Hel", "lo there", ", friend", "! How", " are you?"], "Hello there, friend! How are you?"),  # tokens: as sent
-    (["It costs 3.", "5 dollars."], "It costs 3.5 dollars."),  # a number split at its point stays one number
+    (["It costs ", "3", ".", "5", " dollars."], "It costs 3.5 dollars."),  # tokens: a number stays one number
+    (["It costs 3", ".", "5 dollars."], "It costs 3.5 dollars."),  # a token ends on the point
     (["1,", "000 people"], "1,000 people"),
+    # sentences with their spaces stripped (Pipecat): two sentences, not "12.3"
+    (["Your order number is 12.", "3 items shipped today."], "Your order number is 12. 3 items shipped today."),
     (["Wait", "...", "what?"], "Wait... what?"),
     (["Done.", " Next.", "\nAnd then."], "Done. Next.\nAnd then."),  # pieces with their own spaces: untouched
     (["Really?", "\"Yes\""], "Really?\"Yes\""),  # not a letter or digit: no space added
