@@ -211,9 +211,20 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("number", rf"{_NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{_AMOUNT})(?![\d])"),
     ("amp", r"(?<=\w\s)&(?=\s\w)"),
 )
-# other languages: no English words (ordinal suffixes, am/pm, "and", months) and their own decimal mark
+# other languages: no English words (ordinal suffixes, am/pm, "and", months) and their own decimal mark. The
+# numbers inside a clock time, a ratio, a date, a phone number, a version or a temperature are not quantities:
+# "9:30" is not "neuf:trente", "14:00" not "vierzehn:null null"; with no reading of their own here, they stay as
+# written ("keep" comes first: at one place the earlier rule wins).
 _ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "range", "version", "measure"})
-_RULES_OTHER = tuple(rule for rule in _RULES_EN if rule[0] not in _ENGLISH_ONLY)
+_KEEP = (
+    "keep",
+    r"(?<![\d.,])(?:\d+(?::\d+)+"  # 9:30, 14:00:05, 16:9
+    r"|\d{1,4}[/.]\d{1,2}[/.]\d{2,4}(?![\d.,]\d)"  # 01/05/2024, 1.5.24
+    r"|\+\d[\d .-]*\d"  # +33 1 23 45 67 89
+    r"|\d+(?:\.\d+){2,}"  # 1.2.3
+    r"|-?\d+(?:[.,]\d+)?\s?°[CFK]?)(?!\d)",  # 72°F, -3,5 °C
+)
+_RULES_OTHER = (_KEEP, *(rule for rule in _RULES_EN if rule[0] not in _ENGLISH_ONLY))
 
 
 def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
@@ -433,6 +444,10 @@ def _read_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return f"{_read_integer(first, lang, rules)} to {_read_integer(last, lang, rules)}"
 
 
+def _read_kept(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return match[0]
+
+
 def _read_amp(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return "and"
 
@@ -450,6 +465,7 @@ _READERS: dict[str, Reader] = {
     "ordinal": _read_ordinal,
     "number": _read_number,
     "amp": _read_amp,
+    "keep": _read_kept,
 }
 _COMPILED: dict[str, tuple[tuple[re.Pattern[str], Reader], ...]] = {}
 

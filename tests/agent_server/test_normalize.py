@@ -64,7 +64,11 @@ def test_english(written: str, said: str) -> None:
     ("tr", "%7 ve 7%", "%yedi ve yüzde yedi"),
     ("ja", "25470円", "二万五千四百七十円"),  # no space between CJK and a number's words
     ("ar", "3.5 و 25", "3.5 و خمسة و عشرون"),  # num2words reads Arabic decimals wrong: left as written
-    ("de", "am 2024-05-01 um 9:30", "am 2024-05-01 um neun:dreißig"),  # no English date or clock reading
+    # no reading of times, dates, phone numbers, versions, temperatures here: as written, not number by number
+    ("de", "am 2024-05-01 um 9:30 Uhr, 14:00, Format 16:9", "am 2024-05-01 um 9:30 Uhr, 14:00, Format 16:9"),
+    ("fr", "le 01/05/2024, au +33 1 23 45 67 89, version 1.2.3", "le 01/05/2024, au +33 1 23 45 67 89, version 1.2.3"),
+    ("de", "72°F, -3,5 °C, am 1.5.24 und 3 Katzen", "72°F, -3,5 °C, am 1.5.24 und drei Katzen"),
+    ("it", "alle 18:00 e 25 euro", "alle 18:00 e venticinque euro"),
 ])
 def test_other_languages(language: str, written: str, said: str) -> None:
     assert spoken_form(written, language).text == said
