@@ -63,9 +63,17 @@ class MarkupFilter:
     tags: frozenset[str]
     held: str = ""  # an unfinished tag (from its `<`), waiting for its `>`
     problems: list[str] = field(default_factory=list)  # what was wrong with a tag (reported, not spoken)
+    last_char: str = ""  # the last character of the text given out so far
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces `text` completes, in order (text pieces joined where nothing came between)."""
+        pieces = self._feed(text)
+        said = [piece for piece in pieces if isinstance(piece, str) and piece]
+        if said:
+            self.last_char = said[-1][-1]
+        return pieces
+
+    def _feed(self, text: str) -> list[Piece]:
         buffer = self.held + text
         self.held = ""
         pieces: list[Piece] = []
@@ -109,8 +117,12 @@ class MarkupFilter:
         """At a "[": skip an audio tag, hold an unfinished one (-1), or keep the "[" as text. Returns where
         the text goes on."""
         match = _AUDIO_TAG.match(buffer, opening)
-        if match is not None:
-            return match.end()  # removed, said as nothing
+        if match is not None:  # removed, said as nothing; between two words it leaves a space ("Well[sighs]okay")
+            before = buffer[opening - 1] if opening else self.last_char
+            after = buffer[match.end()] if match.end() < len(buffer) else ""
+            if before and not before.isspace() and (not after or after.isalnum()):
+                _add_text(pieces, " ")
+            return match.end()
         prefix = _AUDIO_TAG_PREFIX.match(buffer, opening)
         if prefix is not None and prefix.end() == len(buffer):
             self.held = buffer[opening:]

@@ -61,6 +61,17 @@ def test_v3_audio_tags_are_not_said_wherever_the_pieces_split(cut: int) -> None:
     assert run(ELEVENLABS_V3_TAGS, *pieces) == (V3_EXPECTED, [])
 
 
+@pytest.mark.parametrize(("pieces", "said"), [
+    (["Well[sighs]okay then."], "Well okay then."),  # a tag between two words leaves them two words
+    (["That is great![laughs]Let us go."], "That is great! Let us go."),
+    (["Well", "[si", "ghs]", "okay"], "Well okay"),  # wherever the pieces split
+    (["Hi [laughs] there"], "Hi  there"),  # spaces already there: none added
+    (["Hi[laughs]."], "Hi."),  # before punctuation: none
+])
+def test_a_removed_audio_tag_does_not_glue_its_neighbours(pieces: list[str], said: str) -> None:
+    assert run(ELEVENLABS_V3_TAGS, *pieces) == ([said], [])
+
+
 def test_audio_tags_only_where_the_dialect_has_them() -> None:
     assert run(ELEVENLABS_TAGS, "[laughs] Fine.") == (["[laughs] Fine."], [])
     assert elevenlabs_tags("eleven_v3") == ELEVENLABS_V3_TAGS == elevenlabs_tags("eleven_v3_conversational")
