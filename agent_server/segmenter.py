@@ -7,7 +7,8 @@ When a segment is cut
   a sentence end (any length); a clause break (, ; : — – …, and their CJK forms) once it holds
   `first_min_words` words; a word end once `first_max_words` words are in; or, from `poll`, after
   `first_wait_ms` with no new text (reason "timeout": everything up to the last complete word; a
-  word ending in a digit and "," "." or ":" is not complete, "$1," may be "$1,234").
+  word ending in a digit and "," "." or ":" is not complete, "$1," may be "$1,234"; digit groups before a
+  held number are held with it, "+1 415" may be "+1 415 555 0100").
 - Later segments: at sentence ends (. ! ? … and their CJK, Devanagari, Arabic ... forms, or a line
   break before a non-lowercase start), once the segment holds `min_chars` characters; shorter
   sentences ride along with the next one (fewer, longer generations: better prosody).
@@ -540,6 +541,9 @@ def _timeout_pos(body: str) -> int:
     else:  # the last word may go on in the next piece: leave it pending
         token_start = _last_space_before(body, content_end) + 1
         pos = len(body[:token_start].rstrip())
+        # a group of digits before a held number is the same number ("+1 415", "555 12"): held with it
+        while pos and body[pos - 1].isdigit() and body[_ws_end(body, pos):_ws_end(body, pos) + 1].isdigit():
+            pos = len(body[:_last_space_before(body, pos) + 1].rstrip())
     return pos if _ALNUM_RE.search(body, 0, pos) else 0
 
 

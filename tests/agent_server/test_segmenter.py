@@ -297,6 +297,7 @@ def test_timeout_keeps_a_possibly_unfinished_last_word() -> None:
         ("We have 12,", "000 users.", "We have", "12,000 users."),
         ("Pi is about 3.", "14 or so.", "Pi is about", "3.14 or so."),
         ("We meet at 9:", "30 tomorrow.", "We meet at", "9:30 tomorrow."),
+        ("Call +1 415", " 555 0100 now.", "Call", "+1 415 555 0100 now."),  # digit groups: one number
     ],
 )
 def test_timeout_does_not_split_a_number_at_its_separator(
