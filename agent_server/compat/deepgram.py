@@ -213,12 +213,13 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
             self._segments_done = event.index + 1
             self._flushed_up_to(self._segments_done)
         elif isinstance(event, StreamDone):
-            if event.status == StreamStatus.COMPLETED:
-                self._flushed_up_to(ALL_SEGMENTS)
-            elif event.status == StreamStatus.BUSY:
+            if event.status == StreamStatus.BUSY:
                 self._warn("BUSY", event.detail or "no free slot: the text was dropped")
             elif event.status == StreamStatus.FAILED:
                 self._warn("GENERATION_FAILED", event.detail or "generation failed: the text was dropped")
+            # nothing more of this stream comes: every flush waiting on it is answered now (a client waiting for
+            # its Flushed must not hang after a busy turn, nor get it later against the next turn's audio)
+            self._flushed_up_to(ALL_SEGMENTS)
             if self._closing:
                 self.session.close(CLOSE_NORMAL, "")
 

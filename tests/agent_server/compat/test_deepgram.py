@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -10,13 +13,14 @@ import pytest
 from deepgram import DeepgramClient
 from deepgram.environment import DeepgramClientEnvironment
 from deepgram.speak.v1.types import SpeakV1Text
+from websockets.asyncio.client import connect
 
 from agent_server.audio import alaw_to_pcm16
 from agent_server.codecs import StreamFormat
 from agent_server.compat import deepgram as dg
 from agent_server.errors import FieldError
 
-from tests.agent_server.compat.conftest import Served, assert_length
+from tests.agent_server.compat.conftest import Served, assert_length, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +114,26 @@ def test_parse_query_and_messages() -> None:
     assert dg.parse_message('{"type": "Speak", "text": "hi"}') == ("Speak", "hi")
     with pytest.raises(FieldError):
         dg.parse_message('{"type": "Shout"}')
+
+
+def test_a_flush_of_a_turn_refused_busy_is_still_answered(tmp_path: Path) -> None:
+    """Every slot taken: the Speak gets Warning BUSY, and its Flush its Flushed (a client that waits for Flushed
+    to end a turn must not hang, nor get it later against the next turn's audio)."""
+    async def scenario(served: Served) -> list[str]:
+        url = served.ws + "/v1/speak?encoding=linear16&sample_rate=16000"
+        async with connect(url) as hog, connect(url) as ws:
+            await hog.send(json.dumps({"type": "Speak", "text": "A long answer that holds the only slot. " * 3}))
+            await hog.send(json.dumps({"type": "Flush"}))
+            while not isinstance(await hog.recv(), bytes):  # its audio is coming: the slot is taken
+                pass
+            await ws.send(json.dumps({"type": "Speak", "text": "Am I too late?"}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            got: list[str] = []
+            while "Flushed" not in got:
+                message = await asyncio.wait_for(ws.recv(), 10)
+                got.append("audio" if isinstance(message, bytes) else json.loads(message)["type"])
+            return got
+
+    with serving(tmp_path, max_slots=1, max_waiting=0, realtime_factor=1.0) as served:
+        got = asyncio.run(scenario(served))
+    assert got[-2:] == ["Warning", "Flushed"] and "audio" not in got
