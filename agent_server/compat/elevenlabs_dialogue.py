@@ -379,9 +379,9 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             session.reject(error)
             return
         if state.closing:
-            if lines or flags["flush"]:
-                session.reject(FieldError("context_id", f"context {cid!r} is closing", "context_closing",
-                                          context_id=cid))
+            if lines or flags["flush"]:  # refused for that context; the client's other contexts go on
+                session.send(error_message("context_closing", f"context {cid!r} is closing: nothing more is taken",
+                                           CLOSE_POLICY, "context_id", cid))
             return
         try:
             await self._apply(ctx, lines, flags["flush"], now_s)
@@ -448,7 +448,13 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
 
     def on_tick(self, now_s: float) -> None:
         query = self.query
-        if query is None or self.session.state != SessionState.OPEN:
+        session = self.session
+        if query is None or session.state != SessionState.OPEN:
+            return
+        if not self.multi and not session.contexts and now_s - session.last_input_s > query.inactivity_timeout_s:
+            message = f"Have not received a new text input within the timeout of {query.inactivity_timeout_s:g} seconds"
+            session.send(error_message("input_timeout_exceeded", message, CLOSE_POLICY, None, None))
+            session.close(CLOSE_POLICY, message)  # stream-input, as text to speech's: a socket that never spoke
             return
         for ctx in list(self.session.contexts.values()):
             if not ctx.state.closing and now_s - ctx.state.last_input_s > query.inactivity_timeout_s:

@@ -313,3 +313,20 @@ def test_a_flush_with_nothing_to_say_still_ends_its_turn(served: Served) -> None
         {"context_id": "a", "close_context": True}, {"close_socket": True}]))
     assert got == [{"is_final_audio_for_turn": True, "context_id": "a"}, {"is_final": True, "context_id": "a"}]
     assert said(served) == []
+
+
+def test_stream_input_that_never_speaks_times_out(served: Served) -> None:
+    got, code = asyncio.run(exchange(served.ws + "/v1/text-to-dialogue/stream-input?inactivity_timeout=1", []))
+    assert code == 1008 and got[-1]["error"] == "input_timeout_exceeded"
+
+
+def test_input_for_a_closing_context_is_refused_for_that_context_only(served: Served) -> None:
+    got, code = asyncio.run(exchange(served.ws + MULTI, [
+        {"context_id": "a", "voices": ["ann"], "inputs": [{"text": "First and last words.", "voice_id": "ann"}]},
+        {"context_id": "a", "close_context": True},
+        {"context_id": "a", "inputs": [{"text": "One more thing.", "voice_id": "ann"}]},
+        {"close_socket": True}]))
+    errors = [m for m in got if "error" in m]
+    assert [(m["error"], m["context_id"]) for m in errors] == [("context_closing", "a")]
+    assert code == 1000 and got[-1] == {"is_final": True, "context_id": "a"}
+    assert said(served) == [("ann", "First and last words.")]
