@@ -577,7 +577,9 @@ class CompressedEncoder:
         self._mux(self._stream.encode(None))
         self._container.close()  # trailer
         self.finished = True
-        return self._take()
+        data = self._take()
+        self._release()
+        return data
 
     def close(self) -> None:
         if self.finished:
@@ -585,6 +587,13 @@ class CompressedEncoder:
         self.finished = True
         self._front.close()
         self._container.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the codec now: its resampler's filter graph holds worker threads (2 per encoder) until the codec
+        context is freed, which a reference cycle would leave to the garbage collector (threads piled up by the
+        dozen on a busy server)."""
+        del self._stream, self._container
 
     # ---- internals ----
 

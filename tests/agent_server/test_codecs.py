@@ -344,3 +344,27 @@ def test_speed_gives_a_chunks_audio_back_with_the_chunk(speed: float) -> None:
     first = b"".join(enc.push(speechy(0.4)))  # the engine's smallest first chunk
     held_back_in_s = 0.4 - len(first) / 2 / 24_000 * speed
     assert held_back_in_s <= 0.13, held_back_in_s
+
+
+def test_a_finished_or_closed_encoder_leaves_no_codec_threads() -> None:
+    """Each compressed encoder's codec runs worker threads (its resampler's filter graph); they must go when the
+    stream ends, not when the garbage collector happens to free the encoder (a soak piled up 60+ idle threads)."""
+    import gc
+    import os
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    gc.disable()  # what frees them must be the encoder's end itself
+    try:
+        before = threads()
+        kept = []
+        for i, fmt in enumerate([StreamFormat("mp3", "mp3", 44_100, 128_000), StreamFormat("ogg", "opus", 48_000),
+                                 StreamFormat("adts", "aac", 24_000), StreamFormat("flac", "flac", 24_000)] * 3):
+            encoder = CompressedEncoder(fmt)
+            encoder.push(np.zeros(4_800, dtype=np.float32))
+            encoder.finish() if i % 2 else encoder.close()
+            kept.append(encoder)  # still referenced, as a finished context's state may be for a while
+        assert threads() <= before
+    finally:
+        gc.enable()
