@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
@@ -182,6 +182,30 @@ def parse_message(raw: str | bytes) -> Message:
         close_socket=bool(obj.get("close_socket")),
         voice_settings=voice_settings,
     )
+
+
+INPUT_TIMEOUT = "input_timeout_exceeded"
+
+
+def input_timeout_message(timeout_s: float) -> str:
+    return f"Have not received a new text input within the timeout of {timeout_s:g} seconds"
+
+
+class Closing(Protocol):
+    closing: bool  # no more input: the context speaks what it has, then ends
+
+
+def close_socket(session: Session[Any], now_s: float) -> None:
+    """`close_socket` (text to speech's and text to dialogue's): every context ends (what was sent is spoken,
+    each state's `closing` set), then the socket closes with 1000 (now, when none is open; else after the last
+    context's final message)."""
+    for ctx in list(session.contexts.values()):
+        state: Closing = ctx.state
+        state.closing = True
+        if ctx.stream.status == StreamStatus.OPEN:
+            ctx.stream.end(now_s)
+    if not session.contexts:
+        session.close(CLOSE_NORMAL, "close_socket")
 
 
 def error_message(error: str, message: str, code: int, context_id: str | None = None) -> str:
@@ -352,14 +376,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             ctx.stream.end(now_s)
 
     def _close_socket(self, now_s: float) -> None:
-        """Every context ends (what was sent is spoken), then the socket closes with 1000."""
         self._closing_socket = True
-        for ctx in list(self.session.contexts.values()):
-            ctx.state.closing = True
-            if ctx.stream.status == StreamStatus.OPEN:
-                ctx.stream.end(now_s)
-        if not self.session.contexts:
-            self.session.close(CLOSE_NORMAL, "close_socket")
+        close_socket(self.session, now_s)
 
     def on_tick(self, now_s: float) -> None:
         query = self.query
@@ -371,9 +389,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             ctx = session.contexts.get(DEFAULT_CONTEXT_ID)
             waiting_for_text = ctx is None or ctx.stream.status == StreamStatus.OPEN
             if waiting_for_text and now_s - self._last_input_s > timeout_s:
-                self._fail("input_timeout_exceeded",
-                           f"Have not received a new text input within the timeout of {timeout_s:g} seconds",
-                           CLOSE_POLICY)
+                self._fail(INPUT_TIMEOUT, input_timeout_message(timeout_s), CLOSE_POLICY)
             return
         for cid, ctx in list(session.contexts.items()):
             if not ctx.state.closing and now_s - ctx.state.last_input_s > timeout_s:

@@ -64,8 +64,11 @@ from agent_server.compat.common import (
 from agent_server.compat.elevenlabs import (
     DEFAULT_CONTEXT_ID,
     ERROR_NAMES,
+    INPUT_TIMEOUT,
     MAX_CONTEXT_ID_CHARS,
     Query,
+    close_socket,
+    input_timeout_message,
     parse_query,
 )
 from agent_server.compat.elevenlabs_http import (
@@ -439,12 +442,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
 
     def _close_socket(self, now_s: float) -> None:
         self._closing_socket = True
-        for ctx in list(self.session.contexts.values()):
-            ctx.state.closing = True
-            if ctx.stream.status == StreamStatus.OPEN:
-                ctx.stream.end(now_s)
-        if not self.session.contexts:
-            self.session.close(CLOSE_NORMAL, "close_socket")
+        close_socket(self.session, now_s)
 
     def on_tick(self, now_s: float) -> None:
         query = self.query
@@ -452,8 +450,8 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         if query is None or session.state != SessionState.OPEN:
             return
         if not self.multi and not session.contexts and now_s - session.last_input_s > query.inactivity_timeout_s:
-            message = f"Have not received a new text input within the timeout of {query.inactivity_timeout_s:g} seconds"
-            session.send(error_message("input_timeout_exceeded", message, CLOSE_POLICY, None, None))
+            message = input_timeout_message(query.inactivity_timeout_s)
+            session.send(error_message(INPUT_TIMEOUT, message, CLOSE_POLICY, None, None))
             session.close(CLOSE_POLICY, message)  # stream-input, as text to speech's: a socket that never spoke
             return
         for ctx in list(self.session.contexts.values()):
