@@ -309,9 +309,9 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         super().__init__(session)
         self.query: Query | None = None
         self._closing_socket = False
-        # contexts refused (busy) or ended, by id -> why: a later message for one gets an error of its own,
+        # contexts refused (busy: True) or ended (False), by id: a later message for one gets an error of its own,
         # not "first message needs voices" (which would close the socket and every other context with it)
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._gone: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     async def on_open(self) -> None:
         try:
@@ -354,17 +354,17 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         if ctx is None and (flags["close_context"] or flags["keep_alive"]) and "voices" not in obj:
             return  # nothing open under that id: nothing to close or keep alive
         if ctx is None and "voices" not in obj and cid in self._gone:
-            why = self._gone[cid]
+            refused = self._gone[cid]
+            why = "was refused (busy)" if refused else "has ended"
             session.send(error_message("context_closed", f"context {cid!r} {why}: open it again with voices",
-                                       CLOSE_TRY_AGAIN_LATER if why.startswith("was refused") else CLOSE_POLICY,
-                                       "context_id", cid))
+                                       CLOSE_TRY_AGAIN_LATER if refused else CLOSE_POLICY, "context_id", cid))
             return  # the socket stays open: the client's other contexts go on
         if ctx is None:
             self._gone.pop(cid, None)
             ctx = await self._open(cid, obj, now_s)
             if ctx is None:
                 if session.state == SessionState.OPEN:
-                    self._forget(cid, "was refused (busy)")
+                    self._forget(cid, refused=True)
                 return
         elif "voices" in obj:
             session.reject(FieldError("voices", "voices are set by a context's first message only",
@@ -500,14 +500,14 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             body["context_id"] = ctx.context_id
         return orjson.dumps(body).decode()
 
-    def _forget(self, cid: str, why: str) -> None:
-        self._gone[cid] = why
+    def _forget(self, cid: str, *, refused: bool) -> None:
+        self._gone[cid] = refused
         self._gone.move_to_end(cid)
         while len(self._gone) > MAX_GONE_CONTEXTS:
             self._gone.popitem(last=False)
 
     def _render_done(self, ctx: DialogueCtx, event: StreamDone) -> None:
-        self._forget(ctx.context_id, "has ended")
+        self._forget(ctx.context_id, refused=False)
         session = self.session
         cid = ctx.context_id if self.multi else None
         if event.status in (StreamStatus.BUSY, StreamStatus.FAILED, StreamStatus.SHUTDOWN):
