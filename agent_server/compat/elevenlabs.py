@@ -185,6 +185,12 @@ def parse_message(raw: str | bytes) -> Message:
 
 
 INPUT_TIMEOUT = "input_timeout_exceeded"
+# a context's stream that ended short -> (close code, ElevenLabs' error name), text to speech's and dialogue's
+CUT_SHORT: Mapping[StreamStatus, tuple[int, str]] = {
+    StreamStatus.BUSY: (CLOSE_TRY_AGAIN_LATER, BUSY),
+    StreamStatus.FAILED: (CLOSE_INTERNAL_ERROR, "generation_failed"),
+    StreamStatus.SHUTDOWN: (CLOSE_GOING_AWAY, "shutting_down"),
+}
 
 
 def input_timeout_message(timeout_s: float) -> str:
@@ -418,11 +424,9 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
     def _render_done(self, ctx: ElevenLabsContext, event: StreamDone) -> None:
         session = self.session
         cid = ctx.context_id if self.multi else None
-        if event.status in (StreamStatus.BUSY, StreamStatus.FAILED, StreamStatus.SHUTDOWN):
+        if event.status in CUT_SHORT:
             # a turn cut short is never an isFinal: the client must not take it for the whole answer
-            code, error = {StreamStatus.BUSY: (CLOSE_TRY_AGAIN_LATER, "busy"),
-                           StreamStatus.FAILED: (CLOSE_INTERNAL_ERROR, "generation_failed"),
-                           StreamStatus.SHUTDOWN: (CLOSE_GOING_AWAY, "shutting_down")}[event.status]
+            code, error = CUT_SHORT[event.status]
             session.send(error_message(error, event.detail or error, code, cid))
             if not self.multi:
                 session.close(code, event.detail)

@@ -62,6 +62,7 @@ from agent_server.compat.common import (
     resolve_voice,
 )
 from agent_server.compat.elevenlabs import (
+    CUT_SHORT,
     DEFAULT_CONTEXT_ID,
     ERROR_NAMES,
     INPUT_TIMEOUT,
@@ -87,8 +88,6 @@ from agent_server.errors import BUSY, FieldError, empty_message
 from agent_server.hub import Refusal
 from agent_server.markup import ELEVENLABS_V3_TAGS
 from agent_server.session import (
-    CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_POLICY,
     CLOSE_TRY_AGAIN_LATER,
@@ -510,10 +509,8 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         self._forget(ctx.context_id, refused=False)
         session = self.session
         cid = ctx.context_id if self.multi else None
-        if event.status in (StreamStatus.BUSY, StreamStatus.FAILED, StreamStatus.SHUTDOWN):
-            code, error = {StreamStatus.BUSY: (CLOSE_TRY_AGAIN_LATER, BUSY),
-                           StreamStatus.FAILED: (CLOSE_INTERNAL_ERROR, "generation_failed"),
-                           StreamStatus.SHUTDOWN: (CLOSE_GOING_AWAY, "shutting_down")}[event.status]
+        if event.status in CUT_SHORT:
+            code, error = CUT_SHORT[event.status]
             session.send(error_message(error, event.detail or error, code, None, cid))
             if not self.multi:
                 session.close(code, event.detail)
