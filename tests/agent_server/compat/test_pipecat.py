@@ -63,9 +63,11 @@ def samples_made(engine: FakeEngine, requests: list[SegmentRequest]) -> int:
     return sum(len(FakeEngine.expected_tokens(r.text, engine.seed_of(r.request_id))) * 960 for r in requests)
 
 
-def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, turn1: list[str]) -> None:
+def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, turn1: list[str],
+                             server_told: bool = True) -> None:
     """A turn, a barge-in while it speaks, a second turn: the first turn's engine work is cancelled and its
-    audio stops short; the second is heard whole, at the rate the pipeline asked for."""
+    audio stops short; the second is heard whole, at the rate the pipeline asked for. `server_told=False`: the
+    service sends the server nothing at a barge-in, so only the client-side stop is asserted."""
     engine = served.engine
     frames = [
         LLMFullResponseStartFrame(), *[LLMTextFrame(piece) for piece in turn1], LLMFullResponseEndFrame(),
@@ -91,7 +93,8 @@ def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, tur
     down = asyncio.run(main())
     audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
     assert audio and all(f.sample_rate == rate_hz and f.num_channels == 1 for f in audio)
-    assert engine.cancels, "the barge-in cancelled the engine work of the first turn"
+    if server_told:
+        assert engine.cancels, "the barge-in cancelled the engine work of the first turn"
     turn2 = [r for r in engine.submits if r.text.strip() and r.text.strip() in TURN2]
     assert turn2, "the second turn reached the engine"
     last_context = audio[-1].context_id
@@ -103,10 +106,17 @@ def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, tur
     assert turn1_bytes // 2 < samples_made(engine, turn1_requests) * rate_hz / 24_000 / 2, "turn 1 stopped short"
 
 
+# Pipecat's text-to-dialogue service closes a turn's context at the turn's end (`close_context`: speak what was
+# sent) and sends nothing at a later barge-in: it drops the rest of that context's audio itself. The server cannot
+# tell the turn was abandoned and generates it to its end, as the vendor does (docs/compatibility.md, Known gaps);
+# whether that end comes before the socket closes (which cancels it) is a race, so no cancel is asserted.
+SERVER_NOT_TOLD = {"elevenlabs_dialogue"}
+
+
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_pipeline_with_barge_in(served_realtime: Served, name: str) -> None:
     factory, rate_hz = SERVICES[name]
-    assert_barge_in_pipeline(served_realtime, factory, rate_hz, TURN1)
+    assert_barge_in_pipeline(served_realtime, factory, rate_hz, TURN1, server_told=name not in SERVER_NOT_TOLD)
 
 
 def test_elevenlabs_speed_setting_reaches_the_audio(served: Served) -> None:
