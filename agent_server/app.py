@@ -77,7 +77,8 @@ def create_app(
         *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
     ]
-    middleware = [Middleware(AuthMiddleware, auth=hub.auth)]  # every route but the probes and static pages
+    # every route but the probes and static pages; a refusal in the shape of the vendor whose path was asked for
+    middleware = [Middleware(AuthMiddleware, auth=hub.auth, refusal=compat.refusal_response)]
     app = App(routes=routes, lifespan=lifespan, middleware=middleware)
     app.send_buffer_bytes = settings.socket_send_buffer_bytes
     app.state.hub = hub

@@ -34,7 +34,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl
@@ -49,6 +49,7 @@ from agent_server.settings import AUTH_MODES, Settings
 from agent_server.shared_state import LocalState, SharedState, SharedStateUnavailable
 
 log = structlog.get_logger("agent_server.auth")
+Refusal = Callable[[Scope, int, str, str], Response | None]  # (scope, status, code, message) -> a response, or None
 
 PRINCIPAL_KEY = "agent_server.principal"  # scope key: the Principal of an authenticated request
 TOKEN_PREFIX = "v1"
@@ -405,13 +406,15 @@ def principal_of(scope: Scope) -> Principal | None:
 
 class AuthMiddleware:
     """Checks every HTTP request and WebSocket handshake (but PUBLIC_PATHS, and METRICS_PATHS unless
-    metrics_auth) and answers a refusal itself: JSON `{"error": {"code", "message"}}` with 401 or 403;
-    for a WebSocket, as the HTTP response to the handshake (no upgrade), or a close before accept
+    metrics_auth) and answers a refusal itself, with 401 or 403: `refusal(scope, status, code, message)`'s
+    response (the app passes the vendors' shapes, compat.refusal_response), else JSON `{"error": {"code",
+    "message"}}`; for a WebSocket, as the HTTP response to the handshake (no upgrade), or a close before accept
     (uvicorn turns that into 403) where the server lacks the denial-response extension."""
 
-    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+    def __init__(self, app: ASGIApp, auth: Auth, refusal: Refusal | None = None) -> None:
         self.app = app
         self.auth = auth
+        self.refusal = refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self._is_open(scope["path"]):
@@ -422,7 +425,8 @@ class AuthMiddleware:
         except Denied as denied:
             log.info("auth_denied", path=scope["path"], code=denied.code, status=denied.status_code,
                      client=_client(scope), websocket=scope["type"] == "websocket")
-            await _deny(scope, receive, send, denied)
+            shaped = self.refusal(scope, denied.status_code, denied.code, denied.message) if self.refusal else None
+            await _deny(scope, receive, send, denied, shaped)
             return
         await self.app(scope, receive, send)
 
@@ -432,8 +436,8 @@ class AuthMiddleware:
         return path in METRICS_PATHS and not self.auth.metrics_auth
 
 
-async def _deny(scope: Scope, receive: Receive, send: Send, denied: Denied) -> None:
-    response = JSONResponse({"error": {"code": denied.code, "message": denied.message}}, status_code=denied.status_code)
+async def _deny(scope: Scope, receive: Receive, send: Send, denied: Denied, shaped: Response | None) -> None:
+    response = shaped or _error(denied.status_code, denied.code, denied.message)
     if denied.status_code == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
     if scope["type"] == "http" or "websocket.http.response" in (scope.get("extensions") or {}):

@@ -10,7 +10,12 @@ vendor's shape. `docs/compatibility.md` lists every field and the base-URL setti
 
 from __future__ import annotations
 
+from typing import Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute
+from starlette.types import Scope
 
 from agent_server.compat import (
     cartesia,
@@ -25,6 +30,7 @@ from agent_server.compat import (
     openai_speech,
 )
 from agent_server.session import http_route, websocket_route
+from agent_server.voices import VoiceError
 
 ELEVENLABS_TTS = "/v1/text-to-speech/{voice_id}"
 ELEVENLABS_DIALOGUE = "/v1/text-to-dialogue"
@@ -58,3 +64,36 @@ def routes() -> list[BaseRoute]:
         websocket_route(JAMBONZ_STREAM_PATH, jambonz.JambonzStreamProtocol),
         *catalog.routes(),
     ]
+
+
+def vendor_of_path(scope: Scope) -> catalog.Vendor | Literal["jambonz"] | None:
+    """Whose endpoint a request (or handshake) is for: the vendor whose error shape its client parses. None: a
+    native path. `/v1/models` is three vendors' path, `/v1/voices` native and ElevenLabs': the client's headers
+    say which (`catalog.vendor_of`)."""
+    path: str = scope["path"]
+    if path.startswith(("/v1/text-to-speech/", ELEVENLABS_DIALOGUE, "/v2/voices", "/v1/voices/add")):
+        return "elevenlabs"
+    if path == "/voices" or path.startswith(("/voices/", "/tts/")):
+        return "cartesia"
+    if path == "/v1/speak":
+        return "deepgram"
+    if path.startswith("/v1/audio/"):
+        return "openai"
+    if path.startswith("/v1/jambonz/"):
+        return "jambonz"
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return catalog.vendor_of(Request(scope))
+    if path == "/v1/voices" or path.startswith("/v1/voices/"):  # native routes that ElevenLabs' SDK calls too
+        return "elevenlabs" if catalog.vendor_of(Request(scope)) == "elevenlabs" else None
+    return None
+
+
+def refusal_response(scope: Scope, status_code: int, code: str, message: str) -> JSONResponse | None:
+    """An access refusal (auth.AuthMiddleware: 401, 403) in the shape of the vendor whose path was asked for, so
+    its SDK reports our message; None on native paths (auth's own shape)."""
+    vendor = vendor_of_path(scope)
+    if vendor is None:
+        return None
+    if vendor == "jambonz":
+        return JSONResponse(jambonz.http_error_body(message, code), status_code=status_code)
+    return catalog.error_response(vendor, VoiceError(status_code, "", message, code))

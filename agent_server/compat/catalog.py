@@ -86,8 +86,8 @@ def vendor_of(request: Request) -> Vendor:
     return "openai"
 
 
-TITLES = {400: "Invalid request", 404: "Not found", 409: "Conflict", 413: "Request too large",
-          422: "Unprocessable", 503: "Service unavailable"}
+TITLES = {400: "Invalid request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found", 409: "Conflict",
+          413: "Request too large", 422: "Unprocessable", 503: "Service unavailable"}
 
 
 def error_response(vendor: Vendor, exc: VoiceError, request_id: str = "") -> JSONResponse:
@@ -107,7 +107,7 @@ def error_response(vendor: Vendor, exc: VoiceError, request_id: str = "") -> JSO
         body = {"err_code": code.upper(), "err_msg": message, "request_id": request_id}
     else:
         kind = "invalid_request_error" if status < STATUS_SERVER_ERROR else "server_error"
-        body = {"error": {"message": message, "type": kind, "param": field,
+        body = {"error": {"message": message, "type": kind, "param": field or None,
                           "code": "model_not_found" if status == STATUS_NOT_FOUND else code}}
     return JSONResponse(body, status_code=status)
 

@@ -278,6 +278,9 @@ def test_http_endpoints_need_a_key(server: LiveServer) -> None:
         speech = httpx.post(base + "/v1/audio/speech", headers={"Authorization": f"Bearer {KEY_A}"},
                             json={"model": "tts-1", "input": "Hello there.", "voice": "alloy",
                                   "response_format": "pcm"})
+        deadline_s = time.monotonic() + 5.0  # the session closes (and says so) just after the body's last byte
+        while not any(e["event"] == "session_closed" for e in logs) and time.monotonic() < deadline_s:
+            time.sleep(0.01)
     assert speech.status_code == 200 and len(speech.content) > 0
     session_lines = [e for e in logs if e["event"] in ("session_opened", "context_done", "session_closed")]
     assert len(session_lines) == 3 and all(e["key"] == fingerprint(KEY_A) for e in session_lines)  # traceable
@@ -385,3 +388,55 @@ def test_metrics_auth_flag(tmp_path: Path) -> None:
         assert httpx.get(live.http_url + "/metrics").status_code == 401
         assert httpx.get(live.http_url + "/metrics", headers={"X-API-Key": KEY_A}).status_code == 200
         assert httpx.get(live.http_url + "/healthz").status_code == 200
+
+
+def test_a_refusal_comes_in_the_shape_of_the_vendor_asked(server: LiveServer) -> None:
+    """A wrong key on a vendor's path: the vendor's SDK raises its own error carrying our message (each vendor's
+    error body; native paths keep `{"error": {"code", "message"}}`)."""
+    import openai
+    from cartesia import Cartesia
+    from deepgram import DeepgramClient
+    from deepgram.core.api_error import ApiError as DeepgramError
+    from deepgram.environment import DeepgramClientEnvironment
+    from elevenlabs.client import ElevenLabs
+    from elevenlabs.core.api_error import ApiError as ElevenLabsError
+
+    base = server.http_url
+    http = httpx.Client()
+    eleven_labs = ElevenLabs(api_key="wrong", base_url=base, httpx_client=http)
+    with pytest.raises(ElevenLabsError) as eleven:
+        b"".join(eleven_labs.text_to_speech.convert("JBFqnCBsd6RMkjVDRZzb", text="Hello.", output_format="pcm_16000"))
+    assert eleven.value.status_code == 401
+    assert eleven.value.body == {"detail": {"status": "invalid_credentials", "message": "invalid API key"}}
+    with pytest.raises(ElevenLabsError) as eleven_voices:  # a native route the SDK calls: its shape by its header
+        eleven_labs.voices.get_all()
+    assert eleven_voices.value.body["detail"]["status"] == "invalid_credentials"
+
+    with openai.OpenAI(api_key="wrong", base_url=base + "/v1", max_retries=0) as client, \
+            pytest.raises(openai.AuthenticationError) as refused_openai:
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.", response_format="pcm")
+    assert refused_openai.value.message == "Error code: 401 - invalid API key"  # the SDK reads error.message
+    assert refused_openai.value.code == "invalid_credentials"
+
+    with Cartesia(api_key="wrong", base_url=base, max_retries=0) as cartesia, pytest.raises(Exception) as refused:
+        cartesia.voices.get("default")
+    assert getattr(refused.value, "status_code", None) == 401
+    assert getattr(refused.value, "body", None) == {
+        "title": "Unauthorized", "message": "invalid API key", "error_code": "invalid_credentials",
+        "status_code": 401, "request_id": ""}
+
+    env = DeepgramClientEnvironment(base=base, production=server.ws_url, agent=server.ws_url, agent_rest=base)
+    with pytest.raises(DeepgramError) as refused_deepgram:
+        b"".join(DeepgramClient(api_key="wrong", environment=env, httpx_client=http).speak.v1.audio.generate(
+            text="Hello."))
+    http.close()
+    assert refused_deepgram.value.status_code == 401
+    assert refused_deepgram.value.body == {"err_code": "INVALID_CREDENTIALS", "err_msg": "invalid API key",
+                                           "request_id": ""}
+
+    jambonz = httpx.post(base + "/v1/jambonz/tts", json={"text": "Hello."})
+    assert jambonz.status_code == 401
+    assert jambonz.json() == {"error": "an API key or token is required (Authorization: Bearer, X-API-Key, or "
+                                       "?token= in the URL)", "code": "missing_credentials"}
+    native = httpx.get(base + "/v1/voices")
+    assert native.json() == {"error": {"code": "missing_credentials", "message": native.json()["error"]["message"]}}
