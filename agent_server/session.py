@@ -301,8 +301,9 @@ class Session(Generic[S]):
         """A refused request: logged, rendered by the protocol; after `max_protocol_errors` client
         errors (busy does not count) the session closes with 1008."""
         ctx = self.contexts.get(error.context_id) if error.context_id else None
-        (ctx.log if ctx is not None else self.log).info(
-            "protocol_error", field=error.field, message=error.message, code=error.code, busy=error.busy
+        (ctx.log if ctx is not None else self.log).info(  # busy (full, draining) is the server's, not the client's
+            "context_refused" if error.busy else "protocol_error", field=error.field, message=error.message,
+            code=error.code, busy=error.busy,
         )
         if error.busy:
             self.hub.observers.emit(BusyRejected(self.protocol_name, "context", error.message))

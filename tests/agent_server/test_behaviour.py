@@ -446,8 +446,12 @@ def test_drain(tmp_path: Path, driver: Driver) -> None:
             assert code == (1000 if driver.name in ("deepgram", "elevenlabs") and not driver.multi else 1001)
             assert await drain is True
 
-    run(scenario())
+    with structlog.testing.capture_logs() as logs:
+        run(scenario())
     assert not [s for s in engine.submits if "t2" in s.request_id]
+    if driver.multi:  # the new context's refusal is the server's (draining), not a client's protocol error
+        refused = [line for line in logs if line.get("busy")]
+        assert refused and all(line["event"] == "context_refused" for line in refused), refused
 
 
 @pytest.mark.parametrize("driver", WEBSOCKET_DRIVERS, ids=str)
