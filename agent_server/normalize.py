@@ -13,7 +13,8 @@ sent (`Spoken.written_times`): "$4.50" gets the time of "four dollars and fifty 
 What is rewritten (English; other languages: see `_LANGUAGES`):
 - money: $ € £ ¥ before (or € after) an amount, "$5 million", "$0.99"; `_CURRENCIES`;
 - percent "12.5%"; units after a number "72°F", "5 km", "16 GB" (`_EN_UNITS`); ordinals "21st";
-  times "9:30", "9:05 pm", "14:00"; ISO dates "2024-05-01";
+  times "9:30", "9:05 pm", "14:00"; ratios and scores "16:9", "3:2" ("sixteen to nine": a one-digit second
+  number is no clock's); ISO dates "2024-05-01";
 - years "1999", "2024" (a lone four-digit number 1100-2099 without a thousands comma);
 - digit strings said digit by digit: phone-like groups "555-123-4567", "+1 415 555 0100", numbers with a
   leading zero "007", and runs longer than `MAX_CARDINAL_DIGITS`;
@@ -202,6 +203,7 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
     ("time", r"(?<![\d:])(?P<t_h>\d{1,2}):(?P<t_m>\d{2})(?::(?P<t_s>\d{2}))?(?![\d:])"
              r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w))?"),
+    ("ratio", r"(?<![\d:.,])(?P<ra_a>\d{1,3}):(?P<ra_b>\d{1,3})(?![\d:]|[.,]\d)"),  # not a time: 16:9, 3:2, 12:1
     ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
     ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"),
     ("percent", rf"{_NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{_AMOUNT})\s?%"),
@@ -215,7 +217,7 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
 # numbers inside a clock time, a ratio, a date, a phone number, a version or a temperature are not quantities:
 # "9:30" is not "neuf:trente", "14:00" not "vierzehn:null null"; with no reading of their own here, they stay as
 # written ("keep" comes first: at one place the earlier rule wins).
-_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "range", "version", "measure"})
+_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "ratio", "range", "version", "measure"})
 _KEEP = (
     "keep",
     r"(?<![\d.,])(?:\d+(?::\d+)+"  # 9:30, 14:00:05, 16:9
@@ -444,6 +446,10 @@ def _read_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return f"{_read_integer(first, lang, rules)} to {_read_integer(last, lang, rules)}"
 
 
+def _read_ratio(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return f"{_read_integer(match['ra_a'], lang, rules)} to {_read_integer(match['ra_b'], lang, rules)}"
+
+
 def _read_kept(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return match[0]
 
@@ -461,6 +467,7 @@ _READERS: dict[str, Reader] = {
     "percent": _read_percent,
     "version": _read_version,
     "range": _read_range,
+    "ratio": _read_ratio,
     "measure": _read_measure,
     "ordinal": _read_ordinal,
     "number": _read_number,

@@ -30,6 +30,8 @@ ENGLISH = [
     ("At 9:30 pm, 14:00, 9:05am, 7:00 or 1:02:03", "At nine thirty p m, fourteen hundred, nine oh five a m, seven"
                                                    " o'clock or one two three"),
     ("Come at 10:15 p.m.", "Come at ten fifteen p m."),  # the sentence keeps its full stop
+    ("a 16:9 screen, won 3:2, odds of 12:1; 1.5:2", "a sixteen to nine screen, won three to two, odds of twelve to"
+                                                    " one; one point five:two"),
     ("On 2024-05-01 in 1999", "On May first, twenty twenty-four in nineteen ninety-nine"),
     ("about 12.5% of 3.14, -5% and -5", "about twelve point five percent of three point one four, minus five"
                                         " percent and minus five"),
