@@ -503,12 +503,21 @@ METRICS_THREAD = "metrics-http"
 
 
 class _NotFromThread(logging.Filter):
-    def __init__(self, thread_name: str) -> None:
+    """Leaves out the records a thread logs: all of them, or those whose message starts with one of `messages`."""
+
+    def __init__(self, thread_name: str, messages: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.thread_name = thread_name
+        self.messages = messages
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName != self.thread_name
+        if record.threadName != self.thread_name:
+            return True
+        return bool(self.messages) and not record.getMessage().startswith(self.messages)
+
+
+# uvicorn's lines about the process, said again by the metrics port's server, read as a second server process
+PROCESS_LINES = ("Started server process", "Finished server process", "Shutting down")
 
 
 def serve_in_thread(
@@ -523,9 +532,10 @@ def serve_in_thread(
     # uvicorn's `access_log=False` empties the process-wide "uvicorn.access" logger, the main port's too:
     # the scrapes' lines are left out by the thread that logs them instead.
     options: dict[str, Any] = {"log_config": None, "timeout_graceful_shutdown": 1, **config}
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, _NotFromThread) and f.thread_name == METRICS_THREAD for f in access.filters):
-        access.addFilter(_NotFromThread(METRICS_THREAD))
+    for logger, messages in ((logging.getLogger("uvicorn.access"), ()), (logging.getLogger("uvicorn.error"),
+                                                                            PROCESS_LINES)):
+        if not any(isinstance(f, _NotFromThread) and f.thread_name == METRICS_THREAD for f in logger.filters):
+            logger.addFilter(_NotFromThread(METRICS_THREAD, messages))
     app = create_metrics_app(main_app)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1], lifespan="off", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=METRICS_THREAD, daemon=True)

@@ -220,6 +220,13 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
             scraped = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "GET /metrics", None, None)
             scraped.threadName = metrics.METRICS_THREAD
             assert not access.filter(scraped)  # the metrics port's own are left out
+            uvicorn_error = logging.getLogger("uvicorn.error")  # and its lines about the process: one process
+            for message, kept in (("Started server process [%d]", False), ("Finished server process [%d]", False),
+                                  ("Uvicorn running on %s", True)):
+                record = logging.LogRecord("uvicorn.error", logging.INFO, "", 0, message, (1,), None)
+                assert uvicorn_error.filter(record)
+                record.threadName = metrics.METRICS_THREAD
+                assert bool(uvicorn_error.filter(record)) is kept, message
 
             hello, sample = read_stream(side_url)
             assert hello["variant"] == "english" and hello["random_weights"] is True
