@@ -79,6 +79,18 @@ def test_a_vendor_voice_id_is_the_default_voice_and_lines_stay_apart(served: Ser
     assert len(said(served)) == 2  # one line never runs into the next, even in one voice
 
 
+def test_a_voice_made_under_a_vendor_id_is_said_by_that_id(served: Served, http: httpx.Client) -> None:
+    """The operator makes a voice under the vendor's id: the client's script, unchanged, gets it."""
+    rate_hz = 16_000
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(6 * rate_hz) / rate_hz)).astype(np.float32)
+    made = http.post(f"{served.http}/v1/voices", files={"file": ("george.wav", encode_wav_pcm16(tone, rate_hz))},
+                     data={"name": "George", "voice_id": "JBFqnCBsd6RMkjVDRZzb"})
+    assert made.status_code == 201, made.text
+    lines = [("JBFqnCBsd6RMkjVDRZzb", "Knock knock."), ("Aw4FAjKCGjjNkVhN1Xmq", "Who is there?")]
+    b"".join(client(served, http).text_to_dialogue.convert(inputs=inputs(lines), output_format="pcm_16000"))
+    assert said(served) == [("JBFqnCBsd6RMkjVDRZzb", "Knock knock."), ("default", "Who is there?")]
+
+
 def test_convert_with_timestamps_has_a_voice_segment_per_line(served: Served, http: httpx.Client) -> None:
     result = client(served, http).text_to_dialogue.convert_with_timestamps(inputs=inputs(), output_format="pcm_16000")
     audio = base64.b64decode(result.audio_base_64)
