@@ -95,7 +95,7 @@ function render() {
     { name: "in use (mean per step)", color: C.accent, values: col((s) => s.slots.mean), fill: true },
     { name: "max", color: C.danger, values: col((s) => s.slots.max), dashed: true },
   ], { min: 0 });
-  $("now-audio").innerHTML = `${last.audio_per_s.toFixed(2)}<small>s / s</small>`;
+  $("now-audio").innerHTML = `${last.audio_per_s.toFixed(2)}<small>s/s</small>`;
   line("audio", t, [{ name: "audio s per s", color: C.accent, values: col((s) => s.audio_per_s), fill: true }], {});
 
   // sessions
