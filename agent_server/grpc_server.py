@@ -64,6 +64,7 @@ DENIED_STATUS: Mapping[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
 }
+MISSING_CREDENTIALS = "an API key or token is required (metadata authorization: Bearer <key>, or x-api-key)"
 STOP_GRACE_S = 1.0  # after the hub's drain: calls still open get this long before they are cut
 
 
@@ -163,7 +164,8 @@ async def authorize(hub: Hub, context: Context) -> Principal | None:
         principal = hub.auth.check(scope)
     except Denied as denied:
         log.info("auth_denied", code=denied.code, status=denied.status_code, client=context.peer(), grpc=True)
-        await context.abort(DENIED_STATUS.get(denied.status_code, grpc.StatusCode.UNAUTHENTICATED), denied.message)
+        message = MISSING_CREDENTIALS if denied.code == "missing_credentials" else denied.message
+        await context.abort(DENIED_STATUS.get(denied.status_code, grpc.StatusCode.UNAUTHENTICATED), message)
     return principal
 
 

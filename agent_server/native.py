@@ -171,9 +171,10 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             return  # the caller's side of the call (a bridge may forward everything): nothing to play
         playout = self._twilio.get(incoming.stream_sid)
         if playout is None:
-            session.reject(FieldError("streamSid", f"no context played on stream {incoming.stream_sid!r}",
-                                      "unknown_stream"))
-            return
+            if incoming.event == twilio.Event.MARK:  # only a mark says we sent something there
+                session.reject(FieldError("streamSid", f"no context played on stream {incoming.stream_sid!r}",
+                                          "unknown_stream"))
+            return  # a stop or clear on a call the agent has not spoken on (yet): nothing to stop or drop
         if incoming.event == twilio.Event.MARK:
             try:
                 played = playout.on_mark(incoming.mark_name)

@@ -34,6 +34,7 @@ TWILIO_FORMAT = StreamFormat("raw", "mulaw", 8_000, frame_ms=20)  # what Twilio 
 TWILIO_ENCODING = "audio/x-mulaw"
 TWILIO_SAMPLE_RATE_HZ = 8_000
 MAX_MARK_NAME_CHARS = 256
+MAX_PENDING_MARKS = 1024  # per stream: a mark per segment, echoed by Twilio within seconds
 EVENT_FIELDS = frozenset({"event", "sequenceNumber", "streamSid", "protocol", "version", "start", "media",
                           "mark", "dtmf", "stop"})
 
@@ -134,7 +135,8 @@ class TwilioPlayout:
     """One Twilio stream's outgoing audio: media frames, a mark per segment, what Twilio has played."""
 
     stream_sid: str
-    pending_marks: deque[str] = field(default_factory=deque)  # sent, not yet echoed, in order
+    # sent, not yet echoed, in order; a bridge that never forwards the echoes keeps the newest MAX_PENDING_MARKS
+    pending_marks: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_PENDING_MARKS))
     dropped_pending: int = 0  # marks pending when a clear went out: their echoes are for dropped audio
 
     def media(self, frame: bytes) -> str:
@@ -145,6 +147,8 @@ class TwilioPlayout:
         name = f"{context_id}:{segment_index}"
         if len(name) > MAX_MARK_NAME_CHARS:
             raise ValueError(f"mark name longer than {MAX_MARK_NAME_CHARS} characters")
+        if len(self.pending_marks) == MAX_PENDING_MARKS and self.dropped_pending:
+            self.dropped_pending -= 1  # the oldest, forgotten now, was one of them
         self.pending_marks.append(name)
         return mark_message(self.stream_sid, name)
 

@@ -305,10 +305,28 @@ def test_twilio_mode_refusals(served: Served) -> None:
         assert json_of(ws.recv(timeout=10))["field"] == "twilio"
         send_json(ws, twilio_echo("a:0"))  # a mark of a stream nothing played on
         assert json_of(ws.recv(timeout=10))["code"] == "unknown_stream"
+        for call in range(40):  # more than max_protocol_errors: calls that ended (or were cleared) before the
+            sid = f"MZcall{call:04d}"  # agent spoke are no errors, and the socket serves the other calls on
+            send_json(ws, {"event": "start", "streamSid": sid, "start": {"streamSid": sid, "callSid": "CA1"}})
+            send_json(ws, {"event": "clear", "streamSid": sid})
+            send_json(ws, {"event": "stop", "streamSid": sid, "stop": {"accountSid": "AC1", "callSid": "CA1"}})
         send_json(ws, {"event": "media", "streamSid": "MZ9", "media": {"payload": "AAAA"}})  # the caller's audio
         send_json(ws, {"type": "keepalive"})
         send_json(ws, {"event": "mark", "streamSid": "MZ9"})  # malformed
         assert json_of(ws.recv(timeout=10))["field"] == "mark"  # (the media message got no answer)
+
+
+def test_twilio_pending_marks_are_bounded_and_a_clear_still_reads_them() -> None:
+    """A bridge that never forwards the echoes: the stream keeps the newest MAX_PENDING_MARKS marks."""
+    playout = twilio.TwilioPlayout("MZ1")
+    for index in range(twilio.MAX_PENDING_MARKS + 10):
+        playout.segment_end("t", index)
+    assert len(playout.pending_marks) == twilio.MAX_PENDING_MARKS and playout.pending_marks[0] == "t:10"
+    playout.clear()
+    playout.segment_end("t", twilio.MAX_PENDING_MARKS + 10)  # after the clear, pushing one dropped mark out
+    assert playout.dropped_pending == twilio.MAX_PENDING_MARKS - 1
+    echoes = [playout.on_mark(name) for name in list(playout.pending_marks)]
+    assert echoes == [False] * (twilio.MAX_PENDING_MARKS - 1) + [True]
 
 
 def twilio_echo(name: str) -> dict[str, Any]:
