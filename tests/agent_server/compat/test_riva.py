@@ -122,7 +122,7 @@ def test_wrong_key_is_refused(served: Served) -> None:
         with pytest.raises(grpc.RpcError) as exc:
             call()
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert "metadata authorization: Bearer" in exc.value.details()  # (no key) what a gRPC client can send
+    assert "metadata authorization: Bearer" in (exc.value.details() or "")  # (no key) what a gRPC client can send
     assert not served.engine.submits and not events  # refused before any session
 
 
