@@ -5,6 +5,10 @@
     python -m agent_server.keys --redis-url ... revoke k_0123456789ab      # a fingerprint (or the key)
     python -m agent_server.keys --redis-url ... list
 
+`revoke` takes `k_` and 12 hex digits (what `add` and `list` print), or the key; a fingerprint of no key added
+here is revoked all the same (the servers may have that key from their environment or a file), with a warning:
+a mistyped one leaves the real key working.
+
 Only a key's SHA-256 is stored. A key added or revoked here counts on every replica within one sync period
 (0.25 s); keys configured by environment or file keep working without Redis (docs/operations.md). A revoked
 key's tokens are refused too. A server in `--auth auto` (the default) turns auth on with the first key added
@@ -16,16 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import secrets
 import sys
 from collections.abc import Sequence
 
-from agent_server.auth import AuthConfigError, check_key_format, fingerprint, key_hash
+from agent_server.auth import FINGERPRINT_HEX, AuthConfigError, check_key_format, fingerprint, key_hash
 from agent_server.logging import configure_logging
 from agent_server.shared_state import DEFAULT_PREFIX, RedisState, SharedStateUnavailable
 
 NEW_KEY_BYTES = 32
 KEY_PREFIX = "sk-"
+FINGERPRINT = re.compile(rf"k_[0-9a-f]{{{FINGERPRINT_HEX}}}")  # what auth.fingerprint makes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def run(args: argparse.Namespace) -> int:
-    state = RedisState(args.redis_url, prefix=args.redis_prefix)
+async def run(args: argparse.Namespace, state: RedisState) -> int:
     try:
         await state.refresh()
         if args.command == "add":
@@ -55,9 +60,14 @@ async def run(args: argparse.Namespace) -> int:
             await state.add_key(key_hash(key), fingerprint(key))
             print(f"added {fingerprint(key)}" + ("" if args.key else f"\n{key}"))
         elif args.command == "revoke":
-            key_id = args.key if args.key.startswith("k_") else fingerprint(args.key)
+            key_id = args.key if args.key.startswith("k_") else fingerprint(check_key_format(args.key))
+            if not FINGERPRINT.fullmatch(key_id):
+                raise AuthConfigError(f"{args.key!r} is not a fingerprint: k_ and 12 hex digits (or give the key)")
             await state.revoke_key(key_id)
             print(f"revoked {key_id}")
+            if key_id not in state.mirror.key_hashes.values():  # a typo would leave the real key working
+                print(f"warning: {key_id} is not a key added here (`list` shows those); if the servers have it by "
+                      "environment or file it is revoked now, else check the fingerprint", file=sys.stderr)
         else:
             for key_id in sorted(state.mirror.key_hashes.values()):
                 print(f"{key_id}{' (revoked)' if key_id in state.mirror.revoked_keys else ''}")
@@ -75,7 +85,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.redis_url:
         parser.error("--redis-url (or AGENT_SERVER_REDIS_URL) is required: keys are kept in the fleet's Redis")
     try:
-        sys.exit(asyncio.run(run(args)))
+        state = RedisState(args.redis_url, prefix=args.redis_prefix)
+    except ValueError as exc:  # a URL redis cannot read
+        parser.error(f"--redis-url: {exc}")
+    try:
+        sys.exit(asyncio.run(run(args, state)))
     except AuthConfigError as exc:
         parser.error(str(exc))
     except SharedStateUnavailable as exc:

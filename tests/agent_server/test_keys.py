@@ -66,6 +66,25 @@ def test_a_key_added_and_revoked_from_the_command_line_counts_on_a_running_repli
     assert keys_cli(redis, "add", "--key", "has space").returncode == 2
 
 
+def test_a_revoke_that_names_no_key_says_so(redis: RedisServer) -> None:
+    """A mistyped fingerprint must not pass for a revoked key: not a fingerprint -> refused; a fingerprint of no
+    key added here -> revoked (the servers may have it from a file) with a warning."""
+    known = keys_cli(redis, "add").stdout.split()[1]
+    typo = keys_cli(redis, "revoke", "k_doesnotexist")
+    assert typo.returncode == 2 and "not a fingerprint" in typo.stderr and not typo.stdout
+    unknown = keys_cli(redis, "revoke", "k_0123456789ab")
+    assert unknown.returncode == 0 and unknown.stdout == "revoked k_0123456789ab\n"
+    assert "k_0123456789ab is not a key added here" in unknown.stderr
+    revoked = keys_cli(redis, "revoke", known)
+    assert revoked.returncode == 0 and revoked.stdout == f"revoked {known}\n" and not revoked.stderr
+
+
+def test_a_redis_url_it_cannot_read_is_a_usage_error() -> None:
+    result = subprocess.run([sys.executable, "-m", "agent_server.keys", "--redis-url", "notaurl", "list"], check=False,
+                            capture_output=True, text=True, cwd=REPO, env=CLI_ENV)
+    assert result.returncode == 2 and "--redis-url: " in result.stderr and "Traceback" not in result.stderr
+
+
 def test_without_redis_it_says_so() -> None:
     result = subprocess.run([sys.executable, "-m", "agent_server.keys", "list"], check=False, capture_output=True,
                             text=True, cwd=REPO, env=CLI_ENV)
