@@ -93,10 +93,9 @@ def parse_http(body: object, accept: str | None) -> SynthRequest:
 
 
 def http_format(accept: str | None) -> tuple[StreamFormat, str]:
-    """The first type of `Accept` we serve (no Accept, or `*/*`: MP3, jambonz's preferred format)."""
-    for item in (accept or "audio/mpeg").split(","):
-        media, *params = (part.strip() for part in item.split(";"))
-        media = media.lower()
+    """The type of `Accept` we serve with the highest `q` (the first of equals; none with q=0; no Accept, or
+    `*/*`: MP3, jambonz's preferred format)."""
+    for media, params in _by_preference(accept or "audio/mpeg"):
         if media in MP3_TYPES or media in ("*/*", "audio/*"):
             return StreamFormat("mp3", "mp3", MP3_SAMPLE_RATE_HZ, MP3_BITRATE_BPS), MP3_TYPES[0]
         if media in WAV_TYPES:
@@ -105,6 +104,25 @@ def http_format(accept: str | None) -> tuple[StreamFormat, str]:
             rate = _rate_param(params)
             return StreamFormat("raw", "pcm_s16le", rate), f"{L16_TYPE};rate={rate}"
     raise FieldError("accept", f"Accept must name audio/mpeg, audio/wav or audio/l16;rate=N (got {accept!r})")
+
+
+def _by_preference(accept: str) -> list[tuple[str, list[str]]]:
+    """`Accept`'s media types (lower case) with their other parameters, highest `q` first (RFC 9110 12.5.1)."""
+    ranked: list[tuple[float, str, list[str]]] = []
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        quality = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    raise FieldError("accept", f"q must be a number in [0, 1] (got {value.strip()!r})") from None
+        if quality > 0:
+            ranked.append((quality, media.lower(), params))
+    ranked.sort(key=lambda entry: -entry[0])  # stable: equals keep their order
+    return [(media, params) for _, media, params in ranked]
 
 
 def _rate_param(params: list[str]) -> int:

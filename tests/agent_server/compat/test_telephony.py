@@ -54,6 +54,8 @@ def test_jambonz_http_default_is_mp3_it_can_decode() -> None:
     ("audio/x-wav", StreamFormat("wav", "pcm_s16le", 24_000), "audio/wav"),
     ("audio/l16;rate=8000", StreamFormat("raw", "pcm_s16le", 8_000), "audio/l16;rate=8000"),
     ("text/html, audio/L16; rate=16000", StreamFormat("raw", "pcm_s16le", 16_000), "audio/l16;rate=16000"),
+    ("audio/wav;q=0.5, audio/mpeg;q=1", StreamFormat("mp3", "mp3", 24_000, 64_000), "audio/mpeg"),  # q decides
+    ("audio/mpeg;q=0, audio/l16;rate=8000;q=0.2", StreamFormat("raw", "pcm_s16le", 8_000), "audio/l16;rate=8000"),
 ])
 def test_jambonz_http_accept(accept: str | None, expected: StreamFormat, content_type: str) -> None:
     assert jambonz.http_format(accept) == (expected, content_type)
