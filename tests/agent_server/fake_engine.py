@@ -117,8 +117,14 @@ class FakeEngine(EngineLike):
     # ---- deterministic audio -------------------------------------------------------------------
 
     @staticmethod
-    def expected_tokens(text: str, seed: int, tokens_per_char: float = 1.5) -> list[int]:
-        n_tokens = max(1, round(tokens_per_char * len(text)))
+    def token_count(text: str, tokens_per_char: float = 1.5) -> int:
+        """How many tokens a segment of `text` makes whole: known before (and without) its admission, so also for
+        a segment cancelled before the engine took it."""
+        return max(1, round(tokens_per_char * len(text)))
+
+    @classmethod
+    def expected_tokens(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> list[int]:
+        n_tokens = cls.token_count(text, tokens_per_char)
         digest = hashlib.blake2b(f"{seed}\x00{text}".encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         return [int(t) for t in rng.integers(0, SPEECH_VOCAB, size=n_tokens)]

@@ -60,7 +60,7 @@ SERVICES: dict[str, tuple[Factory, int]] = {
 
 
 def samples_made(engine: FakeEngine, requests: list[SegmentRequest]) -> int:
-    return sum(len(FakeEngine.expected_tokens(r.text, engine.seed_of(r.request_id))) * 960 for r in requests)
+    return sum(FakeEngine.token_count(r.text, engine.tokens_per_char) * 960 for r in requests)
 
 
 def assert_barge_in_pipeline(served: Served, factory: Factory, rate_hz: int, turn1: list[str],
