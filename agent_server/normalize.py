@@ -1,4 +1,5 @@
-"""Text normalisation: a segment's numbers, money, times and dates written out as the words to say. Pure.
+"""Text normalisation: a segment's numbers, money, times, dates and addresses written out as the words to say, its
+markdown marks dropped. Pure.
 
 Chatterbox reads what it is given: its tokenizers have digits, but the models say them badly or not at all
 (resemble-ai/chatterbox#284: numbers skipped in Russian), and an agent's replies are full of them (prices,
@@ -19,9 +20,22 @@ What is rewritten (English; other languages: see `_LANGUAGES`):
 - digit strings said digit by digit: phone-like groups "555-123-4567", "+1 415 555 0100", numbers with a
   leading zero "007", and runs longer than `MAX_CARDINAL_DIGITS`;
 - decimals "3.14" ("three point one four"), grouped thousands "1,234,567", negatives "-5", plain integers;
-- "&" between words ("and").
+- "&" between words ("and"), "*" or "×" between numbers ("times");
+- dates: "12/25/2025" (month first, or day first where the first number cannot be a month: "25/12/2025"),
+  "Dec 25, 2025", "December 25th", "25 December 2025" ("December twenty-fifth, twenty twenty-five", "the
+  twenty-fifth of December, ..."); clock hours "3pm", "11 a.m." ("three p m");
+- email addresses ("bob at example dot com"), web addresses "https://example.com/docs", "www.example.com",
+  "example.io/path" ("example dot com slash docs": the scheme and the query are not read), "#5" and "No. 5"
+  ("number five"), "e.g.", "i.e.", "etc.", "vs.", "approx.", and the titles "Dr.", "Mr.", "Mrs.", "Ms.",
+  "Prof." before a name.
 A number glued to letters ("A17", "mp3", "5km") is set apart by a space. Anything the rules do not know
-stays as written. Languages num2words does not have (el, hi, ms, sw, zh) are passed through unchanged.
+stays as written.
+
+Markdown, in every language (an LLM writes it; read as text its marks would be said or garble the
+prosody): "**bold**", "*italic*", "_italic_", "__bold__", "~~struck~~" and "`code`" lose their marks,
+"[text](https://...)" is said as its text, a heading's "#"s and a list item's bullet at a line's start are
+not said. A mark dropped between two letters leaves a space. Languages num2words does not have (el, hi, ms,
+sw, zh) get only this.
 """
 
 from __future__ import annotations
@@ -120,12 +134,15 @@ class Span:
 class Spoken:
     written: str
     text: str  # what the engine is given
-    rewrites: tuple[Span, ...]  # the rewritten spans, in order, none empty; between them the texts are the same
+    # the rewritten spans, in order; each has written characters (a dropped markdown mark: no spoken ones);
+    # between them the texts are the same
+    rewrites: tuple[Span, ...]
 
     def written_times(self, starts_ms: Sequence[int], durations_ms: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per-character (start, duration) of the spoken text -> the same for the written text: a kept
         character keeps its time; a rewritten span's time (from its first spoken character's start to its last
-        one's end) is shared out equally over its written characters."""
+        one's end) is shared out equally over its written characters; a dropped mark's characters take no time,
+        at the place where the spoken text goes on."""
         if not self.rewrites:
             return list(starts_ms), list(durations_ms)
         spoken_starts = np.asarray(starts_ms, dtype=np.int64)
@@ -139,7 +156,12 @@ class Spoken:
             ends[written_at:span.written_start] = spoken_ends[spoken_at:span.spoken_start]
             written_at, spoken_at = written_at + kept, spoken_at + kept
             n = span.written_end - span.written_start
-            if n:  # (the sentinel after the last rewrite has none)
+            if n and span.spoken_end == span.spoken_start:  # a mark said as nothing: no time, where the text goes on
+                at_ms = (spoken_starts[span.spoken_start] if span.spoken_start < len(self.text)
+                         else spoken_ends[-1] if len(self.text) else 0)
+                starts[span.written_start:span.written_end] = at_ms
+                ends[span.written_start:span.written_end] = at_ms
+            elif n:  # (the sentinel after the last rewrite has none)
                 begin_ms, end_ms = spoken_starts[span.spoken_start], spoken_ends[span.spoken_end - 1]
                 edges = np.rint(np.linspace(begin_ms, end_ms, n + 1)).astype(np.int64)
                 starts[span.written_start:span.written_end] = edges[:-1]
@@ -155,8 +177,8 @@ def unchanged(text: str) -> Spoken:
 def spoken_form(text: str, language: str | None = None) -> Spoken:
     """The text with what the rules know written out as words (module docstring); `language`: None is English."""
     lang = _lang(language)
-    rules = _LANGUAGES.get(lang)
-    if rules is None or not any(c.isdigit() or c in _CURRENCIES or c == "&" for c in text):
+    rules = _LANGUAGES.get(lang, _MARKDOWN_ONLY)
+    if not _MAYBE_READ.search(text):
         return unchanged(text)
     pieces: list[str] = []
     rewrites: list[Span] = []
@@ -169,10 +191,12 @@ def spoken_form(text: str, language: str | None = None) -> Spoken:
         if said == match[0]:
             continue  # a rule that keeps what it matched as written (an ISO date outside English)
         before = text[written_at:match.start()]
-        if match.start() > 0 and _is_spaced(text[match.start() - 1]):
-            said = " " + said
-        if match.end() < len(text) and _is_spaced(text[match.end()]):
-            said += " "
+        spaced_before = match.start() > 0 and _is_spaced(text[match.start() - 1])
+        spaced_after = match.end() < len(text) and _is_spaced(text[match.end()])
+        if not said:  # a dropped mark: a space only where it stood between two words ("a**b")
+            said = " " if spaced_before and spaced_after else ""
+        else:
+            said = (" " if spaced_before else "") + said + (" " if spaced_after else "")
         pieces.append(before)
         spoken_len += len(before)
         rewrites.append(Span(match.start(), match.end(), spoken_len, spoken_len + len(said)))
@@ -195,14 +219,51 @@ Reader = Callable[[re.Match[str], str, LanguageRules], str | None]
 _AMOUNT = r"\d{1,3}(?:[,.]\d{3})+(?:[.,]\d+)?|\d+(?:[.,]\d+)?"
 _SYMBOLS = "".join(re.escape(s) for s in _CURRENCIES)
 _NOT_IN_NUMBER = r"(?<![\d.,])"
+_MONTH_NAMES = (r"(?P<{}>Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
+                r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
+_URL_CHARS = r"[^\s<>()\[\]{}\"']"  # inside a web address; it does not end on punctuation
+_URL_END = r"[^\s<>()\[\]{}\"'.,;:!?]"
+_HOST = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+"
+_TLDS = "com|org|net|io|ai|dev|app|co|gov|edu|info|biz|me|tv|us|uk|ca|de|fr|eu"
+_URL_TAIL = (rf"(?P<PATH>/(?:(?:(?![?#]){_URL_CHARS})*(?:(?![?#]){_URL_END}))?)?"  # the path, said
+             rf"(?:[?#](?:{_URL_CHARS}*{_URL_END})?)?(?!\w)")  # the query or fragment, not said
+# the full stop of "p.m." is read with it inside a sentence, and kept where it may end one
+_AMPM_DOT = r"(?:\.(?=[ \t]*[a-z,;:]))?"
+# markdown (every language): at one place these come first
+_RULES_MARKDOWN: tuple[tuple[str, str], ...] = (
+    ("md_link", r"\[(?P<ml_text>[^\[\]\n]{1,300})\]\((?P<ml_url>[^()\s]{1,2000})\)"),
+    # a link cut in two by the segmenter: its "[" where no "]" follows, its "](url)" where no "[" came before
+    ("md_link_open", r"\[(?=[^\[\]]*$)"),
+    ("md_link_close", r"\]\([^()\s]{1,2000}\)"),
+    ("md_heading", r"(?m)^[ \t]{0,3}#{1,6}[ \t]+"),
+    ("md_bullet", r"(?m)^[ \t]*[-+*•][ \t]+"),
+    ("md_mark", r"\*{1,3}|_{2,3}|~~|`{1,3}|(?<![\w\\])_(?=\w)|(?<=\w)_(?![\w])"),
+)
 _RULES_EN: tuple[tuple[str, str], ...] = (
+    ("times", r"(?<=\d)[ \t]?[*×][ \t]?(?=\d)"),
+    *_RULES_MARKDOWN,
+    ("email", r"(?<![\w.+-])(?P<em_user>[A-Za-z0-9][\w.+-]*)@(?P<em_host>" + _HOST + r")(?![\w-])"),
+    ("url", rf"(?<![\w@/.])(?:(?P<url_scheme>[Hh][Tt][Tt][Pp][Ss]?://)(?P<url_host>{_HOST})"
+            rf"|(?P<url_www>www\.{_HOST})){_URL_TAIL.replace('PATH', 'url_path')}"),
+    ("domain", rf"(?<![\w@/.-])(?P<dom>(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+(?:{_TLDS}))"
+               rf"{_URL_TAIL.replace('PATH', 'dom_path')}"),
+    ("slash_date", r"(?<![\d/.,])(?P<sd_a>\d{1,2})/(?P<sd_b>\d{1,2})/(?P<sd_y>\d{4}|\d{2})(?![\d/]|[.,]\d)"),
+    ("month_day", rf"\b{_MONTH_NAMES.format('md_m')}\.?[ \t](?P<md_d>\d{{1,2}})(?:st|nd|rd|th)?(?![\w:.,]\d|\w)"
+                  r"(?:,?[ \t](?P<md_y>\d{4})(?!\w|[.,:]\d))?"),
+    ("day_month", rf"(?<![\w.,])(?P<dm_d>\d{{1,2}})(?:st|nd|rd|th)?[ \t](?:of[ \t])?{_MONTH_NAMES.format('dm_m')}\b"
+                  r"(?:,?[ \t](?P<dm_y>\d{4})(?!\w|[.,:]\d))?"),
+    ("hour", r"(?<![\w:.,])(?P<h_h>\d{1,2})[ \t]?(?P<h_ap>[aApP]\.?[mM])(?!\w)" + _AMPM_DOT),
+    ("about", r"(?<!\S)~[ \t]?(?=\d)"),
+    ("number_sign", r"(?:(?<!\S)|(?<=\())(?:#|No\.[ \t]?)(?=\d)"),
+    ("abbreviation", r"(?<![\w.])(?:e\.g\.|i\.e\.|etc\.|vs\.?|approx\.)(?!\w)"),
+    ("title", r"\b(?P<ti>Dr|Mr|Mrs|Ms|Prof)\.(?=[ \t][A-Z])"),
     ("money", rf"(?P<m_sym>[{_SYMBOLS}])\s?(?P<m_num>{_AMOUNT})"
               r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
     ("money_after", rf"{_NOT_IN_NUMBER}(?P<ma_num>{_AMOUNT})\s?(?P<ma_sym>€)"),
     ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
     ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
     ("time", r"(?<![\d:])(?P<t_h>\d{1,2}):(?P<t_m>\d{2})(?::(?P<t_s>\d{2}))?(?![\d:])"
-             r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w))?"),
+             r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w)" + _AMPM_DOT + ")?"),
     ("ratio", r"(?<![\d:.,])(?P<ra_a>\d{1,3}):(?P<ra_b>\d{1,3})(?![\d:]|[.,]\d)"),  # not a time: 16:9, 3:2, 12:1
     ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
     ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"),
@@ -217,7 +278,9 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
 # numbers inside a clock time, a ratio, a date, a phone number, a version or a temperature are not quantities:
 # "9:30" is not "neuf:trente", "14:00" not "vierzehn:null null"; with no reading of their own here, they stay as
 # written ("keep" comes first: at one place the earlier rule wins).
-_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "ratio", "range", "version", "measure"})
+_ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "ratio", "range", "version", "measure", "times", "email", "url",
+                           "domain", "slash_date", "month_day", "day_month", "hour", "about", "number_sign",
+                           "abbreviation", "title"})
 _KEEP = (
     "keep",
     r"(?<![\d.,])(?:\d+(?::\d+)+"  # 9:30, 14:00:05, 16:9
@@ -226,13 +289,18 @@ _KEEP = (
     r"|\d+(?:\.\d+){2,}"  # 1.2.3
     r"|-?\d+(?:[.,]\d+)?\s?°[CFK]?)(?!\d)",  # 72°F, -3,5 °C
 )
-_RULES_OTHER = (_KEEP, *(rule for rule in _RULES_EN if rule[0] not in _ENGLISH_ONLY))
+_RULES_OTHER = (*_RULES_MARKDOWN, _KEEP, *(rule for rule in _RULES_EN
+                                          if rule[0] not in _ENGLISH_ONLY and rule not in _RULES_MARKDOWN))
+# a language num2words does not speak: its markdown only (the readers of which need no LanguageRules)
+_MARKDOWN_ONLY = LanguageRules(".", "{}", False)
+# a text with none of these no rule can match (a short plain sentence costs one scan)
+_MAYBE_READ = re.compile(r"[\d&@*×_~`#\[/.\-+•$€£¥%°:]|\bvs\b")
 
 
 def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
     rules = _COMPILED.get(lang)
     if rules is None:
-        chosen = _RULES_EN if lang == "en" else _RULES_OTHER
+        chosen = _RULES_EN if lang == "en" else _RULES_OTHER if lang in _LANGUAGES else _RULES_MARKDOWN
         rules = _COMPILED[lang] = tuple((re.compile(body), _READERS[name]) for name, body in chosen)
     return rules
 
@@ -450,6 +518,113 @@ def _read_ratio(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return f"{_read_integer(match['ra_a'], lang, rules)} to {_read_integer(match['ra_b'], lang, rules)}"
 
 
+_EN_SAID_CHARS = {".": "dot", "-": "dash", "_": "underscore", "+": "plus", "/": "slash", "~": "tilde"}
+_EN_ABBREVIATIONS = {"e.g.": "for example", "i.e.": "that is", "etc.": "et cetera", "vs.": "versus", "vs": "versus",
+                     "approx.": "approximately"}
+_EN_TITLES = {"Dr": "Doctor", "Mr": "Mister", "Mrs": "Missus", "Ms": "Miz", "Prof": "Professor"}
+
+
+def _spell_address(written: str) -> str:
+    """A piece of an email or web address: its words as written, its digits one by one, its marks by name."""
+    said: list[str] = []
+    for piece in re.findall(r"[A-Za-z]+|\d+|.", written):
+        if piece.isdigit():
+            said.append(_digits(piece, "en"))
+        elif piece in _EN_SAID_CHARS:
+            said.append(_EN_SAID_CHARS[piece])
+        elif piece.isalpha():
+            said.append("w w w" if piece.lower() == "www" else piece)
+    return " ".join(said)
+
+
+def _read_email(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return f"{_spell_address(match['em_user'])} at {_spell_address(match['em_host'])}"
+
+
+def _read_url(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """A web address said as its host and path: "https://" and a query or fragment are not read."""
+    groups = match.groupdict()
+    host = groups.get("url_host") or groups.get("url_www") or groups["dom"]
+    path = (groups.get("url_path") or groups.get("dom_path") or "").rstrip("/")
+    return _spell_address(host + path)
+
+
+def _month(written: str) -> int:
+    return next(i for i, name in enumerate(_EN_MONTHS) if name.startswith(written[:3]))
+
+
+def _say_date(month: int, day: int, year: str | None, *, day_first: bool = False) -> str | None:
+    if not (1 <= month <= 12 and 1 <= day <= (29 if month == 2 else 30 if month in (4, 6, 9, 11) else 31)):
+        return None
+    said = (f"the {_words(day, 'en', to='ordinal')} of {_EN_MONTHS[month - 1]}" if day_first
+            else f"{_EN_MONTHS[month - 1]} {_words(day, 'en', to='ordinal')}")
+    if year is not None:
+        said += f", {_read_integer(year, 'en', _LANGUAGES['en'])}"
+    return said
+
+
+def _read_slash_date(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """Month first, as in the US; day first where the first number cannot be a month (25/12/2025). A two-digit
+    year is 2000-2069 or 1970-1999."""
+    first, second, year = int(match["sd_a"]), int(match["sd_b"]), match["sd_y"]
+    if len(year) == 2:
+        year = str((2000 if int(year) < 70 else 1900) + int(year))
+    if first > 12:
+        first, second = second, first
+    return _say_date(first, second, year)
+
+
+def _read_month_day(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _say_date(_month(match["md_m"]) + 1, int(match["md_d"]), match["md_y"])
+
+
+def _read_day_month(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _say_date(_month(match["dm_m"]) + 1, int(match["dm_d"]), match["dm_y"], day_first=True)
+
+
+def _read_hour(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    hour = int(match["h_h"])
+    if not 1 <= hour <= 12:
+        return None
+    return f"{_words(hour, lang)} {'a m' if match['h_ap'][0] in 'aA' else 'p m'}"
+
+
+def _read_number_sign(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return "number"
+
+
+def _read_abbreviation(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    said = _EN_ABBREVIATIONS[match[0]]
+    rest = match.string[match.end():]
+    if match[0] == "etc." and (not rest.strip() or re.match(r"\s+[A-Z]", rest)):
+        said += "."  # "etc." ended the sentence: it keeps its full stop
+    return said
+
+
+def _read_title(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _EN_TITLES[match["ti"]]
+
+
+def _read_about(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return "about"
+
+
+def _read_times(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return "times"
+
+
+def _read_markdown_link(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return spoken_form(match["ml_text"], lang).text  # said as its text, read by the rules as any text
+
+
+def _read_link_close(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return None if "[" in match.string[:match.start()] else ""  # a "[" before: no link, or a whole one (md_link)
+
+
+def _read_dropped(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return ""
+
+
 def _read_kept(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return match[0]
 
@@ -473,6 +648,24 @@ _READERS: dict[str, Reader] = {
     "number": _read_number,
     "amp": _read_amp,
     "keep": _read_kept,
+    "times": _read_times,
+    "about": _read_about,
+    "md_link": _read_markdown_link,
+    "md_heading": _read_dropped,
+    "md_link_open": _read_dropped,
+    "md_link_close": _read_link_close,
+    "md_bullet": _read_dropped,
+    "md_mark": _read_dropped,
+    "email": _read_email,
+    "url": _read_url,
+    "domain": _read_url,
+    "slash_date": _read_slash_date,
+    "month_day": _read_month_day,
+    "day_month": _read_day_month,
+    "hour": _read_hour,
+    "number_sign": _read_number_sign,
+    "abbreviation": _read_abbreviation,
+    "title": _read_title,
 }
 _COMPILED: dict[str, tuple[tuple[re.Pattern[str], Reader], ...]] = {}
 

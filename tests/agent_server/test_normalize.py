@@ -49,6 +49,33 @@ ENGLISH = [
                                                         " one kilometer at ten kilometers per hour, sixteen gigabytes,"
                                                         " three hundred milliseconds, five in"),
     ("No digits here.", "No digits here."),
+    # dates written otherwise, clock hours, signs
+    ("on 12/25/2025, 25/12/25, 1/2/99; 2/30/2024", "on December twenty-fifth, twenty twenty-five, December"
+                                                   " twenty-fifth, twenty twenty-five, January second, nineteen"
+                                                   " ninety-nine; two/thirty/twenty twenty-four"),
+    ("Dec 25, 2025, Sept. 3 and May 1st; 25 December 2025, 3rd of March", "December twenty-fifth, twenty"
+     " twenty-five, September third and May first; the twenty-fifth of December, twenty twenty-five, the third of"
+     " March"),
+    ("at 3pm, 11 a.m. or 3 p.m. Then", "at three p m, eleven a m or three p m. Then"),
+    ("#5, No. 7, ~5 min, 5*3 and 4 × 2", "number five, number seven, about five minutes, five times three and four"
+                                        " times two"),
+    # addresses: the scheme and the query are not read
+    ("Mail bob.smith42@example.com or see https://docs.example.org/get-started?utm=x. Or www.example.com, x.ai/a_b/",
+     "Mail bob dot smith four two at example dot com or see docs dot example dot org slash get dash started. Or w w w"
+     " dot example dot com, x dot ai slash a underscore b"),
+    ("Node.js, file.txt, e.g and a.b", "Node.js, file.txt, e.g and a.b"),  # no known top-level domain
+    # abbreviations
+    ("Dr. Smith vs. Mr. Jones, e.g. cats, i.e. pets, etc. Then approx. 3, and so on, etc.", "Doctor Smith versus"
+     " Mister Jones, for example cats, that is pets, et cetera. Then approximately three, and so on, et cetera."),
+    ("the dr. said", "the dr. said"),  # a title only before a name
+    # markdown
+    ("**Sure!** Here's *one* and __two__, ~~three~~ and `four`.", "Sure! Here's one and two, three and four."),
+    ("### Options\n- **Pizza**: $5\n* Tacos\n1. [Our menu](https://x.com/menu) today", "Options\nPizza: five"
+                                                                                     " dollars\nTacos\none. Our"
+                                                                                     " menu today"),
+    ("my_var, _it_, __init__ and a**b", "my_var, it, init and a b"),
+    # a link cut in two by the segmenter; brackets that are no link
+    ("see [our", "see our"), ("site](https://x.com/menu).", "site."), ("see [1] and (2)", "see [one] and (two)"),
 ]
 
 
@@ -71,6 +98,10 @@ def test_english(written: str, said: str) -> None:
     ("fr", "le 01/05/2024, au +33 1 23 45 67 89, version 1.2.3", "le 01/05/2024, au +33 1 23 45 67 89, version 1.2.3"),
     ("de", "72°F, -3,5 °C, am 1.5.24 und 3 Katzen", "72°F, -3,5 °C, am 1.5.24 und drei Katzen"),
     ("it", "alle 18:00 e 25 euro", "alle 18:00 e venticinque euro"),
+    # markdown in every language; English's readings (addresses, dates, "#") are not another language's
+    ("es", "**Hola**, ve [aquí](https://x.es/a) o a x.com el 12/25/2025 #5", "Hola, ve aquí o a x.com el"
+                                                                             " 12/25/2025 #cinco"),
+    ("zh", "**你好** `3`", "你好 3"),
 ])
 def test_other_languages(language: str, written: str, said: str) -> None:
     assert spoken_form(written, language).text == said
@@ -83,11 +114,13 @@ def test_languages_without_number_words_are_left_as_written() -> None:
 
 
 PIECES = st.sampled_from(["$4.50", "12.5%", "5 km", "72°F", "9:30 pm", "21st", "555-123-4567", "1999", "A17", "&",
-                          "10-20", "word", "x", "3.14", "€20", "-5", " ", "  ", ", ", ". ", "007", "1,234", "日本"])
+                          "10-20", "word", "x", "3.14", "€20", "-5", " ", "  ", ", ", ". ", "007", "1,234", "日本",
+                          "**", "`", "_", "\n- ", "\n# ", "[a link](https://x.com)", "bob@x.com", "x.io/a",
+                          "12/25/2025", "Dec 5", "3pm", "e.g.", "Dr. X"])
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(PIECES, max_size=12), st.sampled_from(["en", "de", "ja"]))
+@given(st.lists(PIECES, max_size=12), st.sampled_from(["en", "de", "ja", "zh"]))
 def test_spans_tile_both_texts_and_put_times_on_every_written_character(pieces: list[str], language: str) -> None:
     written = "".join(pieces)
     spoken = spoken_form(written, language)
@@ -96,7 +129,7 @@ def test_spans_tile_both_texts_and_put_times_on_every_written_character(pieces: 
     w = s = 0
     for span in spoken.rewrites:
         assert written[w:span.written_start] == spoken.text[s:span.spoken_start]
-        assert span.written_end > span.written_start and span.spoken_end > span.spoken_start
+        assert span.written_end > span.written_start and span.spoken_end >= span.spoken_start
         w, s = span.written_end, span.spoken_end
     assert written[w:] == spoken.text[s:]
     starts, durations = spoken.written_times(*char_alignment(spoken.text, 100.0, 2_000.0))
@@ -105,7 +138,7 @@ def test_spans_tile_both_texts_and_put_times_on_every_written_character(pieces: 
     assert all(d >= 0 for d in durations)
     assert all(b >= a for a, b in pairwise(starts))  # in order
     assert all(e <= b for e, b in zip(ends, starts[1:], strict=False))  # no overlap, no gap jumped back
-    if written:
+    if spoken.text:  # (only marks: nothing to say, a segment the engine never gets)
         assert starts[0] == 100 and ends[-1] == 2_100  # the whole segment, start to end
 
 
@@ -151,3 +184,39 @@ def test_the_engine_hears_the_words_and_the_client_gets_times_on_its_text(normal
     span_ms = done.char_start_ms[dollar + 4] + done.char_duration_ms[dollar + 4] - done.char_start_ms[dollar]
     assert span_ms == pytest.approx(share * done.audio_ms, rel=0.15)
     assert done.char_start_ms[pm] > done.char_start_ms[dollar]
+
+
+def test_an_llm_s_markdown_streamed_token_by_token_is_not_said() -> None:
+    """Marks split over the pieces an LLM streams, and over segments: the engine gets the words alone, the client
+    gets every character it sent back in the alignment, the marks with no time."""
+    engine = ManualEngine()
+    recorder = Recorder()
+    spec = StreamSpec(voice_id="default", params=SamplingParams(seed=1), output_format=PCM24)
+    stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(max_chars=40, min_chars=10),
+                          post=sync_post, emit=recorder)
+    stream.open()
+    pieces = ["**", "Sure", "!**", " Here", " are", " the", " options", ":\n", "- ", "*", "Pizza", "*", " at", " [our",
+              " site", "](https://x.com/", "menu", ")", "\n", "- ", "`Tacos`", " on", " 12", "/25", "/2025."]
+    for piece in pieces:
+        stream.push_text(piece, 0.0)
+    stream.end(0.0)
+    made = 0
+    while made < len(engine.submitted):  # each segment is submitted once the one before it is generated
+        engine.chunk(made, 50)
+        engine.event(made, EventKind.GENERATED)
+        engine.event(made, EventKind.DONE)
+        made += 1
+    said = " ".join(r.text for r in engine.submitted)
+    assert not set("*`[]()#/") & set(said), said
+    assert said.split() == ("Sure! Here are the options: Pizza at our site Tacos on December twenty-fifth, twenty"
+                            " twenty-five.").split()
+    done = recorder.of(SegmentDone)
+    assert "".join(d.text for d in done).replace(" ", "").replace("\n", "") == "".join(pieces).replace(
+        " ", "").replace("\n", "")
+    for d in done:
+        assert len(d.char_start_ms) == len(d.char_duration_ms) == len(d.text)
+        for i, char in enumerate(d.text):
+            if char in "*`":
+                assert d.char_duration_ms[i] == 0, (d.text, i)
+            elif char.isalpha() and "](" not in d.text[:i]:  # (a link's address is not said)
+                assert d.char_duration_ms[i] > 0, (d.text, i)

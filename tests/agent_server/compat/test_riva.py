@@ -83,6 +83,13 @@ def test_ssml_breaks_are_pauses_and_tags_are_not_spoken(served: Served) -> None:
     assert response.meta.words[1].start_time - response.meta.words[0].end_time >= 300  # ms
 
 
+def test_ssml_of_a_break_alone_is_that_much_silence(served: Served) -> None:
+    response = client(served).synthesize('<speak><break time="250ms"/></speak>', sample_rate_hz=16_000)
+    assert 4_000 <= len(response.audio) // 2 <= 4_000 + 1_600 and not response.audio.strip(b"\x00")  # (+ the
+    # resampler's flush: at most 0.1 s)
+    assert served.engine.submits == []
+
+
 def test_synthesize_online_streams_every_text_with_offsets_from_the_call_start(served: Served) -> None:
     texts = ["First sentence here.", "Second one follows it.", "Third."]
     responses = list(client(served).synthesize_online(texts, sample_rate_hz=16_000, enable_word_time_offsets=True))

@@ -74,7 +74,8 @@ def test_jambonz_ssml_speaks_its_text() -> None:
     ({"text": ""}, None, "text"),
     ({"text": "hi", "type": "markdown"}, None, "type"),
     ({"text": "<speak>hi", "type": "ssml"}, None, "text"),
-    ({"text": "<speak><break/></speak>", "type": "ssml"}, None, "text"),
+    ({"text": "<speak> <emphasis/> </speak>", "type": "ssml"}, None, "text"),
+    ({"text": '<speak><break strength="none"/></speak>', "type": "ssml"}, None, "text"),
     ({"text": '<speak>hi <break strength="huge"/></speak>', "type": "ssml"}, None, "text"),
     ({"text": "hi", "voice": 3}, None, "voice"),
     ({"text": "hi", "gender": "f"}, None, "gender"),
@@ -374,6 +375,17 @@ def test_jambonz_http_l16_and_ssml(served: Served) -> None:
         assert_length(served, len(response.content) - 2 * 1_600, 8_000)  # the break: 200 ms of silence at 8 kHz
         refused = http.post(served.http + "/v1/jambonz/tts", json={"text": "<speak>Hi", "type": "ssml"})
     assert refused.status_code == 400 and "SSML" in refused.json()["error"]
+
+
+def test_jambonz_ssml_of_a_break_alone_is_that_much_silence(served: Served) -> None:
+    """A prompt's pause (`<speak><break time="500ms"/></speak>`): 200 and half a second of silence, no engine work."""
+    body = {"text": '<speak><break time="500ms"/></speak>', "type": "ssml"}
+    with httpx.Client(timeout=30.0) as http:
+        response = http.post(served.http + "/v1/jambonz/tts", json=body, headers={"accept": "audio/l16;rate=8000"})
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/l16;rate=8000"
+    assert 4_000 <= len(response.content) // 2 <= 4_000 + 800 and not response.content.strip(b"\x00")  # (+ the
+    # resampler's flush: at most 0.1 s)
+    assert served.engine.submits == []
 
 
 def test_jambonz_stream_as_jambonz_drives_it(served_realtime: Served) -> None:
