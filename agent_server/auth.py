@@ -20,7 +20,10 @@ used where only a key will do) before any route runs, so a refused WebSocket is 
 - mode: `on`, `off` or `auto`: on when keys are configured or a keys file is named (an empty file refuses
   to start rather than leave the port open), and from the moment a key is added to the shared state (`python
   -m agent_server.keys add`; revoking every key later does not turn it off), else off. Off is logged loudly
-  (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning).
+  (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning). A replica that
+  starts while its shared state (Redis) is unreachable cannot know whether the fleet has keys: it fails
+  closed (`auth_pending`): a configured key is served, anything else is a 503 `auth_unavailable` (a key the
+  shared state holds cannot be checked yet, so not a 401) until the shared state is first read.
 - per-key limits: concurrent sessions (checked by `Hub.admit`, so a refusal is the protocol's own
   `busy` + close 1013, or 429 over HTTP) and text characters per minute (a token bucket charged by the
   sessions through `Auth.charge_text`). Both live in the shared state (shared_state.py), so they hold
@@ -62,6 +65,8 @@ AUTH_OFF_WARNING = (
     "AUTHENTICATION IS OFF: anyone who can reach this port can use it. Configure API keys "
     "(AGENT_SERVER_API_KEYS or --api-keys-file) to turn it on."
 )
+AUTH_UNAVAILABLE = "auth_unavailable"
+SHARED_KEYS_UNKNOWN = "the shared key store (Redis) has not been reachable since this server started"
 # Paths open to everyone: probes, and the static pages (they hold no data; their WebSocket is checked).
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/", "/dashboard"})
 PUBLIC_PREFIXES = ("/static/",)
@@ -173,6 +178,7 @@ class Auth:
         # auto: on once any key is known (configured, a keys file named, or added to the shared state at run
         # time with `python -m agent_server.keys`), and never back off (revoking every key must not open it)
         self._auto_on = mode == "auto" and (bool(self._key_hashes) or keys_file is not None)
+        self._pending_announced = False  # `auth_pending` was logged: `auth_off` is logged when it ends so
         self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
         self.token_ttl_s = token_ttl_s
         self.allowed_origins = frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip())
@@ -210,7 +216,22 @@ class Auth:
             self._auto_on = True
             log.info("auth_on", reason="a key was added to the shared state", shared_keys=len(
                 self.shared.mirror.key_hashes))
-        return self._auto_on
+        if self._auto_on:
+            return True
+        if self.shared_keys_unknown:  # fail closed: the fleet may have keys this replica has not read yet
+            return True
+        if self._pending_announced:
+            self._pending_announced = False
+            log.warning("auth_off", mode=self.mode, reason="the shared state holds no key",
+                        message=AUTH_OFF_WARNING)
+        return False
+
+    @property
+    def shared_keys_unknown(self) -> bool:
+        """The shared state (Redis) has not been read since the start: the keys added to it are not known
+        here, nor (in `auto`) whether there are any. Meanwhile `auto` is on, and a credential that is not a
+        configured key is answered 503 (it may be a valid shared key), not 401."""
+        return self.shared.shared and self.shared.mirror.generation < 0
 
     @property
     def key_count(self) -> int:
@@ -218,7 +239,12 @@ class Auth:
 
     def announce(self) -> None:
         """The start-up log line: loud when auth is off."""
-        if self.enabled:
+        if self.mode == "auto" and not self._auto_on and self.shared_keys_unknown:
+            self._pending_announced = True
+            log.warning("auth_pending", message="the shared state (Redis) is unreachable, so whether the fleet has "
+                        "API keys is not known: requests without a configured key are refused (503) until it "
+                        "is read")
+        elif self.enabled:
             log.info("auth_on", keys=self.key_count, origins=sorted(self.allowed_origins) or "any",
                      max_sessions_per_key=self.max_sessions_per_key,
                      max_text_chars_per_minute_per_key=self.max_text_chars_per_minute_per_key)
@@ -251,10 +277,18 @@ class Auth:
         if credential is None and (_header(scope, b"authorization") or "").strip():
             raise Denied(401, "invalid_authorization", "the Authorization header needs a scheme: "
                          "'Bearer <key>' (or Deepgram's 'Token <key>')")
+        if credential is None and self.mode == "auto" and not self._auto_on and self.shared_keys_unknown:
+            raise Denied(503, AUTH_UNAVAILABLE, SHARED_KEYS_UNKNOWN + ": whether a key is needed is not known yet")
         if credential is None:
             raise Denied(401, "missing_credentials", "an API key or token is required "
                          "(Authorization: Bearer, X-API-Key, or ?token= in the URL)")
-        return self.verify(credential)
+        try:
+            return self.verify(credential)
+        except Denied as denied:
+            if denied.code == "invalid_credentials" and self.shared_keys_unknown:
+                raise Denied(503, AUTH_UNAVAILABLE, SHARED_KEYS_UNKNOWN + ": a key added to it cannot be checked "
+                             "yet") from None
+            raise
 
     def verify(self, credential: str) -> Principal:
         """A key or a token -> its Principal. Raises Denied (401)."""
@@ -440,6 +474,8 @@ async def _deny(scope: Scope, receive: Receive, send: Send, denied: Denied, shap
     response = shaped or _error(denied.status_code, denied.code, denied.message)
     if denied.status_code == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
+    elif denied.status_code == 503:
+        response.headers["Retry-After"] = "5"
     if scope["type"] == "http" or "websocket.http.response" in (scope.get("extensions") or {}):
         await response(scope, receive, send)
     else:

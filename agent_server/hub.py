@@ -169,8 +169,8 @@ class Hub:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.auth.announce()
         await self.shared.start()
+        self.auth.announce()  # (after the shared state's first read: its keys may turn auth on)
         if self.agent_check is not None:
             await self.agent_check.start()
         self._tasks = [

@@ -236,3 +236,52 @@ def test_a_server_whose_redis_is_down_stays_ready_says_so_and_refuses_only_what_
         status = httpx.get(server.http_url + "/v1/status", headers={"X-API-Key": "limited-key"})
         assert status.status_code == 200  # a configured key is still accepted (for what needs no shared state)
         assert status.json()["shared_state"]["available"] is False
+
+
+@pytest.mark.parametrize("fleet_has_keys", [True, False])
+def test_auto_auth_fails_closed_until_the_shared_state_is_first_read(tmp_path: Path, fleet_has_keys: bool) -> None:
+    """`--auth auto`, Redis down when the replica starts: it cannot know whether the fleet has keys, so it
+    serves nobody without a configured key (503 `auth_unavailable`, in the vendor's shape on a vendor path),
+    then, once Redis is read, is on (the fleet has keys: 401 without one) or off (none: open)."""
+    import httpx
+
+    from agent_server.auth import fingerprint, key_hash
+    from agent_server.settings import Settings
+
+    from tests.agent_server.fake_engine import FakeEngine
+    from tests.agent_server.live_server import live_server
+
+    key = "sk-" + secrets.token_urlsafe(24)
+    server = RedisServer(tmp_path / "redis")
+    if fleet_has_keys:  # the fleet's key, in Redis's append-only file before this replica starts
+        server.start()
+
+        async def add() -> None:
+            state = RedisState(server.url)
+            await state.start()
+            await state.add_key(key_hash(key), fingerprint(key))
+            await state.stop()
+
+        run(add())
+        server.stop()
+    settings = Settings(data_dir=tmp_path / "data", redis_url=server.url, auth="auto")
+    try:
+        with live_server(FakeEngine(), settings) as live:
+            for headers in ({}, {"X-API-Key": key}):
+                refused = httpx.get(live.http_url + "/v1/status", headers=headers)
+                assert refused.status_code == 503 and refused.headers["retry-after"]
+                assert refused.json()["error"]["code"] == "auth_unavailable"
+            eleven = httpx.get(live.http_url + "/v1/voices", headers={"xi-api-key": key})
+            assert eleven.status_code == 503 and "Redis" in eleven.json()["detail"]["message"]
+            server.start()  # same port, same append-only file
+            deadline_s = time.monotonic() + 10.0
+            while (answer := httpx.get(live.http_url + "/v1/status")).status_code == 503:
+                assert time.monotonic() < deadline_s, "the replica never read the shared state"
+                time.sleep(0.05)
+            if fleet_has_keys:
+                assert answer.status_code == 401
+                assert httpx.get(live.http_url + "/v1/status", headers={"X-API-Key": key}).status_code == 200
+            else:
+                assert answer.status_code == 200 and answer.json()["auth"]["enabled"] is False
+    finally:
+        server.stop()
