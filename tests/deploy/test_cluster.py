@@ -154,6 +154,16 @@ def test_sessions_go_where_the_agent_check_says_there_is_room(fleet: Cluster) ->
     assert counts["r1"] < min(counts["r2"], counts["r3"]) and sum(counts.values()) == 7, names
 
 
+def test_the_proxy_logs_no_credential(fleet: Cluster) -> None:
+    """A browser's key rides in the WebSocket URL (`?api_key=`): the shipped haproxy.cfg logs each session's
+    request line without its query, as the server logs no key."""
+    log_path = fleet.balancer.stats_socket.parent / "haproxy.log"
+    wait_for(lambda: log_path.read_text().count("/v1/stream") >= 7)  # the sessions above (logged as they end)
+    lines = [line for line in log_path.read_text().splitlines() if "/v1/stream" in line]
+    assert all('"GET /v1/stream HTTP/1.1"' in line for line in lines), lines[:3]
+    assert not any(key in log_path.read_text() for key in KEYS)
+
+
 # ---- shared voices -----------------------------------------------------------------------------------
 
 
