@@ -315,9 +315,13 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             return
         ctx = session.contexts.get(cid)
         if ctx is not None and ctx.state.closing:
-            if parsed.text != "" or parsed.flush:  # an empty text is a keep-alive (Pipecat's, every 10 s): nothing
-                session.reject(FieldError("context_id", f"context {cid!r} is closing", "context_closing",
-                                          context_id=cid))
+            if parsed.text == "" and not parsed.flush:
+                return  # an empty text is a keep-alive (Pipecat's, every 10 s): nothing
+            message = f"context {cid!r} is closing: nothing more is taken"
+            if self.multi:  # an LLM's late token after close_context: this context's error, the socket goes on
+                session.send(error_message("context_closing", message, CLOSE_POLICY, cid))
+            else:
+                session.reject(FieldError("context_id", message, "context_closing", context_id=cid))
             return
         if ctx is None:
             if parsed.text == "" and not parsed.flush:

@@ -168,6 +168,31 @@ def test_multi_stream_close_context_mid_turn_is_a_barge_in(served_realtime: Serv
     assert audio_of(messages, "turn2")
 
 
+def test_multi_stream_a_late_token_after_close_context_is_that_context_s_error_only(served: Served) -> None:
+    """An LLM stream still draining after the turn's close_context: the late piece is refused for that context
+    (`context_closing`), the flushed turn is still spoken whole, and the socket goes on."""
+    async def main() -> list[dict[str, Any]]:
+        url = f"{served.ws}/v1/text-to-speech/{VOICE}/multi-stream-input?output_format=pcm_16000"
+        async with connect(url) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "a"}))
+            await ws.send(json.dumps({"text": "Hello there friend. ", "context_id": "a", "flush": True}))
+            await ws.send(json.dumps({"context_id": "a", "close_context": True}))
+            await ws.send(json.dumps({"text": "late token ", "context_id": "a"}))
+            await ws.send(json.dumps({"text": " ", "context_id": "b"}))
+            await ws.send(json.dumps({"text": "Next turn.", "context_id": "b", "flush": True}))
+            await ws.send(json.dumps({"close_socket": True}))
+            messages, close_code = await receive_all(ws)
+        assert close_code == 1000
+        return messages
+
+    messages = asyncio.run(main())
+    [error] = [m for m in messages if "error" in m]
+    assert error["error"] == "context_closing" and error["contextId"] == "a"
+    assert sorted(m["contextId"] for m in messages if m.get("isFinal") is True) == ["a", "b"]
+    assert [r.text.strip() for r in served.engine.submits] == ["Hello there friend.", "Next turn."]
+    assert_length(served, len(audio_of(messages, "a")) + len(audio_of(messages, "b")), 16_000)
+
+
 def test_stream_input_seed_gives_the_same_bytes_under_load(served: Served) -> None:
     text = "Hello there, how are you?"
 
