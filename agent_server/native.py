@@ -36,6 +36,9 @@ from agent_server.speech import (
 )
 
 NativeContext = Context[twilio.TwilioPlayout | None]  # the Twilio stream a context plays on, if any
+# contexts per session remembered as ended short (cancelled, busy, failed): text, flush, end and cancel for
+# them are ignored (an LLM stream still draining after a barge-in is no error)
+MAX_ENDED_SHORT = 256
 TWILIO_PASSIVE = (twilio.Event.CONNECTED, twilio.Event.START, twilio.Event.MEDIA, twilio.Event.DTMF)
 
 
@@ -48,6 +51,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
         # Twilio streams this session plays on, by streamSid: a stream outlives its contexts (its marks
         # come back after them), at most max_contexts_per_session streams are kept
         self._twilio: dict[str, twilio.TwilioPlayout] = {}
+        self._ended_short: dict[str, None] = {}  # context ids, oldest first (at most MAX_ENDED_SHORT)
 
     async def on_open(self) -> None:
         engine = self.session.hub.engine
@@ -96,6 +100,8 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             return
         ctx = session.contexts.get(parsed.context_id)
         if ctx is None:
+            if parsed.context_id in self._ended_short:
+                return  # its context_done (cancelled, busy, failed) is out: the rest of its input is moot
             if not isinstance(parsed, wire.Cancel):  # cancel is idempotent: the context may just have ended
                 session.reject(FieldError("context_id", f"no open context {parsed.context_id!r}", "unknown_context",
                                           context_id=parsed.context_id))
@@ -141,6 +147,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             markup=SSML_TAGS if message.breaks else frozenset(),
             normalize=message.normalize,
         )
+        self._ended_short.pop(cid, None)  # the id is reused: a new context's messages count again
         ctx = await session.open_context(cid, spec, None if sid is None else self._playout(sid))
         if ctx is not None and message.text:
             try:
@@ -248,6 +255,10 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
                 seed=stream.spec.params.seed,
             )))
         elif isinstance(event, StreamDone):
+            if event.status != StreamStatus.COMPLETED:
+                self._ended_short[cid] = None
+                if len(self._ended_short) > MAX_ENDED_SHORT:
+                    del self._ended_short[next(iter(self._ended_short))]
             if event.status == StreamStatus.BUSY:
                 session.send(wire.encode(wire.Busy(context_id=cid, reason=event.detail)))
             elif event.status == StreamStatus.FAILED:

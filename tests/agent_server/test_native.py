@@ -118,6 +118,33 @@ def test_native_session_errors_keep_the_session(server: LiveServer) -> None:
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
 
 
+def test_an_llm_still_streaming_into_a_cancelled_context_is_no_error(server: LiveServer) -> None:
+    """The barge-in: the client cancels while its LLM is still producing; the tokens, flush and end that follow
+    for that context are moot and ignored (more of them than the session's error budget, 8 here), the session
+    goes on. The id, reused for a new context, counts again."""
+    with connect(server.ws_url) as ws:
+        ws.recv(timeout=5)
+        send(ws, {"type": "open", "context_id": "turn1", "text": "This is the start of a long answer. "})
+        send(ws, {"type": "cancel", "context_id": "turn1"})
+        assert recv_until(ws, is_event("context_done", "turn1"))[-1]["reason"] == "cancelled"
+        for i in range(20):
+            send(ws, {"type": "text", "context_id": "turn1", "text": f" token{i}"})
+        send(ws, {"type": "flush", "context_id": "turn1"})
+        send(ws, {"type": "end", "context_id": "turn1"})
+        send(ws, {"type": "cancel", "context_id": "turn1"})
+        send(ws, {"type": "open", "context_id": "turn2", "text": "Okay, sure thing. "})
+        send(ws, {"type": "end", "context_id": "turn2"})
+        got = recv_until(ws, is_event("context_done", "turn2"))
+        assert not [g for g in got if isinstance(g, dict) and g["type"] == "error"], got
+        assert got[-1]["reason"] == "completed"
+        send(ws, {"type": "open", "context_id": "turn1", "text": "Again. "})  # reused: a context like any other
+        send(ws, {"type": "end", "context_id": "turn1"})
+        assert recv_until(ws, is_event("context_done", "turn1"))[-1]["reason"] == "completed"
+        send(ws, {"type": "text", "context_id": "turn1", "text": "x"})  # after its end (completed): an error
+        reply = orjson.loads(ws.recv(timeout=5))
+        assert reply["type"] == "error" and reply["code"] == "unknown_context"
+
+
 def test_status_and_health(server: LiveServer) -> None:
     assert httpx.get(server.http_url + "/healthz").json()["status"] == "ready"
     body = httpx.get(server.http_url + "/v1/status").json()
