@@ -23,7 +23,9 @@ What is rewritten (English; other languages: see `_LANGUAGES`):
 - "&" between words ("and"), "*" or "×" between numbers ("times");
 - dates: "12/25/2025" (month first, or day first where the first number cannot be a month: "25/12/2025"),
   "Dec 25, 2025", "December 25th", "25 December 2025" ("December twenty-fifth, twenty twenty-five", "the
-  twenty-fifth of December, ..."); clock hours "3pm", "11 a.m." ("three p m");
+  twenty-fifth of December, ..."); clock hours "3pm", "11 a.m." ("three p m"); decades "the 1990s", "the
+  '80s", "in her 20s"; "a/b": a fraction up to tenths ("3/4": three quarters), else a month and day ("12/25"),
+  else two numbers ("24/7"); phone numbers "(415) 555-0100", "+1 (415) 555-0100", "1-800-FLOWERS", "911";
 - email addresses ("bob at example dot com"), web addresses "https://example.com/docs", "www.example.com",
   "example.io/path" ("example dot com slash docs": the scheme and the query are not read), "#5" and "No. 5"
   ("number five"), "e.g.", "i.e.", "etc.", "vs.", "approx.", and the titles "Dr.", "Mr.", "Mrs.", "Ms.",
@@ -33,9 +35,9 @@ stays as written.
 
 Markdown, in every language (an LLM writes it; read as text its marks would be said or garble the
 prosody): "**bold**", "*italic*", "_italic_", "__bold__", "~~struck~~" and "`code`" lose their marks,
-"[text](https://...)" is said as its text, a heading's "#"s and a list item's bullet at a line's start are
-not said. A mark dropped between two letters leaves a space. Languages num2words does not have (el, hi, ms,
-sw, zh) get only this.
+"[text](https://...)" is said as its text (its marks and address take no time), a heading's "#"s and a
+list item's bullet at a line's start are not said. A mark dropped between two letters leaves a space.
+Languages num2words does not have (el, hi, ms, sw, zh) get only this.
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ _MONTH_NAMES = (r"(?P<{}>Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|Ju
 _URL_CHARS = r"[^\s<>()\[\]{}\"']"  # inside a web address; it does not end on punctuation
 _URL_END = r"[^\s<>()\[\]{}\"'.,;:!?]"
 _HOST = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+"
+_URL_HOST = rf"(?:{_HOST}|localhost)(?::\d{{1,5}})?"  # after a scheme
 _TLDS = "com|org|net|io|ai|dev|app|co|gov|edu|info|biz|me|tv|us|uk|ca|de|fr|eu"
 _URL_TAIL = (rf"(?P<PATH>/(?:(?:(?![?#]){_URL_CHARS})*(?:(?![?#]){_URL_END}))?)?"  # the path, said
              rf"(?:[?#](?:{_URL_CHARS}*{_URL_END})?)?(?!\w)")  # the query or fragment, not said
@@ -231,9 +234,9 @@ _URL_TAIL = (rf"(?P<PATH>/(?:(?:(?![?#]){_URL_CHARS})*(?:(?![?#]){_URL_END}))?)?
 _AMPM_DOT = r"(?:\.(?=[ \t]*[a-z,;:]))?"
 # markdown (every language): at one place these come first
 _RULES_MARKDOWN: tuple[tuple[str, str], ...] = (
-    ("md_link", r"\[(?P<ml_text>[^\[\]\n]{1,300})\]\((?P<ml_url>[^()\s]{1,2000})\)"),
-    # a link cut in two by the segmenter: its "[" where no "]" follows, its "](url)" where no "[" came before
-    ("md_link_open", r"\[(?=[^\[\]]*$)"),
+    # a link "[text](url)": its "[" (where its "](url)" follows, or no "]" does: a link the segmenter cut in
+    # two) and its "](url)" are not said, its text is read as any text
+    ("md_link_open", r"\[(?=[^\[\]\n]{1,300}\]\([^()\s]{1,2000}\)|[^\[\]]*$)"),
     ("md_link_close", r"\]\([^()\s]{1,2000}\)"),
     ("md_heading", r"(?m)^[ \t]{0,3}#{1,6}[ \t]+"),
     ("md_bullet", r"(?m)^[ \t]*[-+*•][ \t]+"),
@@ -243,7 +246,7 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("times", r"(?<=\d)[ \t]?[*×][ \t]?(?=\d)"),
     *_RULES_MARKDOWN,
     ("email", r"(?<![\w.+-])(?P<em_user>[A-Za-z0-9][\w.+-]*)@(?P<em_host>" + _HOST + r")(?![\w-])"),
-    ("url", rf"(?<![\w@/.])(?:(?P<url_scheme>[Hh][Tt][Tt][Pp][Ss]?://)(?P<url_host>{_HOST})"
+    ("url", rf"(?<![\w@/.])(?:(?P<url_scheme>[Hh][Tt][Tt][Pp][Ss]?://)(?P<url_host>{_URL_HOST})"
             rf"|(?P<url_www>www\.{_HOST})){_URL_TAIL.replace('PATH', 'url_path')}"),
     ("domain", rf"(?<![\w@/.-])(?P<dom>(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+(?:{_TLDS}))"
                rf"{_URL_TAIL.replace('PATH', 'dom_path')}"),
@@ -261,7 +264,15 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
               r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
     ("money_after", rf"{_NOT_IN_NUMBER}(?P<ma_num>{_AMOUNT})\s?(?P<ma_sym>€)"),
     ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
+    ("phone_area", r"(?<![\w+])(?P<pa_cc>\+\d{1,3}[ .-]?)?\((?P<pa_area>\d{3})\)[ .-]?(?P<pa_a>\d{3})[ .-]"
+                   r"(?P<pa_b>\d{4})(?!\w|[.,]\d)"),  # (415) 555-0100, +1 (415) 555-0100
+    ("vanity", r"(?<![\w+])1[ -](?P<va_code>8[0-8]{2})[ -](?P<va_word>[A-Z]{4,})\b"),  # 1-800-FLOWERS
+    ("emergency", r"(?<![\w.,-])911(?![\w]|[.,]\d)"),
     ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
+    ("decade", r"(?:(?<![\w.,'])(?P<de_year>1[1-9]\d0|20\d0)|(?:'|(?:(?<=\bthe )|(?<=\bearly )|(?<=\blate )"
+               r"|(?<=\bmid-)|(?<=\bmid )|(?<=\btheir )|(?<=\bher )|(?<=\bhis )|(?<=\bmy )|(?<=\byour )"
+               r"|(?<=\bour ))(?<![\w.,]))(?P<de_short>[1-9]0))'?s\b"),  # the 1990s, the '80s, in her 20s
+    ("fraction", r"(?<![\w/.,-])(?P<fr_a>\d{1,2})/(?P<fr_b>\d{1,2})(?![\w/]|[.,]\d)"),
     ("time", r"(?<![\d:])(?P<t_h>\d{1,2}):(?P<t_m>\d{2})(?::(?P<t_s>\d{2}))?(?![\d:])"
              r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w)" + _AMPM_DOT + ")?"),
     ("ratio", r"(?<![\d:.,])(?P<ra_a>\d{1,3}):(?P<ra_b>\d{1,3})(?![\d:]|[.,]\d)"),  # not a time: 16:9, 3:2, 12:1
@@ -280,7 +291,7 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
 # written ("keep" comes first: at one place the earlier rule wins).
 _ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "ratio", "range", "version", "measure", "times", "email", "url",
                            "domain", "slash_date", "month_day", "day_month", "hour", "about", "number_sign",
-                           "abbreviation", "title"})
+                           "phone_area", "vanity", "emergency", "decade", "fraction", "abbreviation", "title"})
 _KEEP = (
     "keep",
     r"(?<![\d.,])(?:\d+(?::\d+)+"  # 9:30, 14:00:05, 16:9
@@ -518,7 +529,8 @@ def _read_ratio(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return f"{_read_integer(match['ra_a'], lang, rules)} to {_read_integer(match['ra_b'], lang, rules)}"
 
 
-_EN_SAID_CHARS = {".": "dot", "-": "dash", "_": "underscore", "+": "plus", "/": "slash", "~": "tilde"}
+_EN_SAID_CHARS = {".": "dot", "-": "dash", "_": "underscore", "+": "plus", "/": "slash", "~": "tilde",
+                  ":": "colon"}
 _EN_ABBREVIATIONS = {"e.g.": "for example", "i.e.": "that is", "etc.": "et cetera", "vs.": "versus", "vs": "versus",
                      "approx.": "approximately"}
 _EN_TITLES = {"Dr": "Doctor", "Mr": "Mister", "Mrs": "Missus", "Ms": "Miz", "Prof": "Professor"}
@@ -605,6 +617,45 @@ def _read_title(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return _EN_TITLES[match["ti"]]
 
 
+def _read_phone_area(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    groups = [match["pa_area"], match["pa_a"], match["pa_b"]]
+    said = ", ".join(_digits(group, lang) for group in groups)
+    country = match["pa_cc"]
+    return f"plus {_digits(country, lang)}, {said}" if country else said
+
+
+def _read_vanity(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    code = match["va_code"]
+    return f"one {_words(int(code), lang) if code == '800' else _digits(code, lang)} {match['va_word']}"
+
+
+def _read_emergency(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return "nine one one"
+
+
+def _read_decade(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    year = match["de_year"]
+    said = _words(int(year), lang, to="year") if year else _words(int(match["de_short"]), lang)
+    return said[:-1] + "ies" if said.endswith("y") else said + "s"
+
+
+_EN_FRACTION_NAMES = {2: ("half", "halves"), 4: ("quarter", "quarters")}
+
+
+def _read_fraction(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """a/b: a fraction with a denominator up to 10 ("3/4": three quarters); else a month and a day ("12/25":
+    December twenty-fifth); else the two numbers ("24/7": twenty-four seven)."""
+    a, b = int(match["fr_a"]), int(match["fr_b"])
+    if 0 < a < b <= 10:
+        one, many = _EN_FRACTION_NAMES.get(b) or (_words(b, lang, to="ordinal"), _words(b, lang, to="ordinal") + "s")
+        return f"{_words(a, lang)} {one if a == 1 else many}"
+    if 1 <= a <= 12 and b >= 1:
+        said = _say_date(a, b, None)
+        if said is not None:
+            return said
+    return f"{_words(a, lang)} {_words(b, lang)}"
+
+
 def _read_about(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return "about"
 
@@ -613,12 +664,6 @@ def _read_times(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return "times"
 
 
-def _read_markdown_link(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return spoken_form(match["ml_text"], lang).text  # said as its text, read by the rules as any text
-
-
-def _read_link_close(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return None if "[" in match.string[:match.start()] else ""  # a "[" before: no link, or a whole one (md_link)
 
 
 def _read_dropped(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -650,10 +695,14 @@ _READERS: dict[str, Reader] = {
     "keep": _read_kept,
     "times": _read_times,
     "about": _read_about,
-    "md_link": _read_markdown_link,
+    "phone_area": _read_phone_area,
+    "vanity": _read_vanity,
+    "emergency": _read_emergency,
+    "decade": _read_decade,
+    "fraction": _read_fraction,
     "md_heading": _read_dropped,
     "md_link_open": _read_dropped,
-    "md_link_close": _read_link_close,
+    "md_link_close": _read_dropped,
     "md_bullet": _read_dropped,
     "md_mark": _read_dropped,
     "email": _read_email,
