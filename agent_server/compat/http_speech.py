@@ -143,7 +143,7 @@ class HttpSpeechProtocol(WireProtocol[S]):
         if self.head_sent:
             self.session.close(CLOSE_INTERNAL_ERROR, error.message)
             return
-        field = error.field or None
+        field = self.text_field if error.field == "text" else error.field or None  # the session's name for the text
         if error.busy and error.code == UNAVAILABLE:
             self._error_response(STATUS_UNAVAILABLE, "not_ready", error.message, field)
             self.session.close(CLOSE_GOING_AWAY, error.message)

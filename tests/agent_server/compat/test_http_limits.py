@@ -59,3 +59,13 @@ def test_text_with_nothing_to_say_is_refused_not_an_empty_file(
     response = httpx.post(served.http + path, json={**body, field: text}, timeout=30)
     assert response.status_code == status, response.text
     assert code_of(response.json()) == "nothing_to_say"
+
+
+def test_a_text_over_the_piece_limit_names_openai_s_field(served: Served) -> None:
+    """OpenAI's error names the request field (`param`): the text is `input` there, not the session's `text`."""
+    text = "word " * (served.live.hub.settings.max_text_piece_chars // 5 + 1)
+    response = httpx.post(served.http + "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": text},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "input" and response.json()["error"]["code"] == "text_too_long"
+    assert not served.engine.submits
