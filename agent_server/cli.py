@@ -16,8 +16,10 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -165,8 +167,16 @@ def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Set
     try:
         return Settings(**values)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_in_flag_names(str(exc), parser))
         raise  # unreachable: parser.error exits
+
+
+def _in_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """A Settings error names its fields ("tls_certfile"): the operator knows the flags ("--tls-cert")."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    # a field's name: with an underscore anywhere, a plain word ("port") only where it starts the message
+    return re.sub(r"\b[a-z][a-z0-9_]*\b", lambda m: flags.get(m[0], m[0]) if "_" in m[0] or m.start() == 0
+                  else m[0], message)
 
 
 def _convert(name: str, raw: str, annotation: object, parser: argparse.ArgumentParser) -> Any:
@@ -322,6 +332,23 @@ def _bind_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _tls_problem(certfile: str | None, keyfile: str | None) -> str | None:
+    """Why the certificate and key cannot serve TLS (a file missing or unreadable, not PEM, not a pair)."""
+    if certfile is None or keyfile is None:
+        return None
+    for flag, path in (("--tls-cert", certfile), ("--tls-key", keyfile)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            return f"{flag} {path}: {exc.strerror or exc}"
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        return f"--tls-cert {certfile} / --tls-key {keyfile}: not a PEM certificate and its private key ({exc})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     settings = settings_from(argv, os.environ)
     configure_logging(settings.log_level)
@@ -331,10 +358,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     problem = config_problem(engine_config)
     if problem is not None:  # before the port opens: no restart would fix it
         build_parser().error(problem)
-    for flag, port in (("--grpc-port", settings.grpc_port), ("--agent-check-port", settings.agent_check_port)):
-        taken = _bind_problem(settings.host, port)  # they open in the lifespan, where a failure is a traceback
+    ports = (("--port", settings.port), ("--grpc-port", settings.grpc_port),
+             ("--agent-check-port", settings.agent_check_port), ("--metrics-port", settings.metrics_port))
+    for flag, port in ports:  # before the model loads: later, a taken port is a traceback (or exit 3)
+        taken = _bind_problem(settings.host, port)
         if taken is not None:
             build_parser().error(f"{flag} {port}: {taken}")
+    tls_problem = _tls_problem(settings.tls_certfile, settings.tls_keyfile)
+    if tls_problem is not None:
+        build_parser().error(tls_problem)
     cores = len(os.sched_getaffinity(0))
     if engine_config.decode_threads + engine_config.vocoder_threads > cores:
         structlog.get_logger("agent_server.cli").warning(

@@ -152,6 +152,8 @@ class Settings:
             raise ValueError("port must be in 1..65535")
         if not (0 <= self.grpc_port < 65536):
             raise ValueError("grpc_port must be in 0..65535 (0: off)")
+        if not (0 <= self.metrics_port < 65536):
+            raise ValueError("metrics_port must be in 0..65535 (0: off)")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
         if not 1.0 <= self.inactivity_timeout_s <= MAX_INACTIVITY_TIMEOUT_S:

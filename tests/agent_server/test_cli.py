@@ -27,6 +27,7 @@ from agent_server.cli import EXIT_DRAIN_CUT
 
 from tests.agent_server.live_server import REPO, cli_server
 from tests.agent_server.native_client import NativeClient
+from tests.services import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,7 +277,8 @@ def refused_start(tmp_path: Path, *args: str) -> tuple[int, str]:
     """Run `agent-server` with settings it must refuse: (exit status, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "AGENT_SERVER_DATA_DIR": str(tmp_path),
            "AGENT_SERVER_ENGINE_FACTORY": "tests.agent_server.fake_engine:make_engine"}
-    done = subprocess.run([sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port", "1", *args],
+    done = subprocess.run([sys.executable, "-m", "agent_server.cli", "--host", "127.0.0.1", "--port",
+                           str(free_port()), *args],
                           env=env, capture_output=True, text=True, timeout=60)
     return done.returncode, done.stderr
 
@@ -286,8 +288,13 @@ def test_settings_no_restart_can_fix_are_refused_before_the_port_opens(tmp_path:
     keys = tmp_path / "keys"
     keys.write_text("sk-file-key-0001 # the billing team's\nnot a key\n")
     cases: list[tuple[tuple[str, ...], str]] = [
-        (("--shutdown-grace-s", "-1"), "shutdown_grace_s must be >= 0"),
+        (("--shutdown-grace-s", "-1"), "--shutdown-grace-s must be >= 0"),  # the flag's name, not the field's
         (("--api-keys-file", str(keys)), f"{keys}, line 2: an API key must be"),
+        (("--metrics-port", "70000"), "--metrics-port must be in 0..65535"),
+        (("--tls-cert", str(tmp_path / "none.pem")), "--tls-cert and --tls-key go together"),
+        (("--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(keys)), f"--tls-cert {tmp_path / 'none.pem'}:"
+                                                                              " No such file"),
+        (("--tls-cert", str(keys), "--tls-key", str(keys)), "not a PEM certificate and its private key"),
     ]
     if not torch.cuda.is_available():
         cases += [(("--cuda-graphs", "on"), "cuda_graphs='on' needs a CUDA device"),
@@ -295,7 +302,7 @@ def test_settings_no_restart_can_fix_are_refused_before_the_port_opens(tmp_path:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        for flag in ("--metrics-port", "--grpc-port", "--agent-check-port"):
+        for flag in ("--port", "--metrics-port", "--grpc-port", "--agent-check-port"):
             cases.append(((flag, str(taken.getsockname()[1])), flag))
         for args, reason in cases:
             status, stderr = refused_start(tmp_path, *args)
