@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", "log_level", "log level", choices=LOG_LEVELS)
     add("--data-dir", "data_dir", "where uploaded voices are kept")
     add("--metrics-port", "metrics_port", "also serve /metrics and /dashboard on this port (0: off)", type=int)
+    add("--metrics-host", "metrics_host", "the interface of --metrics-port (default: --host's); it asks for no "
+        "key: a private one")
     add("--grpc-port", "grpc_port", "also serve NVIDIA Riva's TTS gRPC API on this port (0: off)", type=int)
     add("--encoder-threads", "encoder_threads", "threads encoding MP3/Opus/AAC/FLAC output for all sessions",
         type=int)
@@ -358,10 +360,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     problem = config_problem(engine_config)
     if problem is not None:  # before the port opens: no restart would fix it
         build_parser().error(problem)
-    ports = (("--port", settings.port), ("--grpc-port", settings.grpc_port),
-             ("--agent-check-port", settings.agent_check_port), ("--metrics-port", settings.metrics_port))
-    for flag, port in ports:  # before the model loads: later, a taken port is a traceback (or exit 3)
-        taken = _bind_problem(settings.host, port)
+    metrics_host = settings.metrics_host or settings.host
+    ports = (("--port", settings.host, settings.port), ("--grpc-port", settings.host, settings.grpc_port),
+             ("--agent-check-port", settings.host, settings.agent_check_port),
+             ("--metrics-port", metrics_host, settings.metrics_port))
+    for flag, host, port in ports:  # before the model loads: later, a taken port is a traceback (or exit 3)
+        taken = _bind_problem(host, port)
         if taken is not None:
             build_parser().error(f"{flag} {port}: {taken}")
     tls_problem = _tls_problem(settings.tls_certfile, settings.tls_keyfile)
@@ -402,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics_server = None
     if settings.metrics_port:
         try:
-            metrics_server, metrics_thread = metrics.serve_in_thread(app, settings.host, settings.metrics_port,
+            metrics_server, metrics_thread = metrics.serve_in_thread(app, metrics_host, settings.metrics_port,
                                                                      log_level=settings.log_level)
         except OSError as exc:
             build_parser().error(f"--metrics-port {settings.metrics_port}: {exc.strerror or exc}")

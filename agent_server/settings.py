@@ -65,6 +65,7 @@ class Settings:
     # Serve /metrics and /dashboard on this port too, from their own thread and event loop, so a flood of
     # WebSocket sessions cannot starve a scrape (0: only on the main port).
     metrics_port: int = 0
+    metrics_host: str | None = None  # the --metrics-port listener's interface (None: --host's)
     # Serve NVIDIA Riva's TTS gRPC API (`SynthesizeOnline`, `Synthesize`) on this port too, with the same
     # auth, limits and metrics (0: off). TLS with the same certificate as the HTTP port when one is set.
     grpc_port: int = 0
@@ -237,6 +238,7 @@ ENV_VARS: Mapping[str, tuple[str, ...]] = {
     "data_dir": ("AGENT_SERVER_DATA_DIR",),
     "engine_factory": ("AGENT_SERVER_ENGINE_FACTORY",),
     "metrics_port": ("AGENT_SERVER_METRICS_PORT",),
+    "metrics_host": ("AGENT_SERVER_METRICS_HOST",),
     "grpc_port": ("AGENT_SERVER_GRPC_PORT",),
     "encoder_threads": ("AGENT_SERVER_ENCODER_THREADS",),
     "shutdown_grace_s": ("AGENT_SERVER_SHUTDOWN_GRACE_S",),

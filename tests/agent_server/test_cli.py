@@ -307,3 +307,22 @@ def test_settings_no_restart_can_fix_are_refused_before_the_port_opens(tmp_path:
         for args, reason in cases:
             status, stderr = refused_start(tmp_path, *args)
             assert status == 2 and reason in stderr and "Traceback" not in stderr, (args, status, stderr[-2000:])
+
+
+def test_the_metrics_port_listens_on_its_own_interface(tmp_path: Path) -> None:
+    """`--metrics-host`: the unauthenticated metrics listener on a private interface while the API is on another
+    (here 127.0.0.2 and 127.0.0.1, two loopback addresses)."""
+    metrics_port = free_port()
+    with cli_server(tmp_path, {}, "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.2") as (_, port, _):
+        deadline_s = time.monotonic() + 10
+        while True:
+            try:
+                scraped = httpx.get(f"http://127.0.0.2:{metrics_port}/metrics", timeout=1)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline_s
+                time.sleep(0.1)
+        assert scraped.status_code == 200 and "tts_sessions_active" in scraped.text
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1)
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
