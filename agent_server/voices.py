@@ -472,7 +472,8 @@ def _decode_with_soundfile(data: bytes, first_error: Exception) -> tuple[NDArray
     try:
         samples, sample_rate_hz = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as exc:  # soundfile raises its own LibsndfileError (a RuntimeError)
-        raise ValueError(f"unreadable audio file: {exc}") from None
+        detail = getattr(exc, "error_string", None) or re.sub(r"Error opening <[^>]*>: ", "", str(exc))
+        raise ValueError(f"unreadable audio file ({detail.rstrip('.')}): upload a WAV, FLAC or OGG clip") from None
     return samples.mean(axis=1, dtype=np.float32), int(sample_rate_hz)
 
 
