@@ -31,6 +31,7 @@ from agent_server.shared_state import DEFAULT_PREFIX, RedisState, SharedStateUna
 
 NEW_KEY_BYTES = 32
 KEY_PREFIX = "sk-"
+MIN_ADDED_KEY_CHARS = 20  # `add --key`: a key chosen by hand is still a password
 FINGERPRINT = re.compile(rf"k_[0-9a-f]{{{FINGERPRINT_HEX}}}")  # what auth.fingerprint makes
 
 
@@ -52,17 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def added_key(given: str) -> str:
+    """`add --key`'s argument, checked. Raises AuthConfigError (before Redis is asked)."""
+    key = check_key_format(given)
+    if len(key) < MIN_ADDED_KEY_CHARS:
+        raise AuthConfigError(f"--key: at least {MIN_ADDED_KEY_CHARS} characters (a key is a password; leave "
+                              "--key out for a random one)")
+    return key
+
+
+def revoked_fingerprint(given: str) -> str:
+    """`revoke`'s argument -> the fingerprint to revoke. Raises AuthConfigError (checked before Redis is asked)."""
+    key_id = given if given.startswith("k_") else fingerprint(check_key_format(given))
+    if not FINGERPRINT.fullmatch(key_id):
+        raise AuthConfigError(f"{given!r} is not a fingerprint: k_ and 12 hex digits (or give the key)")
+    return key_id
+
+
 async def run(args: argparse.Namespace, state: RedisState) -> int:
     try:
         await state.refresh()
         if args.command == "add":
-            key = check_key_format(args.key) if args.key else KEY_PREFIX + secrets.token_urlsafe(NEW_KEY_BYTES)
+            key = added_key(args.key) if args.key else KEY_PREFIX + secrets.token_urlsafe(NEW_KEY_BYTES)
             await state.add_key(key_hash(key), fingerprint(key))
             print(f"added {fingerprint(key)}" + ("" if args.key else f"\n{key}"))
         elif args.command == "revoke":
-            key_id = args.key if args.key.startswith("k_") else fingerprint(check_key_format(args.key))
-            if not FINGERPRINT.fullmatch(key_id):
-                raise AuthConfigError(f"{args.key!r} is not a fingerprint: k_ and 12 hex digits (or give the key)")
+            key_id = revoked_fingerprint(args.key)
             await state.revoke_key(key_id)
             print(f"revoked {key_id}")
             if key_id not in state.mirror.key_hashes.values():  # a typo would leave the real key working
@@ -84,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("warning")  # log lines to stderr: stdout is the answer
     if not args.redis_url:
         parser.error("--redis-url (or AGENT_SERVER_REDIS_URL) is required: keys are kept in the fleet's Redis")
+    try:  # what was typed, before Redis is asked
+        if args.command == "revoke":
+            revoked_fingerprint(args.key)
+        elif args.command == "add" and args.key:
+            added_key(args.key)
+    except AuthConfigError as exc:
+        parser.error(str(exc))
     try:
         state = RedisState(args.redis_url, prefix=args.redis_prefix)
     except ValueError as exc:  # a URL redis cannot read

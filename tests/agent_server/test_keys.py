@@ -37,8 +37,8 @@ def test_a_key_added_and_revoked_from_the_command_line_counts_on_a_running_repli
     assert added.returncode == 0, added.stderr
     line, key = added.stdout.split()[1], added.stdout.splitlines()[1]
     assert line == fingerprint(key)
-    mine = keys_cli(redis, "add", "--key", "my-own-key-123")
-    assert mine.returncode == 0 and "my-own-key-123" not in mine.stdout  # a given key is never echoed
+    mine = keys_cli(redis, "add", "--key", "my-own-key-0123456789")
+    assert mine.returncode == 0 and "my-own-key-0123456789" not in mine.stdout  # a given key is never echoed
 
     async def scenario() -> None:
         shared = RedisState(redis.url, sync_period_s=0.05)
@@ -57,12 +57,12 @@ def test_a_key_added_and_revoked_from_the_command_line_counts_on_a_running_repli
             await asyncio.sleep(0.02)
         with pytest.raises(Denied):
             auth.verify(token)
-        assert auth.verify("my-own-key-123").key_id == fingerprint("my-own-key-123")
+        assert auth.verify("my-own-key-0123456789").key_id == fingerprint("my-own-key-0123456789")
         await shared.stop()
 
     asyncio.run(scenario())
     listing = keys_cli(redis, "list").stdout.splitlines()
-    assert f"{fingerprint(key)} (revoked)" in listing and fingerprint("my-own-key-123") in listing
+    assert f"{fingerprint(key)} (revoked)" in listing and fingerprint("my-own-key-0123456789") in listing
     assert keys_cli(redis, "add", "--key", "has space").returncode == 2
 
 
@@ -89,3 +89,14 @@ def test_without_redis_it_says_so() -> None:
     result = subprocess.run([sys.executable, "-m", "agent_server.keys", "list"], check=False, capture_output=True,
                             text=True, cwd=REPO, env=CLI_ENV)
     assert result.returncode == 2 and "--redis-url" in result.stderr
+
+
+def test_what_was_typed_is_checked_before_redis_is_asked(tmp_path: Path) -> None:
+    """A typo is a usage error even while Redis is down (not "Redis is unavailable", which hides it)."""
+    dead = RedisServer(tmp_path / "redis")  # never started: nothing listens on its port
+    for args, reason in ((("revoke", "k_123"), "not a fingerprint"),
+                         (("add", "--key", "short"), "at least 20 characters")):
+        result = keys_cli(dead, *args)
+        assert result.returncode == 2 and reason in result.stderr and "unavailable" not in result.stderr, result
+    down = keys_cli(dead, "revoke", "k_0123456789ab")  # well-formed: then Redis is asked
+    assert down.returncode == 1 and "Redis is unavailable" in down.stderr
