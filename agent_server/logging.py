@@ -27,6 +27,7 @@ LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": loggi
           "info": logging.INFO, "debug": logging.DEBUG}
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 REDACTED = "[redacted]"
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 CREDENTIAL_QUERY_NAMES = frozenset({*QUERY_NAMES, "xi-api-key", "authorization", "key"})
 _QUERY_PAIR = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;\s\"'#]+)=(?P<value>[^&;\s\"'#]*)")
 # the schemes as clients write them (`Authorization: Bearer K`, Deepgram's `Token K`) before a credential
@@ -114,3 +115,18 @@ def configure_logging(level: str = "info", *, stream: Any = None) -> None:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []
         uvicorn_logger.propagate = True
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _PassedProbes) for f in access.filters):
+        access.addFilter(_PassedProbes())
+
+
+class _PassedProbes(logging.Filter):
+    """Leaves out the access lines of probes that passed (`/healthz`, `/readyz` answered 2xx: a balancer and
+    a kubelet ask several times a second); a failed probe (503: loading, draining) is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:  # uvicorn's: client, method, path, version, status
+            return True
+        path, status = args[2], args[4]
+        return not (path in PROBE_PATHS and isinstance(status, int) and 200 <= status < 300)

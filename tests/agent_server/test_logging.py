@@ -38,3 +38,14 @@ def test_a_libraries_warning_is_a_json_line(log_stream: io.StringIO) -> None:
     lines = [orjson.loads(line) for line in log_stream.getvalue().splitlines()]  # every line parses
     assert [line["logger"] for line in lines] == ["py.warnings", "agent_server.test"]
     assert lines[0]["level"] == "warning" and "sdp_kernel" in lines[0]["event"]
+
+
+def test_a_probe_that_passed_is_not_logged_a_failed_one_is(log_stream: io.StringIO) -> None:
+    """A balancer and a kubelet probe several times a second: their passing checks would be most of the log."""
+    access = logging.getLogger("uvicorn.access")
+    access.setLevel(logging.INFO)
+    line = '%s - "%s %s HTTP/%s" %d'
+    for path, status in (("/readyz", 200), ("/healthz", 200), ("/readyz", 503), ("/v1/status", 200)):
+        access.info(line, "10.0.0.1:5000", "GET", path, "1.1", status)
+    logged = [orjson.loads(raw)["event"] for raw in log_stream.getvalue().splitlines()]
+    assert logged == ['10.0.0.1:5000 - "GET /readyz HTTP/1.1" 503', '10.0.0.1:5000 - "GET /v1/status HTTP/1.1" 200']
