@@ -25,6 +25,8 @@ for the session to report (the protocol's error), and the text goes on.
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,9 @@ _TIME = re.compile(r"""\btime\s*=\s*["']?\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*["']?""",
 @dataclass(frozen=True, slots=True)
 class Pause:
     duration_ms: int
+    # where its tag is in the text fed (MarkupFilter's count of characters fed), [raw_start, raw_end)
+    raw_start: int = field(default=0, compare=False)
+    raw_end: int = field(default=0, compare=False)
 
 
 Piece = str | Pause
@@ -64,6 +69,35 @@ class MarkupFilter:
     held: str = ""  # an unfinished tag (from its `<`), waiting for its `>`
     problems: list[str] = field(default_factory=list)  # what was wrong with a tag (reported, not spoken)
     last_char: str = ""  # the last character of the text given out so far
+    fed_chars: int = 0  # characters fed so far
+    text_chars: int = 0  # characters given out as text so far
+    # (text offset, fed offset) where the text given out stops following the text fed one for one (a tag
+    # removed, text held): `fed_offset` maps back through them
+    _runs: list[tuple[int, int]] = field(default_factory=list)
+
+    def fed_offset(self, text_offset: int) -> int:
+        """Where the character given out at `text_offset` was in the text fed."""
+        at = bisect.bisect_right(self._runs, (text_offset, math.inf)) - 1
+        if at < 0:
+            return text_offset
+        run_text, run_fed = self._runs[at]
+        return run_fed + text_offset - run_text
+
+    def fed_span(self, start: int, end: int) -> tuple[int, int]:
+        """A range of the text given out -> the range of the text fed its characters came from."""
+        if end <= start:
+            at = self.fed_offset(start)
+            return at, at
+        return self.fed_offset(start), self.fed_offset(end - 1) + 1
+
+    def _give(self, pieces: list[Piece], text: str, fed_at: int) -> None:
+        """Give out `text`, which starts at `fed_at` in the text fed."""
+        if not text:
+            return
+        if self.fed_offset(self.text_chars) != fed_at:
+            self._runs.append((self.text_chars, fed_at))
+        self.text_chars += len(text)
+        _add_text(pieces, text)
 
     def feed(self, text: str) -> list[Piece]:
         """The pieces `text` completes, in order (text pieces joined where nothing came between)."""
@@ -74,6 +108,8 @@ class MarkupFilter:
         return pieces
 
     def _feed(self, text: str) -> list[Piece]:
+        base = self.fed_chars - len(self.held)  # where buffer[0] is in the text fed
+        self.fed_chars += len(text)
         buffer = self.held + text
         self.held = ""
         pieces: list[Piece] = []
@@ -81,11 +117,11 @@ class MarkupFilter:
         while True:
             opening = self._next_opening(buffer, at)
             if opening < 0:
-                _add_text(pieces, buffer[at:])
+                self._give(pieces, buffer[at:], base + at)
                 return pieces
-            _add_text(pieces, buffer[at:opening])
+            self._give(pieces, buffer[at:opening], base + at)
             if buffer[opening] == "[":
-                at = self._audio_tag(buffer, opening, pieces)
+                at = self._audio_tag(buffer, opening, pieces, base)
                 if at < 0:
                     return pieces  # held until its "]"
                 continue
@@ -95,15 +131,15 @@ class MarkupFilter:
                 if len(rest) <= MAX_TAG_CHARS and self._may_open_a_tag(rest):
                     self.held = rest
                     return pieces
-                _add_text(pieces, "<")  # not a tag after all
+                self._give(pieces, "<", base + opening)  # not a tag after all
                 at = opening + 1
                 continue
             match = _TAG.fullmatch(buffer, opening, closing + 1)
             if match is None or match.group(2).lower() not in self.tags:
-                _add_text(pieces, "<")  # text, or a tag this dialect does not have: spoken as written
+                self._give(pieces, "<", base + opening)  # text, or a tag this dialect does not have: as written
                 at = opening + 1
                 continue
-            self._tag(match, pieces)
+            self._tag(match, pieces, base + opening)
             at = closing + 1
 
     def _next_opening(self, buffer: str, at: int) -> int:
@@ -113,7 +149,7 @@ class MarkupFilter:
         square = buffer.find("[", at)
         return square if angle < 0 or 0 <= square < angle else angle
 
-    def _audio_tag(self, buffer: str, opening: int, pieces: list[Piece]) -> int:
+    def _audio_tag(self, buffer: str, opening: int, pieces: list[Piece], base: int) -> int:
         """At a "[": skip an audio tag, hold an unfinished one (-1), or keep the "[" as text. Returns where
         the text goes on."""
         match = _AUDIO_TAG.match(buffer, opening)
@@ -121,19 +157,23 @@ class MarkupFilter:
             before = buffer[opening - 1] if opening else self.last_char
             after = buffer[match.end()] if match.end() < len(buffer) else ""
             if before and not before.isspace() and (not after or after.isalnum()):
-                _add_text(pieces, " ")
+                self._give(pieces, " ", base + opening)
             return match.end()
         prefix = _AUDIO_TAG_PREFIX.match(buffer, opening)
         if prefix is not None and prefix.end() == len(buffer):
             self.held = buffer[opening:]
             return -1
-        _add_text(pieces, "[")
+        self._give(pieces, "[", base + opening)
         return opening + 1
 
     def end(self) -> list[Piece]:
-        """The input ended: an unfinished tag is text."""
+        """The input ended: an unfinished tag is text (an unclosed `<break` is reported too)."""
         held, self.held = self.held, ""
-        return [held] if held else []
+        if BREAK in self.tags and re.match(r"<\s*break\b", held, re.IGNORECASE):
+            self.problems.append(f"{held[:60]!r}: a <break> that never closes ('>'): said as text")
+        pieces: list[Piece] = []
+        self._give(pieces, held, self.fed_chars - len(held))
+        return pieces
 
     def take_problems(self) -> list[str]:
         problems, self.problems = self.problems, []
@@ -146,7 +186,7 @@ class MarkupFilter:
         name = re.sub(r"[<\s/]", "", prefix.group(0)).lower()
         return any(tag.startswith(name) for tag in self.tags) if prefix.end() == len(rest) else name in self.tags
 
-    def _tag(self, match: re.Match[str], pieces: list[Piece]) -> None:
+    def _tag(self, match: re.Match[str], pieces: list[Piece], fed_at: int) -> None:
         if match.group(2).lower() != BREAK or match.group(1):
             return  # removed; the text it encloses goes on as text
         time = _TIME.search(match.group(3))
@@ -157,7 +197,7 @@ class MarkupFilter:
         if not 0 < duration_ms <= MAX_BREAK_MS:
             self.problems.append(f"{match.group(0)!r}: a break lasts more than 0 and at most {MAX_BREAK_MS / 1000:g} s")
             return
-        pieces.append(Pause(duration_ms))
+        pieces.append(Pause(duration_ms, fed_at, fed_at + len(match.group(0))))
 
 
 def elevenlabs_tags(model_id: str | None) -> frozenset[str]:

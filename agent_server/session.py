@@ -57,6 +57,7 @@ from agent_server.observers import (
     SlowClientDropped,
 )
 from agent_server.speech import (
+    MarkupProblem,
     OutputOverflow,
     Stream,
     StreamDone,
@@ -641,6 +642,9 @@ class Session(Generic[S]):
     def _on_stream_event(self, ctx: Context[S], stream: Stream, event: StreamEvent) -> None:
         if isinstance(event, OutputOverflow):  # the encoders cannot keep up with this session's audio
             self._drop_slow_client(event.detail)
+            return
+        if isinstance(event, MarkupProblem):  # as push_text's problems
+            self.reject(FieldError("text", event.detail, "bad_markup", context_id=ctx.context_id))
             return
         done = isinstance(event, StreamDone)
         if isinstance(event, StreamDone):  # its bookkeeping runs once what was queued for it went out

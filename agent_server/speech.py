@@ -224,7 +224,15 @@ class OutputOverflow:
     detail: str
 
 
-StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone | OutputOverflow
+@dataclass(frozen=True, slots=True)
+class MarkupProblem:
+    """A tag found wrong only when the text was flushed or ended (a `<break` never closed). Not for protocols:
+    the session core reports it as push_text's problems are (`bad_markup`)."""
+
+    detail: str
+
+
+StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone | OutputOverflow | MarkupProblem
 Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
@@ -383,6 +391,7 @@ class SpeechStream:
         # what the client holds, for the engine's vocoder (render order, chunk sizes)
         self._listener = ListenerClock(spec.speed)
         self._markup = MarkupFilter(spec.markup) if spec.markup else None
+        self._fed_covered = 0  # (markup) where the ranges of the segments cut so far end, in the text as sent
         self._voice_id = spec.voice_id  # the voice of the text pushed next (`start_turn` changes it)
         self._turn = 0  # how many turns were started
 
@@ -415,24 +424,31 @@ class SpeechStream:
 
     def flush(self, now_s: float) -> None:
         self._require_open("flush")
-        if self._markup is not None:
-            self._take_pieces(self._markup.end(), now_s)  # an unfinished tag is text
+        self._end_markup(now_s)  # an unfinished tag is text
         self._add_segments(self._segmenter.flush(now_s))
 
     def end(self, now_s: float) -> None:
         self._require_open("end")
-        if self._markup is not None:
-            self._take_pieces(self._markup.end(), now_s)
+        self._end_markup(now_s)
         self.status = StreamStatus.ENDED
         self._add_segments(self._segmenter.end(now_s))
         self._maybe_complete()
+
+    def _end_markup(self, now_s: float) -> None:
+        if self._markup is None:
+            return
+        self._take_pieces(self._markup.end(), now_s)
+        for problem in self._markup.take_problems():
+            self._emit(self, MarkupProblem(problem))
 
     def _take_pieces(self, pieces: Sequence[Piece], now_s: float) -> None:
         for piece in pieces:
             if isinstance(piece, Pause):
                 self._add_segments(self._segmenter.flush(now_s))  # the speech before the pause is a segment
-                self._segments.append(SegmentState(len(self._segments), "", self.text_chars, self.text_chars,
-                                                   pause_ms=piece.duration_ms))
+                # its range: its tag, and the whitespace before it the segment before left
+                self._segments.append(SegmentState(len(self._segments), "", min(self._fed_covered, piece.raw_start),
+                                                   piece.raw_end, pause_ms=piece.duration_ms))
+                self._fed_covered = piece.raw_end
                 self._submit_ready()
             else:
                 self._add_segments(self._segmenter.push(piece, now_s))
@@ -491,8 +507,14 @@ class SpeechStream:
             if not seg.text.strip():
                 continue
             index = len(self._segments)
-            self._segments.append(SegmentState(index, seg.text, seg.start_char, seg.end_char,
-                                               voice_id=self._voice_id, turn=self._turn))
+            start, end = seg.start_char, seg.end_char
+            if self._markup is not None:  # the segmenter counts the text without its tags; the client, with
+                start, end = self._markup.fed_span(start, end)
+                start = max(start, self._fed_covered)  # not back over a pause's tag
+                end = max(end, start)
+                self._fed_covered = end
+            self._segments.append(SegmentState(index, seg.text, start, end, voice_id=self._voice_id,
+                                               turn=self._turn))
         if cut:
             self._submit_ready()
 

@@ -3,6 +3,8 @@ split; and through the speech stream: a pause is silence in the audio between se
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from agent_server.markup import (
@@ -41,6 +43,23 @@ EXPECTED: list[Piece] = ["Hold on. ", Pause(1500), " Here it is: ABC, x < y and 
 def test_breaks_and_tags_wherever_the_pieces_split(cut: int) -> None:
     pieces = [TEXT[i:i + cut] for i in range(0, len(TEXT), cut)]
     assert run(CARTESIA_TAGS, *pieces) == (EXPECTED, [])
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 11, len(TEXT)])
+def test_what_is_given_out_maps_back_to_where_it_was_fed(cut: int) -> None:
+    """The segmenter counts the text without its tags; a client's offsets count what it sent: each character
+    given out maps back to itself in the text fed, each pause to its tag."""
+    markup = MarkupFilter(CARTESIA_TAGS)
+    out: list[Piece] = []
+    for i in range(0, len(TEXT), cut):
+        out += markup.feed(TEXT[i:i + cut])
+    out += markup.end()
+    given = "".join(piece for piece in out if isinstance(piece, str))
+    assert markup.text_chars == len(given) and markup.fed_chars == len(TEXT)
+    assert all(TEXT[markup.fed_offset(i)] == char for i, char in enumerate(given))
+    assert [TEXT[p.raw_start:p.raw_end] for p in out if isinstance(p, Pause)] == ['<break time="1.5s" />',
+                                                                                  '<break time="250ms"/>']
+    assert markup.fed_span(0, len(given)) == (0, len(TEXT))
 
 
 def test_each_dialect_keeps_the_tags_it_does_not_have_as_text() -> None:
@@ -93,6 +112,44 @@ def test_an_unfinished_tag_is_held_then_text() -> None:
     markup = MarkupFilter(ELEVENLABS_TAGS)
     assert markup.feed("wait <bre") == ["wait "]
     assert markup.end() == ["<bre"]  # the input ended inside it: text
+    assert markup.take_problems() == []
+    assert run(ELEVENLABS_TAGS, 'Unclosed <break time="1s" now.') == (
+        ['Unclosed <break time="1s" now.'], ["'<break time=\"1s\" now.': a <break> that never closes ('>'): said as"
+                                            " text"])  # a break that never closed: said, and reported
     assert markup.feed("<" + "x" * (MAX_TAG_CHARS + 1)) == ["<" + "x" * (MAX_TAG_CHARS + 1)]
     assert markup.feed("<break time=") == []
     assert markup.feed('"1s"' + " " * MAX_TAG_CHARS) == ['<break time="1s"' + " " * MAX_TAG_CHARS]
+
+
+@pytest.mark.parametrize("cut", [3, 1000])
+def test_segment_ranges_count_the_text_as_sent_tags_included(cut: int) -> None:
+    """The native `breaks` protocol's `segment_started` [start_char, end_char): the range of the text the client
+    pushed (its tags counted), a pause's the range of its tag; in order, never backwards."""
+    from agent_server.markup import SSML_TAGS
+    from agent_server.segmenter import Segmenter
+    from agent_server.speech import SegmentStarted, SpeechStream, StreamSpec
+    from synth.api import EventKind, SamplingParams
+
+    from tests.agent_server.test_speech import PCM24, ManualEngine, Recorder, sync_post
+
+    text = 'Hello there my friend. <break time="1s"/> And then some more words here. Final bit.'
+    engine, recorder = ManualEngine(), Recorder()
+    spec = StreamSpec(voice_id="default", params=SamplingParams(seed=1), output_format=PCM24, markup=SSML_TAGS)
+    stream = SpeechStream("s1/1", spec, engine=engine, segmenter=Segmenter(), post=sync_post, emit=recorder)
+    stream.open()
+    for i in range(0, len(text), cut):
+        stream.push_text(text[i:i + cut], 0.0)
+    stream.end(0.0)
+    made = 0
+    while made < len(engine.submitted):
+        engine.chunk(made, 10)
+        engine.event(made, EventKind.GENERATED)
+        engine.event(made, EventKind.DONE)
+        made += 1
+    started = recorder.of(SegmentStarted)
+    ranges = [text[s.start_char:s.end_char] for s in started]
+    assert [s.text for s in started] == ["Hello there my friend.", "", "And then some more words here.", "Final bit."]
+    assert [r.strip() for r in ranges] == ["Hello there my friend.", '<break time="1s"/>',
+                                          "And then some more words here.", "Final bit."]
+    assert started[0].start_char == 0 and started[-1].end_char == len(text)  # they tile what was sent
+    assert all(a.end_char == b.start_char for a, b in pairwise(started))

@@ -145,6 +145,19 @@ def test_an_llm_still_streaming_into_a_cancelled_context_is_no_error(server: Liv
         assert reply["type"] == "error" and reply["code"] == "unknown_context"
 
 
+def test_a_break_that_never_closes_is_reported_when_the_text_ends(server: LiveServer) -> None:
+    """`<break time="1s" now.` with no `>`: held in case the tag goes on; at `end` it is said as text, and the
+    client is told (`bad_markup`), as for any break that cannot be played."""
+    with connect(server.ws_url) as ws:
+        ws.recv(timeout=5)
+        send(ws, {"type": "open", "context_id": "b", "breaks": True, "text": 'Unclosed <break time="1s" now.'})
+        send(ws, {"type": "end", "context_id": "b"})
+        got = recv_until(ws, is_event("context_done", "b"))
+        [error] = [g for g in got if isinstance(g, dict) and g["type"] == "error"]
+        assert error["code"] == "bad_markup" and error["field"] == "text" and "never closes" in error["message"]
+        assert got[-1]["reason"] == "completed"
+
+
 def test_status_and_health(server: LiveServer) -> None:
     assert httpx.get(server.http_url + "/healthz").json()["status"] == "ready"
     body = httpx.get(server.http_url + "/v1/status").json()
