@@ -24,7 +24,7 @@ import base64
 from dataclasses import dataclass
 from typing import ClassVar, Generic
 
-from agent_server.errors import RATE_LIMITED, UNAVAILABLE, FieldError
+from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, UNAVAILABLE, FieldError
 from agent_server.hub import Refusal
 from agent_server.session import (
     CLOSE_GOING_AWAY,
@@ -41,6 +41,8 @@ from agent_server.speech import AudioOut, SegmentDone, StreamDone, StreamEvent, 
 from agent_server.transport import CLOSE_TOO_BIG, Head
 
 NOTHING_TO_SAY = "nothing_to_say"
+# the session core's errors about the text it was given (field "text"): named by the vendor's own field
+SESSION_TEXT_CODES = frozenset({TEXT_TOO_LONG, CONTEXT_TEXT_LIMIT, RATE_LIMITED, "bad_markup"})
 STATUS_BAD_REQUEST = 400
 STATUS_TOO_LARGE = 413
 STATUS_BUSY = 429
@@ -143,7 +145,9 @@ class HttpSpeechProtocol(WireProtocol[S]):
         if self.head_sent:
             self.session.close(CLOSE_INTERNAL_ERROR, error.message)
             return
-        field = self.text_field if error.field == "text" else error.field or None  # the session's name for the text
+        field = error.field or None
+        if field == "text" and error.code in SESSION_TEXT_CODES:  # the session core's name for the text
+            field = self.text_field
         if error.busy and error.code == UNAVAILABLE:
             self._error_response(STATUS_UNAVAILABLE, "not_ready", error.message, field)
             self.session.close(CLOSE_GOING_AWAY, error.message)
