@@ -25,19 +25,30 @@ What is rewritten (English; other languages: see `_LANGUAGES`):
   "Dec 25, 2025", "December 25th", "25 December 2025" ("December twenty-fifth, twenty twenty-five", "the
   twenty-fifth of December, ..."); clock hours "3pm", "11 a.m." ("three p m"); decades "the 1990s", "the
   '80s", "in her 20s"; "a/b": a fraction up to tenths ("3/4": three quarters), else a month and day ("12/25"),
-  else two numbers ("24/7"); phone numbers "(415) 555-0100", "+1 (415) 555-0100", "1-800-FLOWERS", "911";
+  else two numbers ("24/7"); phone numbers "(415) 555-0100", "+1 (415) 555-0100", "1-800-FLOWERS", "911",
+  international ones "+44 7700 900123", "07700 900123";
+- identifiers, digit by digit: a number after the word that names it ("order number 123456", "card ending in
+  1234", "PIN: 1234", "zip code 90210", `_ID_WORDS`), a ZIP after a state ("DC 20500"); codes letter by
+  letter ("ABC123", "QW4E7R", "A-1234", "INV-2024-0042");
+- ranges with "to": "9am-5pm", "9:30-10:30", "9-5", "3-2" (a score), "$10-$15", "15-20%", "10-15 min",
+  "Dec 20-23"; days "Mon-Fri" ("Monday through Friday");
+- "$14.99/mo" ("per month", `_PER_UNITS`), "50¢", "₹2,500", "USD 20", "-$5"; "4.5/5" and "pain level 3/10"
+  ("out of"), "120/80" ("one twenty over eighty"), "1 1/2", "½"; "9x13" ("by"), "2 + 2 = 4", "*67" ("star"),
+  "7.30pm", "~5" ("about"), an expiry "09/2028";
 - email addresses ("bob at example dot com"), web addresses "https://example.com/docs", "www.example.com",
   "example.io/path" ("example dot com slash docs": the scheme and the query are not read), "#5" and "No. 5"
-  ("number five"), "e.g.", "i.e.", "etc.", "vs.", "approx.", and the titles "Dr.", "Mr.", "Mrs.", "Ms.",
-  "Prof." before a name.
+  ("number five"), "e.g.", "i.e.", "etc.", "vs.", "approx.", the titles "Dr.", "Mr.", "Mrs.", "Ms.",
+  "Prof." before a name, "Main St.", "Oak Ave", "Apt 4B", "St. Louis".
 A number glued to letters ("A17", "mp3", "5km") is set apart by a space. Anything the rules do not know
-stays as written.
+stays as written. Other languages also read thousands grouped by a space ("1 500 euros"), and a whole amount
+of money without "zero cents".
 
 Markdown, in every language (an LLM writes it; read as text its marks would be said or garble the
-prosody): "**bold**", "*italic*", "_italic_", "__bold__", "~~struck~~" and "`code`" lose their marks,
-"[text](https://...)" is said as its text (its marks and address take no time), a heading's "#"s and a
-list item's bullet at a line's start are not said. A mark dropped between two letters leaves a space.
-Languages num2words does not have (el, hi, ms, sw, zh) get only this.
+prosody): "**bold**", "*italic*", "_italic_", "__bold__" and "`code`" lose their marks, "~~struck~~" text and
+emoji are not said, "[text](https://...)" is said as its text (its marks and address take no time), a
+heading's "#"s and a list item's bullet at a line's start (or, lines joined by the segmenter, after a
+sentence's end) are not said. A mark dropped between two letters leaves a space. Languages num2words does
+not have (el, hi, ms, sw, zh) get only this.
 """
 
 from __future__ import annotations
@@ -70,7 +81,13 @@ _EN_UNITS: dict[str, tuple[str, str]] = {
     "TB": ("terabyte", "terabytes"), "ms": ("millisecond", "milliseconds"), "hrs": ("hours", "hours"),
     "min": ("minute", "minutes"), "mins": ("minutes", "minutes"), "sec": ("second", "seconds"),
     "GHz": ("gigahertz", "gigahertz"), "MHz": ("megahertz", "megahertz"), "kWh": ("kilowatt hour",
-    "kilowatt hours"),
+    "kilowatt hours"), "hr": ("hour", "hours"), "h": ("hour", "hours"), "g": ("gram", "grams"),
+    "L": ("liter", "liters"), "mL": ("milliliter", "milliliters"), "tbsp": ("tablespoon", "tablespoons"),
+    "tsp": ("teaspoon", "teaspoons"), "sq ft": ("square foot", "square feet"), "mAh": ("milliamp hour",
+    "milliamp hours"), "bpm": ("beat per minute", "beats per minute"), "wk": ("week", "weeks"),
+    "wks": ("weeks", "weeks"), "yd": ("yard", "yards"), "yds": ("yards", "yards"), "gal": ("gallon", "gallons"),
+    "qt": ("quart", "quarts"), "kcal": ("kilocalorie", "kilocalories"), "mg/dL": ("milligram per deciliter",
+    "milligrams per deciliter"),
 }
 
 
@@ -88,6 +105,13 @@ _CURRENCIES: dict[str, Currency] = {
     "€": Currency("EUR", "euro", "euros", "cent", "cents"),
     "£": Currency("GBP", "pound", "pounds", "penny", "pence"),
     "¥": Currency("JPY", "yen", "yen", "sen", "sen"),
+    "₹": Currency("INR", "rupee", "rupees", "paisa", "paise"),
+}
+# ISO codes written next to an amount ("USD 20", "2,500 INR"), English
+_CURRENCY_CODES: dict[str, Currency] = {
+    "USD": _CURRENCIES["$"], "EUR": _CURRENCIES["€"], "GBP": _CURRENCIES["£"], "JPY": _CURRENCIES["¥"],
+    "INR": _CURRENCIES["₹"], "CAD": Currency("CAD", "Canadian dollar", "Canadian dollars", "cent", "cents"),
+    "AUD": Currency("AUD", "Australian dollar", "Australian dollars", "cent", "cents"),
 }
 
 
@@ -199,6 +223,8 @@ def spoken_form(text: str, language: str | None = None) -> Spoken:
             said = " " if spaced_before and spaced_after else ""
         else:
             said = (" " if spaced_before else "") + said + (" " if spaced_after else "")
+            if said.startswith(" ") and (before or (pieces[-1] if pieces else "")).endswith(" "):
+                said = said[1:]  # "9x13": the number's words already ended with the space
         pieces.append(before)
         spoken_len += len(before)
         rewrites.append(Span(match.start(), match.end(), spoken_len, spoken_len + len(said)))
@@ -221,6 +247,7 @@ Reader = Callable[[re.Match[str], str, LanguageRules], str | None]
 _AMOUNT = r"\d{1,3}(?:[,.]\d{3})+(?:[.,]\d+)?|\d+(?:[.,]\d+)?"
 _SYMBOLS = "".join(re.escape(s) for s in _CURRENCIES)
 _NOT_IN_NUMBER = r"(?<![\d.,])"
+_UNIT_NAMES = "|".join(re.escape(u) for u in sorted(_EN_UNITS, key=len, reverse=True))
 _MONTH_NAMES = (r"(?P<{}>Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
                 r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
 _URL_CHARS = r"[^\s<>()\[\]{}\"']"  # inside a web address; it does not end on punctuation
@@ -240,47 +267,100 @@ _RULES_MARKDOWN: tuple[tuple[str, str], ...] = (
     ("md_link_close", r"\]\([^()\s]{1,2000}\)"),
     ("md_heading", r"(?m)^[ \t]{0,3}#{1,6}[ \t]+"),
     ("md_bullet", r"(?m)^[ \t]*[-+*•][ \t]+"),
+    # the segmenter joins a list's lines: a bullet after a line's end punctuation, "•" and "##" anywhere
+    ("md_bullet_joined", r"(?<=[.!?:;,)][ \t])[-+*•][ \t]+(?=\S)|(?<=\s)•[ \t]*|(?<!\S)#{2,6}[ \t]+(?=\S)"),
+    ("md_strike", r"~~[^~\n]{1,300}~~"),  # struck-out text is not said: "~~$50~~ $35"
     ("md_mark", r"\*{1,3}|_{2,3}|~~|`{1,3}|(?<![\w\\])_(?=\w)|(?<=\w)_(?![\w])"),
+    ("emoji", "[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF\uFE0F\u200D]+"),  # pictographs: not said
 )
+_US_STATES = ("AL|AK|AZ|AR|CA|CO|CT|DE|DC|FL|GA|HI|ID|IL|IN|IA|KS|KY|LA|ME|MD|MA|MI|MN|MS|MO|MT|NE|NV|NH|NJ|NM|NY|"
+              "NC|ND|OH|OK|OR|PA|RI|SC|SD|TN|TX|UT|VT|VA|WA|WV|WI|WY")
+# words after which a number is an identifier, read digit by digit: "order number 123456", "PIN: 1234"
+_ID_WORDS = (r"order|account|acct|card|confirmation|reference|ref|booking|tracking|ticket|case|invoice|member(?:ship)?"
+             r"|policy|claim|serial|routing|zip|postal|verification|security|access|otp|pin|passcode|code|id"
+             r"|extension|ext")
+_ID_FILLERS = r"(?:number|no\.?|num|code|id|#|is|was|will[ \t]be|ending[ \t]in|ends[ \t]in|:)"
+_DAYS = (r"Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday|Mon|Tues?|Wed|Thu(?:rs?)?|Fri|Sat|Sun|M|F")
+_EN_DAYS = {"mon": "Monday", "tue": "Tuesday", "wed": "Wednesday", "thu": "Thursday", "fri": "Friday",
+            "sat": "Saturday", "sun": "Sunday", "m": "Monday", "f": "Friday"}
+_PER_UNITS = {"mo": "month", "month": "month", "day": "day", "night": "night", "hr": "hour", "hour": "hour",
+              "wk": "week", "week": "week", "yr": "year", "year": "year", "lb": "pound", "oz": "ounce",
+              "kg": "kilogram", "g": "gram", "person": "person", "pp": "person", "each": "each", "user": "user",
+              "seat": "seat", "mile": "mile", "mi": "mile", "km": "kilometer", "min": "minute", "minute": "minute",
+              "sq ft": "square foot", "gallon": "gallon", "gal": "gallon", "head": "head", "unit": "unit",
+              "item": "item", "ticket": "ticket", "visit": "visit", "session": "session", "class": "class"}
 _RULES_EN: tuple[tuple[str, str], ...] = (
     ("times", r"(?<=\d)[ \t]?[*×][ \t]?(?=\d)"),
+    ("star", r"(?<![\w*])\*(?=\d)"),  # "Dial *67": star sixty-seven
     *_RULES_MARKDOWN,
+    ("id_number", rf"(?i:\b(?P<id_kw>(?:{_ID_WORDS})\b(?:[ \t]*{_ID_FILLERS})*[ \t]*))"
+                  r"(?P<id_num>\d[\d \t-]*\d|\d)(?![\w]|[.,]\d)"),
+    ("code_token", r"(?<![\w-])(?P<ct>(?=[A-Z0-9]*\d)(?=(?:[0-9]*[A-Z]){2})[A-Z0-9]{5,})(?![\w-])"),  # ABC123
+    ("letter_code", r"(?<![\w-])(?P<lc>[A-Z]{1,4}(?:-\d{2,}){1,3})(?![\w-])"),  # A-1234, INV-2024-0042
+    ("zip", rf"\b(?P<zip_state>{_US_STATES}),?[ \t](?P<zip>\d{{5}}(?:-\d{{4}})?)(?![\w-])"),  # DC 20500
+    ("time_range", r"(?<![\d:.,])(?P<tr_a>\d{1,2}(?::\d{2})?(?:[ \t]?[aApP]\.?[mM]\.?)?)[ \t]?[-–][ \t]?"
+                   r"(?P<tr_b>\d{1,2}(?::\d{2})?(?:[ \t]?[aApP]\.?[mM])?)(?![\w:]|[.,]\d)" + _AMPM_DOT),
+    ("day_range", rf"\b(?P<dr_a>{_DAYS})\.?[ \t]?[-–][ \t]?(?P<dr_b>{_DAYS})\b" + _AMPM_DOT),
+    ("dot_time", r"(?<![\d.,])(?P<dt_h>\d{1,2})\.(?P<dt_m>[0-5]\d)[ \t]?(?P<dt_ap>[aApP]\.?[mM])(?!\w)"
+                 + _AMPM_DOT),  # 7.30pm
+    ("money_range", rf"(?P<mr_sym>[{_SYMBOLS}])[ \t]?(?P<mr_a>{_AMOUNT})[ \t]?[-–][ \t]?(?:[{_SYMBOLS}])?[ \t]?"
+                    rf"(?P<mr_b>{_AMOUNT})(?![\d%]|[ \t]?(?:thousand|million|billion|[kKmMbB]\b))"),
+    ("money_code", rf"\b(?:(?P<mc_code>USD|EUR|GBP|INR|JPY|CAD|AUD)[ \t]?(?P<mc_num>{_AMOUNT})"
+                   rf"|(?P<mc_num2>{_AMOUNT})[ \t]?(?P<mc_code2>USD|EUR|GBP|INR|JPY|CAD|AUD)\b)"),
+    ("cents", r"(?<![\d.,])(?P<ce>\d{1,2})[ \t]?¢"),
+    ("percent_range", rf"{_NOT_IN_NUMBER}(?P<pr_a>{_AMOUNT})[ \t]?%?[ \t]?[-–][ \t]?(?P<pr_b>{_AMOUNT})[ \t]?%"),
+    ("per_unit", r"(?<=\d)/(?P<pu>sq[ \t]?ft|month|night|hour|week|year|person|each|user|seat|mile|minute|gallon"
+                 r"|head|unit|item|ticket|visit|session|class|day|mo|hr|wk|yr|lb|oz|kg|pp|mi|km|min|gal|g)\b"),
+    ("by", r"(?<=\d)[ \t]?[xX][ \t]?(?=\d)"),  # 9x13, 2 x 4
+    ("times_x", r"(?<=\d)x(?=[ \t]+[a-z])"),  # 2x faster
+    ("plus", r"(?<=\d)[ \t]?\+[ \t]?(?=\d)"),
+    ("equals", r"(?<=\d)[ \t]?=[ \t]?(?=[\d$])"),
+    ("street", r"\b(?P<sn>[A-Z][a-z]+)[ \t](?P<st>St|Ave|Blvd|Rd|Ln|Ct|Hwy|Pkwy)\b\.?(?=[ \t]*(?:[,;]|$|[a-z0-9(]"
+               r"|(?:Apt|Ste|Suite|N|S|E|W|NW|NE|SW|SE)\b))"),  # Main St., Oak Ave, Pennsylvania Ave NW
+    ("saint", r"(?<![A-Za-z][ \t])(?<![\w.])St\.(?=[ \t][A-Z])"),  # St. Louis (not after a capitalised word)
+    ("unit_no", r"\b(?P<un>Apt|Ste|Bldg|Rm)\.?(?=[ \t]*#?[0-9A-Z])"),  # Apt 4B, Ste. 200
     ("email", r"(?<![\w.+-])(?P<em_user>[A-Za-z0-9][\w.+-]*)@(?P<em_host>" + _HOST + r")(?![\w-])"),
     ("url", rf"(?<![\w@/.])(?:(?P<url_scheme>[Hh][Tt][Tt][Pp][Ss]?://)(?P<url_host>{_URL_HOST})"
             rf"|(?P<url_www>www\.{_HOST})){_URL_TAIL.replace('PATH', 'url_path')}"),
     ("domain", rf"(?<![\w@/.-])(?P<dom>(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+(?:{_TLDS}))"
                rf"{_URL_TAIL.replace('PATH', 'dom_path')}"),
+    ("expiry", r"(?<![\d/.,])(?P<ex_m>0[1-9]|1[0-2])/(?P<ex_y>20\d{2})(?![\d/]|[.,]\d)"),  # 09/2028
+    ("mixed_fraction", r"(?<![\d/.,])(?P<mf_w>\d{1,3})[ \t](?P<mf_a>\d)/(?P<mf_b>\d{1,2})(?![\w/]|[.,]\d)"),
+    ("vulgar", r"(?:(?<![\d.,])(?P<vu_w>\d{1,3})[ \t]?)?(?P<vu>[½⅓⅔¼¾⅛⅜⅝⅞])"),
     ("slash_date", r"(?<![\d/.,])(?P<sd_a>\d{1,2})/(?P<sd_b>\d{1,2})/(?P<sd_y>\d{4}|\d{2})(?![\d/]|[.,]\d)"),
-    ("month_day", rf"\b{_MONTH_NAMES.format('md_m')}\.?[ \t](?P<md_d>\d{{1,2}})(?:st|nd|rd|th)?(?![\w:.,]\d|\w)"
+    ("month_day", rf"\b{_MONTH_NAMES.format('md_m')}\.?[ \t](?P<md_d>\d{{1,2}})(?:st|nd|rd|th)?"
+                  r"(?:[ \t]?[-–][ \t]?(?P<md_d2>\d{1,2})(?:st|nd|rd|th)?)?(?![\w:.,]\d|\w)"
                   r"(?:,?[ \t](?P<md_y>\d{4})(?!\w|[.,:]\d))?"),
     ("day_month", rf"(?<![\w.,])(?P<dm_d>\d{{1,2}})(?:st|nd|rd|th)?[ \t](?:of[ \t])?{_MONTH_NAMES.format('dm_m')}\b"
                   r"(?:,?[ \t](?P<dm_y>\d{4})(?!\w|[.,:]\d))?"),
     ("hour", r"(?<![\w:.,])(?P<h_h>\d{1,2})[ \t]?(?P<h_ap>[aApP]\.?[mM])(?!\w)" + _AMPM_DOT),
-    ("about", r"(?<!\S)~[ \t]?(?=\d)"),
-    ("number_sign", r"(?:(?<!\S)|(?<=\())(?:#|No\.[ \t]?)(?=\d)"),
+    ("about", r"(?<!\S)~[ \t]?(?=[$€£¥₹]?\d)"),
+    ("number_sign", r"(?:(?<!\S)|(?<=\())(?:#|No\.[ \t]?)(?=\d|[A-Z]{1,4}-?\d)"),
     ("abbreviation", r"(?<![\w.])(?:e\.g\.|i\.e\.|etc\.|vs\.?|approx\.)(?!\w)"),
-    ("title", r"\b(?P<ti>Dr|Mr|Mrs|Ms|Prof)\.(?=[ \t][A-Z])"),
-    ("money", rf"(?P<m_sym>[{_SYMBOLS}])\s?(?P<m_num>{_AMOUNT})"
+    ("title", r"\b(?P<ti>Dr|Mr|Mrs|Ms|Prof)\.(?=[ \t](?:[A-Z]|and[ \t]+(?:Dr|Mr|Mrs|Ms|Prof)\.))"),
+    ("money", rf"(?P<m_neg>(?<![\w-])-)?(?P<m_sym>[{_SYMBOLS}])\s?(?P<m_num>{_AMOUNT})"
               r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
     ("money_after", rf"{_NOT_IN_NUMBER}(?P<ma_num>{_AMOUNT})\s?(?P<ma_sym>€)"),
     ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
-    ("phone_area", r"(?<![\w+])(?P<pa_cc>\+\d{1,3}[ .-]?)?\((?P<pa_area>\d{3})\)[ .-]?(?P<pa_a>\d{3})[ .-]"
-                   r"(?P<pa_b>\d{4})(?!\w|[.,]\d)"),  # (415) 555-0100, +1 (415) 555-0100
+    ("phone_area", r"(?<![\w+])(?P<pa_cc>\+\d{1,3}[ .-]?)?\((?P<pa_area>\d{2,4})\)[ .-]?"
+                   r"(?P<pa_rest>\d{2,4}(?:[ .-]\d{2,4}){1,2})(?!\w|[.,]\d)"),  # (415) 555-0100, (02) 9876 5432
     ("vanity", r"(?<![\w+])1[ -](?P<va_code>8[0-8]{2})[ -](?P<va_word>[A-Z]{4,})\b"),  # 1-800-FLOWERS
     ("emergency", r"(?<![\w.,-])911(?![\w]|[.,]\d)"),
+    ("phone_intl", r"(?<![\w+])(?P<pi>(?:\+\d{1,3}|0\d{1,4})(?:[ .-]\d{2,6}){1,4})(?![\w]|[.,]\d)"),  # 07700 900123
     ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
-    ("decade", r"(?:(?<![\w.,'])(?P<de_year>1[1-9]\d0|20\d0)|(?:'|(?:(?<=\bthe )|(?<=\bearly )|(?<=\blate )"
+    ("decade", r"(?:(?<![\w.,'])(?P<de_year>1[1-9]\d0|20\d0)|(?:'|(?:(?<=\bthe )|(?<=\bThe )|(?<=\bearly )|(?<=\blate )"
                r"|(?<=\bmid-)|(?<=\bmid )|(?<=\btheir )|(?<=\bher )|(?<=\bhis )|(?<=\bmy )|(?<=\byour )"
                r"|(?<=\bour ))(?<![\w.,]))(?P<de_short>[1-9]0))'?s\b"),  # the 1990s, the '80s, in her 20s
-    ("fraction", r"(?<![\w/.,-])(?P<fr_a>\d{1,2})/(?P<fr_b>\d{1,2})(?![\w/]|[.,]\d)"),
+    ("fraction", r"(?<![\w/.,-])(?P<fr_a>\d{1,3}(?:\.\d)?)/(?P<fr_b>\d{1,3})(?![\w/]|[.,]\d)"),
     ("time", r"(?<![\d:])(?P<t_h>\d{1,2}):(?P<t_m>\d{2})(?::(?P<t_s>\d{2}))?(?![\d:])"
              r"(?:\s?(?P<t_ap>[aApP]\.?[mM])(?!\w)" + _AMPM_DOT + ")?"),
     ("ratio", r"(?<![\d:.,])(?P<ra_a>\d{1,3}):(?P<ra_b>\d{1,3})(?![\d:]|[.,]\d)"),  # not a time: 16:9, 3:2, 12:1
     ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
-    ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"),
+    ("range", rf"{_NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"
+              rf"(?:[ \t]?(?P<r_u>{_UNIT_NAMES})(?![\w/]))?"),
     ("percent", rf"{_NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{_AMOUNT})\s?%"),
     ("measure", rf"{_NOT_IN_NUMBER}(?P<u_neg>(?<![\w-])-)?(?P<u_num>{_AMOUNT})\s?"
-                rf"(?P<u>{'|'.join(re.escape(u) for u in sorted(_EN_UNITS, key=len, reverse=True))})(?![\w/])"),
+                rf"(?P<u>{_UNIT_NAMES})(?![\w/])(?:\.(?=[ \t]+[a-z]))?"),  # "15 min. early": the dot is no end
     ("ordinal", r"(?<![\d.,])(?P<o>\d+)(?P<o_suf>st|nd|rd|th)\b"),
     ("number", rf"{_NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{_AMOUNT})(?![\d])"),
     ("amp", r"(?<=\w\s)&(?=\s\w)"),
@@ -291,7 +371,11 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
 # written ("keep" comes first: at one place the earlier rule wins).
 _ENGLISH_ONLY = frozenset({"ordinal", "amp", "time", "ratio", "range", "version", "measure", "times", "email", "url",
                            "domain", "slash_date", "month_day", "day_month", "hour", "about", "number_sign",
-                           "phone_area", "vanity", "emergency", "decade", "fraction", "abbreviation", "title"})
+                           "phone_area", "vanity", "emergency", "decade", "fraction", "abbreviation", "title",
+                           "star", "id_number", "code_token", "letter_code", "zip", "time_range", "day_range",
+                           "dot_time", "money_range", "money_code", "cents", "percent_range", "per_unit", "by",
+                           "times_x", "plus", "equals", "street", "saint", "unit_no", "expiry", "mixed_fraction",
+                           "vulgar", "phone_intl"})
 _KEEP = (
     "keep",
     r"(?<![\d.,])(?:\d+(?::\d+)+"  # 9:30, 14:00:05, 16:9
@@ -300,12 +384,15 @@ _KEEP = (
     r"|\d+(?:\.\d+){2,}"  # 1.2.3
     r"|-?\d+(?:[.,]\d+)?\s?°[CFK]?)(?!\d)",  # 72°F, -3,5 °C
 )
-_RULES_OTHER = (*_RULES_MARKDOWN, _KEEP, *(rule for rule in _RULES_EN
-                                          if rule[0] not in _ENGLISH_ONLY and rule not in _RULES_MARKDOWN))
+# other languages group thousands with a space too ("1 500 euros", "2 345,67 €"; a no-break or thin space)
+_AMOUNT_SPACED = r"\d{1,3}(?:[,.][ \u00a0\u202f]?\d{3}|[ \u00a0\u202f]\d{3})+(?:[.,]\d+)?|\d+(?:[.,]\d+)?"
+_RULES_OTHER = (*_RULES_MARKDOWN, _KEEP, *((name, body.replace(_AMOUNT, _AMOUNT_SPACED)) for name, body in _RULES_EN
+                                          if name not in _ENGLISH_ONLY and (name, body) not in _RULES_MARKDOWN))
 # a language num2words does not speak: its markdown only (the readers of which need no LanguageRules)
 _MARKDOWN_ONLY = LanguageRules(".", "{}", False)
 # a text with none of these no rule can match (a short plain sentence costs one scan)
-_MAYBE_READ = re.compile(r"[\d&@*×_~`#\[/.\-+•$€£¥%°:]|\bvs\b")
+_MAYBE_READ = re.compile(r"[\d&@*×_~`#\[/.\-+•$€£¥₹¢%°:½⅓⅔¼¾⅛⅜⅝⅞]|\bvs\b"
+                         "|[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF]")
 
 
 def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
@@ -364,6 +451,7 @@ def _amount(written: str, rules: LanguageRules) -> Decimal | None:
     """'1,234.5' (English), '1.234,5' (German) -> Decimal; None where the marks do not read as one number in this
     language ('1,5' in English, '3.5' in German)."""
     group_mark = "," if rules.decimal_mark == "." else "."
+    written = re.sub(r"[ \u00a0\u202f]", "" if re.search(r"[,.][ \u00a0\u202f]", written) else group_mark, written)
     whole, mark, fraction = written.partition(rules.decimal_mark)
     if (mark and not fraction.isdigit()) or not re.fullmatch(rf"\d{{1,3}}(?:{re.escape(group_mark)}\d{{3}})*|\d+",
                                                                  whole):
@@ -386,6 +474,8 @@ def _digits(written: str, lang: str) -> str:
 
 def _number(written: str, lang: str, rules: LanguageRules) -> str | None:
     """A quantity said as one; digit by digit where it is not one (a leading zero, too many digits)."""
+    written = re.sub(r"[ \u00a0\u202f]", "" if re.search(r"[,.][ \u00a0\u202f]", written) else
+                     ("." if rules.decimal_mark == "," else ","), written)  # (other languages' grouping spaces)
     plain = written.replace(",", "").replace(".", "")
     value = _amount(written, rules)
     if value is None:
@@ -429,15 +519,45 @@ def _read_money(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     groups = match.groupdict()
     symbol = groups.get("m_sym") or groups["ma_sym"]
     written = groups.get("m_num") or groups["ma_num"]
-    currency = _CURRENCIES[symbol]
+    said = _say_money(_CURRENCIES[symbol], written, (groups.get("m_mag") or "").lower(), lang, rules)
+    return f"minus {said}" if said is not None and groups.get("m_neg") else said
+
+
+def _read_money_code(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _say_money(_CURRENCY_CODES[match["mc_code"] or match["mc_code2"]], match["mc_num"] or match["mc_num2"],
+                      "", lang, rules)
+
+
+def _read_cents(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    cents = int(match["ce"])
+    return f"{_words(cents, lang)} {'cent' if cents == 1 else 'cents'}"
+
+
+def _read_money_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """$10-$15, $20-30: "ten to fifteen dollars"; with cents, each amount whole."""
+    currency = _CURRENCIES[match["mr_sym"]]
+    first, last = match["mr_a"], match["mr_b"]
+    low, high = _amount(first, rules), _amount(last, rules)
+    if low is None or high is None or low >= high:
+        return None
+    last_said = _say_money(currency, last, "", lang, rules)
+    if last_said is None:
+        return None
+    if low == int(low) and high == int(high):
+        return f"{_number(first, lang, rules)} to {last_said}"
+    first_said = _say_money(currency, first, "", lang, rules)
+    return None if first_said is None else f"{first_said} to {last_said}"
+
+
+def _say_money(currency: Currency, written: str, magnitude: str, lang: str, rules: LanguageRules) -> str | None:
     value = _amount(written, rules)
     if value is None:
         return None
-    magnitude = (groups.get("m_mag") or "").lower()
     if lang != "en":
         if magnitude or not rules.currency:
             return None
-        return str(num2words(value, lang=lang, to="currency", currency=currency.code))
+        said = str(num2words(value, lang=lang, to="currency", currency=currency.code))
+        return _without_zero_cents(said, lang, currency.code) if value == int(value) and value else said
     if magnitude:
         return f"{_number(written, lang, rules)} {_EN_MAGNITUDES[magnitude]} {currency.many}"
     units = int(value)
@@ -450,6 +570,20 @@ def _read_money(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     if cents:
         parts.append(f"{_words(cents, lang)} {currency.cent_one if cents == 1 else currency.cent_many}")
     return " and ".join(parts)
+
+
+_CENTS_CONJUNCTIONS = frozenset({"und", "et", "con", "e", "y", "ja", "i", "и", "och", "og", "en"})
+
+
+def _without_zero_cents(said: str, lang: str, code: str) -> str:
+    """num2words' "zwanzig Euro und null Cent" for a whole amount: "zwanzig Euro"."""
+    zero = str(CONVERTER_CLASSES[lang]._cents_verbose(0, code))
+    at = said.rfind(zero)
+    if at <= 0:
+        return said
+    head = said[:at].rstrip().removesuffix("ו").rstrip(" ,")  # (Hebrew glues its "and" to the word)
+    last = head.rsplit(" ", 1)
+    return last[0].rstrip(" ,") if len(last) == 2 and last[1] in _CENTS_CONJUNCTIONS else head
 
 
 def _read_time(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -519,10 +653,12 @@ def _read_version(match: re.Match[str], lang: str, rules: LanguageRules) -> str 
 
 
 def _read_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """"10-20", "9-5" (hours), "3-2" (a score): "ten to twenty", "nine to five", "three to two"; a unit after
+    it is said in full ("10-15 min": ten to fifteen minutes)."""
     first, last = match["r_a"], match["r_b"]
-    if int(first) >= int(last):
-        return None  # "10-5" is no range: a score, a subtraction
-    return f"{_read_integer(first, lang, rules)} to {_read_integer(last, lang, rules)}"
+    said = f"{_read_integer(first, lang, rules)} to {_read_integer(last, lang, rules)}"
+    unit = match["r_u"]
+    return f"{said} {_EN_UNITS[unit][1]}" if unit else said
 
 
 def _read_ratio(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -587,11 +723,22 @@ def _read_slash_date(match: re.Match[str], lang: str, rules: LanguageRules) -> s
 
 
 def _read_month_day(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return _say_date(_month(match["md_m"]) + 1, int(match["md_d"]), match["md_y"])
+    month = _month(match["md_m"]) + 1
+    last = match["md_d2"]
+    if last is None:
+        return _say_date(month, int(match["md_d"]), match["md_y"])
+    first_said = _say_date(month, int(match["md_d"]), None)  # Dec 20-23: December twentieth to twenty-third
+    if first_said is None or not 1 <= int(last) <= 31:
+        return None
+    said = f"{first_said} to {_words(int(last), lang, to='ordinal')}"
+    return said + (f", {_read_integer(match['md_y'], lang, rules)}" if match["md_y"] else "")
 
 
 def _read_day_month(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return _say_date(_month(match["dm_m"]) + 1, int(match["dm_d"]), match["dm_y"], day_first=True)
+    said = _say_date(_month(match["dm_m"]) + 1, int(match["dm_d"]), match["dm_y"], day_first=True)
+    if said is not None and re.search(r"(?i)\bthe\s*$", match.string[:match.start()]):
+        said = said.removeprefix("the ")  # "on the 15th of March": one "the"
+    return said
 
 
 def _read_hour(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -602,6 +749,8 @@ def _read_hour(match: re.Match[str], lang: str, rules: LanguageRules) -> str | N
 
 
 def _read_number_sign(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    if re.search(r"(?i)\bnumber\W*(?:is\W*)?$", match.string[:match.start()]):
+        return ""  # "order number is #A-1234": "number" once
     return "number"
 
 
@@ -617,8 +766,17 @@ def _read_title(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return _EN_TITLES[match["ti"]]
 
 
+def _read_phone_intl(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    written = match["pi"]
+    groups = re.split(r"[ .-]", written.lstrip("+"))
+    if sum(map(len, groups)) < 8 or all(len(group) <= 4 for group in groups):
+        return None  # short, or groups the phone rule reads (and tells from thousands)
+    said = ", ".join(_digits(group, lang) for group in groups)
+    return f"plus {said}" if written.startswith("+") else said
+
+
 def _read_phone_area(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    groups = [match["pa_area"], match["pa_a"], match["pa_b"]]
+    groups = [match["pa_area"], *re.split(r"[ .-]", match["pa_rest"])]
     said = ", ".join(_digits(group, lang) for group in groups)
     country = match["pa_cc"]
     return f"plus {_digits(country, lang)}, {said}" if country else said
@@ -645,10 +803,20 @@ _EN_FRACTION_NAMES = {2: ("half", "halves"), 4: ("quarter", "quarters")}
 def _read_fraction(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     """a/b: a fraction with a denominator up to 10 ("3/4": three quarters); else a month and a day ("12/25":
     December twenty-fifth); else the two numbers ("24/7": twenty-four seven)."""
-    a, b = int(match["fr_a"]), int(match["fr_b"])
+    written_a, b = match["fr_a"], int(match["fr_b"])
+    before = match.string[:match.start()]
+    if "." in written_a or (b in (5, 10, 100) and re.search(
+            r"(?i)\b(?:rated|rating|rates|scored?|scores|level|stars?|reviews?|grade)\W*$", before)):
+        return f"{_number(written_a, lang, rules)} out of {_words(b, lang)}"  # a rating: 4.5/5, pain level 3/10
+    a = int(written_a)
+    if 70 <= a <= 250 and 40 <= b <= 150 and a > b:  # a blood pressure: one twenty over eighty
+        high = _words(a, lang) if a < 100 or a % 100 == 0 else (
+            f"{_words(a // 100, lang)} {_words(a % 100, lang) if a % 100 >= 10 else 'oh ' + _words(a % 100, lang)}")
+        return f"{high} over {_words(b, lang)}"
+    if a > 99 or b > 99:
+        return None
     if 0 < a < b <= 10:
-        one, many = _EN_FRACTION_NAMES.get(b) or (_words(b, lang, to="ordinal"), _words(b, lang, to="ordinal") + "s")
-        return f"{_words(a, lang)} {one if a == 1 else many}"
+        return _say_fraction(a, b, lang)
     if 1 <= a <= 12 and b >= 1:
         said = _say_date(a, b, None)
         if said is not None:
@@ -656,8 +824,115 @@ def _read_fraction(match: re.Match[str], lang: str, rules: LanguageRules) -> str
     return f"{_words(a, lang)} {_words(b, lang)}"
 
 
+def _read_id_number(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """An identifier after its word ("order number 123456", "ending in 4321", "PIN: 1234"): its digits one by one,
+    its groups apart. Fewer than three digits: a quantity after all ("order 2")."""
+    written = match["id_num"]
+    groups = [group for group in re.split(r"[ \t-]+", written) if group]
+    if sum(map(len, groups)) < 3:
+        return None
+    keyword = match["id_kw"].replace("#", "number ")
+    keyword = re.sub(r"\s+", " ", keyword)
+    if keyword and not keyword.endswith(" "):
+        keyword += " "
+    separator = ", " if "-" in written or any(len(group) > 4 for group in groups[:-1]) else " "
+    return keyword + separator.join(_digits(group, lang) for group in groups)
+
+
+def _spell(written: str, lang: str) -> str:
+    """A code said character by character: its letters one by one, its digits one by one."""
+    return " ".join(_digits(piece, lang) if piece.isdigit() else " ".join(piece)
+                    for piece in re.findall(r"[A-Za-z]+|\d+", written))
+
+
+def _read_code_token(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _spell(match["ct"], lang)
+
+
+def _read_letter_code(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return ", ".join(_spell(part, lang) for part in match["lc"].split("-"))
+
+
+def _read_zip(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return f"{match['zip_state']} {', '.join(_digits(part, lang) for part in match['zip'].split('-'))}"
+
+
+def _read_time_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """9am-5pm, 9:30-10:30, 12-2pm: "nine a m to five p m" (one side at least a clock time)."""
+    first, last = match["tr_a"], match["tr_b"]
+    if not re.search(r"[:aApP]", first + last):
+        return None  # two plain numbers: the range rule's
+    return f"{spoken_form(first, lang).text.rstrip('.')} to {spoken_form(last, lang).text}"
+
+
+def _read_day_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    first, last = match["dr_a"], match["dr_b"]
+    if (len(first) == 1) != (len(last) == 1):
+        return None  # "M-Sat"? not a pair we know
+    return f"{_EN_DAYS[first[:3].lower()]} through {_EN_DAYS[last[:3].lower()]}"
+
+
+def _read_dot_time(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return spoken_form(f"{match['dt_h']}:{match['dt_m']} {match['dt_ap']}", lang).text
+
+
+def _read_percent_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    first, last = _number(match["pr_a"], lang, rules), _number(match["pr_b"], lang, rules)
+    return None if first is None or last is None else f"{first} to {last} percent"
+
+
+def _read_per_unit(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    unit = re.sub(r"[ \t]+", " ", match["pu"])
+    return f"per {_PER_UNITS[unit]}"
+
+
+def _read_street(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    names = {"St": "Street", "Ave": "Avenue", "Blvd": "Boulevard", "Rd": "Road", "Ln": "Lane", "Ct": "Court",
+             "Hwy": "Highway", "Pkwy": "Parkway"}
+    said = f"{match['sn']} {names[match['st']]}"
+    return said + "." if match[0].endswith(".") and not match.string[match.end():].strip() else said
+
+
+def _read_unit_no(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return {"Apt": "Apartment", "Ste": "Suite", "Bldg": "Building", "Rm": "Room"}[match["un"]]
+
+
+def _read_expiry(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return f"{_EN_MONTHS[int(match['ex_m']) - 1]} {_words(int(match['ex_y']), lang, to='year')}"
+
+
+_EN_FRACTION_WORDS = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅛": (1, 8), "⅜": (3, 8),
+                      "⅝": (5, 8), "⅞": (7, 8)}
+
+
+def _say_fraction(a: int, b: int, lang: str, *, article: bool = False) -> str:
+    one, many = _EN_FRACTION_NAMES.get(b) or (_words(b, lang, to="ordinal"), _words(b, lang, to="ordinal") + "s")
+    if a == 1:
+        return f"{'a' if article else 'one'} {one}"
+    return f"{_words(a, lang)} {many}"
+
+
+def _read_mixed_fraction(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    a, b = int(match["mf_a"]), int(match["mf_b"])
+    if not 0 < a < b <= 10:
+        return None
+    return f"{_words(int(match['mf_w']), lang)} and {_say_fraction(a, b, lang, article=True)}"
+
+
+def _read_vulgar(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    a, b = _EN_FRACTION_WORDS[match["vu"]]
+    whole = match["vu_w"]
+    if whole is None:
+        return _say_fraction(a, b, lang)
+    return f"{_words(int(whole), lang)} and {_say_fraction(a, b, lang, article=True)}"
+
+
 def _read_about(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return "about"
+    before = match.string[:match.start()]
+    if re.search(r"(?i)\b(?:about|around|approximately|roughly|approx\.)\s*$", before):
+        return ""  # "about ~5": said once
+    after = match.string[match.end():match.end() + 1]
+    return "about " if after and not after.isalnum() else "about"  # (before "$20": a word of its own)
 
 
 def _read_times(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -695,6 +970,32 @@ _READERS: dict[str, Reader] = {
     "keep": _read_kept,
     "times": _read_times,
     "about": _read_about,
+    "md_strike": _read_dropped,
+    "emoji": _read_dropped,
+    "star": lambda match, lang, rules: "star",
+    "id_number": _read_id_number,
+    "code_token": _read_code_token,
+    "letter_code": _read_letter_code,
+    "zip": _read_zip,
+    "time_range": _read_time_range,
+    "day_range": _read_day_range,
+    "dot_time": _read_dot_time,
+    "money_range": _read_money_range,
+    "money_code": _read_money_code,
+    "cents": _read_cents,
+    "percent_range": _read_percent_range,
+    "per_unit": _read_per_unit,
+    "by": lambda match, lang, rules: "by",
+    "times_x": lambda match, lang, rules: "times",
+    "plus": lambda match, lang, rules: "plus",
+    "equals": lambda match, lang, rules: "equals",
+    "street": _read_street,
+    "saint": lambda match, lang, rules: "Saint",
+    "unit_no": _read_unit_no,
+    "expiry": _read_expiry,
+    "mixed_fraction": _read_mixed_fraction,
+    "vulgar": _read_vulgar,
+    "phone_intl": _read_phone_intl,
     "phone_area": _read_phone_area,
     "vanity": _read_vanity,
     "emergency": _read_emergency,
@@ -704,6 +1005,7 @@ _READERS: dict[str, Reader] = {
     "md_link_open": _read_dropped,
     "md_link_close": _read_dropped,
     "md_bullet": _read_dropped,
+    "md_bullet_joined": _read_dropped,
     "md_mark": _read_dropped,
     "email": _read_email,
     "url": _read_url,

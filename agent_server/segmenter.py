@@ -106,6 +106,14 @@ TITLE_ABBREVIATIONS = frozenset(
      "viz", "dept"]
 )
 
+# Abbreviations whose "." ends no sentence when they are capitalised ("Oak Ave. Suite 200", "Acme Inc. and",
+# "Mon. to Fri.", "Dec. 5"); lower-case, most are words ("the sun.", "a co."), and do end one.
+CAPITALISED_ABBREVIATIONS = frozenset(
+    ["Ave", "Blvd", "Rd", "Ln", "Ct", "Hwy", "Pkwy", "Apt", "Ste", "Bldg", "Inc", "Ltd", "Co", "Corp", "Bros", "Est",
+     "Ext", "Mon", "Tue", "Tues", "Wed", "Thu", "Thur", "Thurs", "Fri", "Sat", "Sun", "Jan", "Feb", "Mar", "Apr",
+     "Jun", "Jul", "Aug", "Sep", "Sept", "Oct", "Nov", "Dec", "No", "Nos", "Vol", "Ch", "Sec", "Pt"]
+)
+
 _CJK = "\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f"
 _HANGUL = "\uac00-\ud7af"
 _CJK_RE = re.compile(f"[{_CJK}]")
@@ -114,6 +122,7 @@ _HEAVY_RE = re.compile(f"[{_CJK}{_HANGUL}0-9]")
 _ALNUM_RE = re.compile(r"[^\W_]")  # exactly str.isalnum()
 _TOKEN_RE = re.compile(r"\S+")
 _WS_RE = re.compile(r"\s*")
+_AREA_CODE_RE = re.compile(r"\+?\d{0,3}\(\d{2,4}\)")
 _INITIALS_RE = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "U.S" "e.g" "J" (the final "." stripped)
 _punct_class = re.escape("".join(sorted(TERMINALS | CLAUSE_MARKS)))
 _closer_class = re.escape("".join(sorted(CLOSERS)))
@@ -536,7 +545,10 @@ def _timeout_pos(body: str) -> int:
     last = body[content_end - 1]
     # "$1," "3." "9:" may be a number going on ("$1,234", "3.5", "9:30"): not known to be complete.
     in_number = last in NUMBER_SEPARATORS and content_end >= 2 and body[content_end - 2].isdigit()
-    if content_end < len(body) or (last in TIMEOUT_SAFE_ENDS and not in_number) or _is_cjk(last):
+    last_token = body[_last_space_before(body, content_end) + 1:content_end]
+    # "Dr." may be "Dr. Patel", "(415)" may be "(415) 555-0100": not known to be complete either
+    held = (last == "." and _is_abbreviation(last_token[:-1].lstrip(OPENERS))) or _AREA_CODE_RE.fullmatch(last_token)
+    if content_end < len(body) or (last in TIMEOUT_SAFE_ENDS and not in_number and not held) or _is_cjk(last):
         pos = content_end
     else:  # the last word may go on in the next piece: leave it pending
         token_start = _last_space_before(body, content_end) + 1
@@ -583,7 +595,8 @@ def _is_regional_indicator(ch: str) -> bool:
 
 
 def _is_abbreviation(stem: str) -> bool:
-    return stem.lower() in TITLE_ABBREVIATIONS or _INITIALS_RE.fullmatch(stem) is not None
+    return (stem.lower() in TITLE_ABBREVIATIONS or stem in CAPITALISED_ABBREVIATIONS
+            or _INITIALS_RE.fullmatch(stem) is not None)
 
 
 def _is_cjk(ch: str) -> bool:

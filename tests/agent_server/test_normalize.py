@@ -39,7 +39,7 @@ ENGLISH = [
     ("order 00731, id 1234567890123456789", "order zero zero seven three one, id one two three four five six seven"
                                             " eight nine zero one two three four five six seven eight nine"),
     ("10-20 minutes, 2023-2024, a 10-5 win", "ten to twenty minutes, twenty twenty-three to twenty twenty-four, a"
-                                             " ten-five win"),
+                                             " ten to five win"),  # a score too: "ten to five"
     ("A17, mp3, 5km, COVID-19", "A seventeen, mp three, five kilometers, COVID-nineteen"),
     ("Tom & Jerry; v2.4.1 at 192.168.1.1", "Tom and Jerry; v two point four point one at one nine two dot one six"
                                            " eight dot one dot one"),
@@ -69,7 +69,8 @@ ENGLISH = [
      " Mister Jones, for example cats, that is pets, et cetera. Then approximately three, and so on, et cetera."),
     ("the dr. said", "the dr. said"),  # a title only before a name
     # markdown
-    ("**Sure!** Here's *one* and __two__, ~~three~~ and `four`.", "Sure! Here's one and two, three and four."),
+    ("**Sure!** Here's *one* and __two__ and `four`.", "Sure! Here's one and two and four."),
+    ("Now ~~$50~~ $35 🎉, was ~~old~~", "Now  thirty-five dollars , was "),  # struck-out text and emoji: not said
     ("### Options\n- **Pizza**: $5\n* Tacos\n1. [Our menu](https://x.com/menu) today", "Options\nPizza: five"
                                                                                      " dollars\nTacos\none. Our"
                                                                                      " menu today"),
@@ -83,6 +84,32 @@ ENGLISH = [
     ("3/4 cup, 1/2, 5/8, due 12/25, 9/11, 24/7, 13/40", "three quarters cup, one half, five eighths, due December"
      " twenty-fifth, September eleventh, twenty-four seven, thirteen forty"),
     ("see http://localhost:8000/v1?x=1 now", "see localhost colon eight zero zero zero slash v one now"),
+    # identifiers after their word, codes: character by character (found reading an agent corpus)
+    ("Your OTP is 482913. Order #123456789. Card ending in 1234. PIN: 1234. I have 2 orders.", "Your OTP is four"
+     " eight two nine one three. Order number one two three four five six seven eight nine. Card ending in one two"
+     " three four. PIN: one two three four. I have two orders."),
+    ("Code ABC123, ref QW4E7R, #A-1234, INV-2024-0042, DC 20500; A17, COVID-19, H100", "Code A B C one two three,"
+     " ref Q W four E seven R, number A, one two three four, I N V, two zero two four, zero zero four two, DC two zero"
+     " five zero zero; A seventeen, COVID-nineteen, H one hundred"),
+    # ranges: hours, days, money, percent, units, dates
+    ("9am-5pm, 9:30-10:30, 12-2pm, 9-5, Mon-Fri, M-F", "nine a m to five p m, nine thirty to ten thirty, twelve to"
+     " two p m, nine to five, Monday through Friday, Monday through Friday"),
+    ("$10-$15, $20-30, 15-20%, 10-15 min, 70-75°F, Dec 20-23", "ten to fifteen dollars, twenty to thirty dollars,"
+     " fifteen to twenty percent, ten to fifteen minutes, seventy to seventy-five degrees Fahrenheit, December"
+     " twentieth to twenty-third"),
+    ("$14.99/mo, $25/night; arrive 15 min. early; on the 15th of March", "fourteen dollars and ninety-nine cents per"
+     " month, twenty-five dollars per night; arrive fifteen minutes early; on the fifteenth of March"),
+    ("Rated 4.5/5, pain level 3/10, BP 120/80, 1 1/2 cups, ½ cup, expiry 09/2028", "Rated four point five out of"
+     " five, pain level three out of ten, BP one twenty over eighty, one and a half cups, one half cup, expiry"
+     " September twenty twenty-eight"),
+    ("123 Main St., Apt 4B; Mr. and Mrs. Jones; 9x13, 2x faster, 7.30pm, *67, 2 + 2 = 4", "one hundred twenty-three"
+     " Main Street, Apartment four B; Mister and Missus Jones; nine by thirteen, two times faster, seven thirty p m,"
+     " star sixty-seven, two plus two equals four"),
+    ("₹2,500, USD 20, 50¢, -$5.00, ~$20, about ~5", "two thousand five hundred rupees, twenty dollars, fifty cents,"
+     " minus five dollars, about twenty dollars, about five"),
+    ("+44 7700 900123, (02) 9876 5432", "plus four four, seven seven zero zero, nine zero zero one two three, zero"
+     " two, nine eight seven six, five four three two"),
+    ("steps: - Unplug it. - Wait. ## Tips • Call us", "steps: Unplug it. Wait. Tips Call us"),  # lines joined
     # a link cut in two by the segmenter; brackets that are no link
     ("see [our", "see our"), ("site](https://x.com/menu).", "site."), ("see [1] and (2)", "see [one] and (two)"),
 ]
@@ -111,6 +138,11 @@ def test_english(written: str, said: str) -> None:
     ("es", "**Hola**, ve [aquí](https://x.es/a) o a x.com el 12/25/2025 #5", "Hola, ve aquí o a x.com el"
                                                                              " 12/25/2025 #cinco"),
     ("zh", "**你好** `3`", "你好 3"),
+    # grouping spaces; a whole amount has no "zero cents"
+    ("fr", "1 500 euros, 2 345,67 €", "mille cinq cents euros, deux mille trois cent quarante-cinq euros et"
+                                       " soixante-sept centimes"),
+    ("de", "Das kostet 20 € und 1 €.", "Das kostet zwanzig Euro und ein Euro."),
+    ("es", "Cuesta $20.", "Cuesta veinte dólares."),
 ])
 def test_other_languages(language: str, written: str, said: str) -> None:
     assert spoken_form(written, language).text == said

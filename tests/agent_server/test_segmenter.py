@@ -110,6 +110,8 @@ def test_short_later_sentences_ride_with_the_next() -> None:
         "Visit example.com/path.html or ask again later today.",
         "It was No. 5 on the list and also approx. 3 metres long.",
         'She asked "why?" and then walked away without a word.',
+        "Visit 456 Oak Ave. Suite 200 or Acme Inc. Customer Service today.",  # capitalised: no sentence end
+        "The clinic is open Mon. Tue. and Wed. from Dec. Fifth onwards.",
     ],
 )
 def test_no_sentence_end_inside(sentence: str) -> None:
@@ -298,6 +300,8 @@ def test_timeout_keeps_a_possibly_unfinished_last_word() -> None:
         ("Pi is about 3.", "14 or so.", "Pi is about", "3.14 or so."),
         ("We meet at 9:", "30 tomorrow.", "We meet at", "9:30 tomorrow."),
         ("Call +1 415", " 555 0100 now.", "Call", "+1 415 555 0100 now."),  # digit groups: one number
+        ("Call us at (415)", " 555-0100 now.", "Call us at", "(415) 555-0100 now."),  # an area code
+        ("Your appointment is with Dr.", " Patel today.", "Your appointment is with", "Dr. Patel today."),
     ],
 )
 def test_timeout_does_not_split_a_number_at_its_separator(
