@@ -275,10 +275,12 @@ _RULES_MARKDOWN: tuple[tuple[str, str], ...] = (
 )
 _US_STATES = ("AL|AK|AZ|AR|CA|CO|CT|DE|DC|FL|GA|HI|ID|IL|IN|IA|KS|KY|LA|ME|MD|MA|MI|MN|MS|MO|MT|NE|NV|NH|NJ|NM|NY|"
               "NC|ND|OH|OK|OR|PA|RI|SC|SD|TN|TX|UT|VT|VA|WA|WV|WI|WY")
-# words after which a number is an identifier, read digit by digit: "order number 123456", "PIN: 1234"
-_ID_WORDS = (r"order|account|acct|card|confirmation|reference|ref|booking|tracking|ticket|case|invoice|member(?:ship)?"
-             r"|policy|claim|serial|routing|zip|postal|verification|security|access|otp|pin|passcode|code|id"
-             r"|extension|ext")
+# words after which a number is an identifier, read digit by digit: "PIN 1234", "zip code 90210"; the words that
+# are verbs or common nouns too ("order 100 units", "in case 200 people") only with a word that says so
+# ("order number 123456", "account ending in 4321", "case #2024", "card: 1234")
+_ID_WORDS = (r"acct|confirmation|reference|ref|booking|tracking|invoice|membership|serial|routing|zip|postal"
+             r"|verification|otp|pin|passcode|code|id|extension|ext")
+_ID_WORDS_NAMED = r"order|account|card|ticket|case|member|policy|claim|security|access"
 _ID_FILLERS = r"(?:number|no\.?|num|code|id|#|is|was|will[ \t]be|ending[ \t]in|ends[ \t]in|:)"
 _DAYS = (r"Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday|Mon|Tues?|Wed|Thu(?:rs?)?|Fri|Sat|Sun|M|F")
 _EN_DAYS = {"mon": "Monday", "tue": "Tuesday", "wed": "Wednesday", "thu": "Thursday", "fri": "Friday",
@@ -293,10 +295,11 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("times", r"(?<=\d)[ \t]?[*×][ \t]?(?=\d)"),
     ("star", r"(?<![\w*])\*(?=\d)"),  # "Dial *67": star sixty-seven
     *_RULES_MARKDOWN,
-    ("id_number", rf"(?i:\b(?P<id_kw>(?:{_ID_WORDS})\b(?:[ \t]*{_ID_FILLERS})*[ \t]*))"
+    ("id_number", rf"(?i:\b(?P<id_kw>(?:{_ID_WORDS})\b(?:[ \t]*{_ID_FILLERS})*[ \t]*"
+                  rf"|(?:{_ID_WORDS_NAMED})\b(?:[ \t]*{_ID_FILLERS})+[ \t]*))"
                   r"(?P<id_num>\d[\d \t-]*\d|\d)(?![\w]|[.,]\d)"),
     ("code_token", r"(?<![\w-])(?P<ct>(?=[A-Z0-9]*\d)(?=(?:[0-9]*[A-Z]){2})[A-Z0-9]{5,})(?![\w-])"),  # ABC123
-    ("letter_code", r"(?<![\w-])(?P<lc>[A-Z]{1,4}(?:-\d{2,}){1,3})(?![\w-])"),  # A-1234, INV-2024-0042
+    ("letter_code", r"(?<![\w-])(?P<lc>[A-Z]{1,4}(?:-\d{4,}|(?:-\d{2,}){2,3}))(?![\w-])"),  # A-1234, INV-2024-0042
     ("zip", rf"\b(?P<zip_state>{_US_STATES}),?[ \t](?P<zip>\d{{5}}(?:-\d{{4}})?)(?![\w-])"),  # DC 20500
     ("time_range", r"(?<![\d:.,])(?P<tr_a>\d{1,2}(?::\d{2})?(?:[ \t]?[aApP]\.?[mM]\.?)?)[ \t]?[-–][ \t]?"
                    r"(?P<tr_b>\d{1,2}(?::\d{2})?(?:[ \t]?[aApP]\.?[mM])?)(?![\w:]|[.,]\d)" + _AMPM_DOT),
@@ -317,7 +320,7 @@ _RULES_EN: tuple[tuple[str, str], ...] = (
     ("equals", r"(?<=\d)[ \t]?=[ \t]?(?=[\d$])"),
     ("street", r"\b(?P<sn>[A-Z][a-z]+)[ \t](?P<st>St|Ave|Blvd|Rd|Ln|Ct|Hwy|Pkwy)\b\.?(?=[ \t]*(?:[,;]|$|[a-z0-9(]"
                r"|(?:Apt|Ste|Suite|N|S|E|W|NW|NE|SW|SE)\b))"),  # Main St., Oak Ave, Pennsylvania Ave NW
-    ("saint", r"(?<![A-Za-z][ \t])(?<![\w.])St\.(?=[ \t][A-Z])"),  # St. Louis (not after a capitalised word)
+    ("saint", r"(?<![\w.])St\.(?=[ \t][A-Z])"),  # St. Louis (not after a capitalised word: "Main St. Then")
     ("unit_no", r"\b(?P<un>Apt|Ste|Bldg|Rm)\.?(?=[ \t]*#?[0-9A-Z])"),  # Apt 4B, Ste. 200
     ("email", r"(?<![\w.+-])(?P<em_user>[A-Za-z0-9][\w.+-]*)@(?P<em_host>" + _HOST + r")(?![\w-])"),
     ("url", rf"(?<![\w@/.])(?:(?P<url_scheme>[Hh][Tt][Tt][Pp][Ss]?://)(?P<url_host>{_URL_HOST})"
@@ -893,6 +896,13 @@ def _read_street(match: re.Match[str], lang: str, rules: LanguageRules) -> str |
     return said + "." if match[0].endswith(".") and not match.string[match.end():].strip() else said
 
 
+def _read_saint(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    previous = re.search(r"(\S+)\s*$", match.string[:match.start()])
+    if previous is not None and previous[1][0].isupper() and not previous[1].endswith((".", "!", "?", ":")):
+        return None  # "Main St. Then", "Visit St. Louis": a street, or no telling
+    return "Saint"
+
+
 def _read_unit_no(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return {"Apt": "Apartment", "Ste": "Suite", "Bldg": "Building", "Rm": "Room"}[match["un"]]
 
@@ -990,7 +1000,7 @@ _READERS: dict[str, Reader] = {
     "plus": lambda match, lang, rules: "plus",
     "equals": lambda match, lang, rules: "equals",
     "street": _read_street,
-    "saint": lambda match, lang, rules: "Saint",
+    "saint": _read_saint,
     "unit_no": _read_unit_no,
     "expiry": _read_expiry,
     "mixed_fraction": _read_mixed_fraction,

@@ -91,6 +91,8 @@ ENGLISH = [
     ("Code ABC123, ref QW4E7R, #A-1234, INV-2024-0042, DC 20500; A17, COVID-19, H100", "Code A B C one two three,"
      " ref Q W four E seven R, number A, one two three four, I N V, two zero two four, zero zero four two, DC two zero"
      " five zero zero; A seventeen, COVID-nineteen, H one hundred"),
+    ("order 100 units in case 200 people come; I-95, SHA-256; in St. Louis", "order one hundred units in case two"
+     " hundred people come; I-ninety-five, SHA-two hundred fifty-six; in Saint Louis"),  # quantities stay quantities
     # ranges: hours, days, money, percent, units, dates
     ("9am-5pm, 9:30-10:30, 12-2pm, 9-5, Mon-Fri, M-F", "nine a m to five p m, nine thirty to ten thirty, twelve to"
      " two p m, nine to five, Monday through Friday, Monday through Friday"),
