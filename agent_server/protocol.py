@@ -175,7 +175,7 @@ def parse(raw: str | bytes) -> Message | FieldError:
             raise FieldError("type", f"unknown message type {kind!r}: one of " + ", ".join(MESSAGE_FIELDS))
         unknown = sorted(set(obj) - allowed)
         if unknown:
-            raise FieldError(unknown[0], f"unknown field in a {kind!r} message")
+            raise FieldError(unknown[0], f"unknown field in {'an' if kind[:1] in 'aeiou' else 'a'} {kind!r} message")
         if kind == "keepalive":
             return KeepAlive()
         context_id = _context_id(obj)

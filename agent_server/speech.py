@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,7 +120,8 @@ def parse_speed(field: str, value: object) -> float:
         except ValueError:
             raise FieldError(field, f"{field} must be a number (got {value!r})") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_SPEED <= value <= MAX_SPEED:
-        raise FieldError(field, f"{field} must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {value!r})")
+        shown = json.dumps(value) if isinstance(value, (bool, int, float, list, dict)) else repr(value)  # as sent
+        raise FieldError(field, f"{field} must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {shown})")
     return float(value)
 
 
