@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 import time
+import warnings
 from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import unquote_plus
@@ -28,6 +29,13 @@ LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": loggi
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 REDACTED = "[redacted]"
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# Deprecation notices chatterbox's dependencies print at every start (its watermarker's pkg_resources import,
+# diffusers' LoRA layer, torch's sdp_kernel context in its perceiver): not ours to fix, nothing to act on.
+LIBRARY_NOTICES: tuple[tuple[str, type[Warning]], ...] = (
+    (r"pkg_resources is deprecated", UserWarning),
+    (r"`LoRACompatibleLinear` is deprecated", FutureWarning),
+    (r"`torch\.backends\.cuda\.sdp_kernel\(\)` is deprecated", FutureWarning),
+)
 CREDENTIAL_QUERY_NAMES = frozenset({*QUERY_NAMES, "xi-api-key", "authorization", "key"})
 _QUERY_PAIR = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;\s\"'#]+)=(?P<value>[^&;\s\"'#]*)")
 # the schemes as clients write them (`Authorization: Bearer K`, Deepgram's `Token K`) before a credential
@@ -107,10 +115,13 @@ def configure_logging(level: str = "info", *, stream: Any = None) -> None:
     )
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(formatter)
+    handler.addFilter(_not_a_library_notice)
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(LEVELS[level])
     logging.captureWarnings(True)  # warnings.warn(...) -> logger "py.warnings", level warning
+    for message, category in LIBRARY_NOTICES:  # at every start, and nothing an operator can act on
+        warnings.filterwarnings("ignore", message=message, category=category)
     for name in UVICORN_LOGGERS:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers = []
@@ -118,6 +129,11 @@ def configure_logging(level: str = "info", *, stream: Any = None) -> None:
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, _PassedProbes) for f in access.filters):
         access.addFilter(_PassedProbes())
+
+
+def _not_a_library_notice(record: logging.LogRecord) -> bool:
+    """chatterbox's flow model logs its frame rate on the root logger each time one is built."""
+    return not (record.name == "root" and str(record.msg).startswith("input frame rate="))
 
 
 class _PassedProbes(logging.Filter):

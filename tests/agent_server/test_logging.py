@@ -29,15 +29,25 @@ def log_stream() -> Iterator[io.StringIO]:
 
 
 def test_a_libraries_warning_is_a_json_line(log_stream: io.StringIO) -> None:
-    """torch's `sdp_kernel()` FutureWarning (chatterbox's perceiver calls it) used to land on stderr as two bare
+    """A library's warning (torch's `sdp_kernel()` FutureWarning was one) used to land on stderr as two bare
     lines between the JSON ones, breaking whoever parses the log line by line."""
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.warn("`torch.backends.cuda.sdp_kernel()` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn("`somelib.thing()` is deprecated", FutureWarning, stacklevel=1)
     structlog.get_logger("agent_server.test").info("after")
     lines = [orjson.loads(line) for line in log_stream.getvalue().splitlines()]  # every line parses
     assert [line["logger"] for line in lines] == ["py.warnings", "agent_server.test"]
-    assert lines[0]["level"] == "warning" and "sdp_kernel" in lines[0]["event"]
+    assert lines[0]["level"] == "warning" and "somelib" in lines[0]["event"]
+
+
+def test_the_notices_chatterbox_s_dependencies_print_at_every_start_are_left_out(log_stream: io.StringIO) -> None:
+    warnings.warn("pkg_resources is deprecated as an API.", UserWarning, stacklevel=1)
+    warnings.warn("`LoRACompatibleLinear` is deprecated and will be removed", FutureWarning, stacklevel=1)
+    warnings.warn("`torch.backends.cuda.sdp_kernel()` is deprecated.", FutureWarning, stacklevel=1)
+    logging.getLogger().warning("input frame rate=25")  # (chatterbox logs it at info; the level does not matter)
+    assert log_stream.getvalue() == ""
+    logging.getLogger().warning("something else")
+    assert "something else" in log_stream.getvalue()
 
 
 def test_a_probe_that_passed_is_not_logged_a_failed_one_is(log_stream: io.StringIO) -> None:
