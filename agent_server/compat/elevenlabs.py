@@ -325,7 +325,8 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             return
         if ctx is None:
             if parsed.text == "" and not parsed.flush:
-                if not self.multi:
+                if not self.multi:  # a turn of nothing is complete: its isFinal, as after any text
+                    session.send(orjson.dumps({"isFinal": True}).decode())
                     session.close(CLOSE_NORMAL, "end of input before any text")
                 return  # multi-stream-input: a keep-alive for a context that is not open changes nothing
             ctx = await self._open(cid, now_s, parsed.voice_settings)

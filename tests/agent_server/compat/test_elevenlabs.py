@@ -193,6 +193,19 @@ def test_multi_stream_a_late_token_after_close_context_is_that_context_s_error_o
     assert_length(served, len(audio_of(messages, "a")) + len(audio_of(messages, "b")), 16_000)
 
 
+def test_stream_input_ended_before_any_text_still_says_is_final(served: Served) -> None:
+    """`{"text": ""}` first (a turn the LLM had nothing for): the turn is complete, so `isFinal`, then 1000; a
+    client waiting for `isFinal` to end its turn does not hang."""
+    async def main() -> tuple[list[dict[str, Any]], int | None]:
+        async with connect(f"{served.ws}/v1/text-to-speech/{VOICE}/stream-input?output_format=pcm_16000") as ws:
+            await ws.send(json.dumps({"text": ""}))
+            return await receive_all(ws)
+
+    messages, close_code = asyncio.run(main())
+    assert messages == [{"isFinal": True}] and close_code == 1000
+    assert not served.engine.submits
+
+
 def test_stream_input_seed_gives_the_same_bytes_under_load(served: Served) -> None:
     text = "Hello there, how are you?"
 
