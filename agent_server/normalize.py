@@ -40,8 +40,9 @@ What is rewritten (English; other languages: see `_LANGUAGES`):
   ("number five"), "e.g.", "i.e.", "etc.", "vs.", "approx.", the titles "Dr.", "Mr.", "Mrs.", "Ms.",
   "Prof." before a name, "Main St.", "Oak Ave", "Apt 4B", "St. Louis".
 A number glued to letters ("A17", "mp3", "5km") is set apart by a space. Anything the rules do not know
-stays as written. Other languages also read thousands grouped by a space ("1 500 euros"), and a whole amount
-of money without "zero cents".
+stays as written. Other languages also read thousands grouped by a space ("1 500 euros"), a whole amount
+of money without "zero cents", number ranges ("3-5 Werktage": drei bis fünf) and, in German, French and
+Spanish, their own ordinals, years and clock times (`_RULES_BY_LANG`).
 
 Markdown, in every language (an LLM writes it; read as text its marks would be said or garble the
 prosody): "**bold**", "*italic*", "_italic_", "__bold__" and "`code`" lose their marks, "~~struck~~" text and
@@ -398,10 +399,39 @@ _MAYBE_READ = re.compile(r"[\d&@*×_~`#\[/.\-+•$€£¥₹¢%°:½⅓⅔¼¾�
                          "|[\U0001F000-\U0001FAFF\u2600-\u27BF\u2B00-\u2BFF]")
 
 
+# a language's own readings, before the shared ones (after markdown): ordinals, clock times, ranges, years
+_DE_MONTHS = (r"Januar|Februar|März|April|Mai|Juni|Juli|August|September|Oktober|November|Dezember"
+              r"|Jan|Feb|Mär|Apr|Jun|Jul|Aug|Sept?|Okt|Nov|Dez")
+_PLAIN_RANGE = r"(?<![\d.,\w-])(?P<pr_lo>\d{1,4})[ \t]?[-–][ \t]?(?P<pr_hi>\d{1,4})(?![\d.,]\d|[\w%°:-])"
+_RANGE_WORDS = {"de": "bis", "fr": "à", "es": "a", "it": "a", "pt": "a", "nl": "tot", "pl": "do", "sv": "till",
+                "da": "til", "no": "til", "fi": "–", "ru": "–"}
+_RULES_BY_LANG: dict[str, tuple[tuple[str, str], ...]] = {
+    "de": (
+        ("de_article_ordinal", r"\b(?P<da>[Dd]er|[Dd]ie|[Dd]as|[Dd]en|[Dd]em|[Dd]es|[Aa]m|[Zz]um|[Vv]om|[Ii]m|[Bb]eim)"
+                               r"[ \t](?P<dn>\d{1,3})\.(?=[ \t][A-ZÄÖÜ])"),  # der 3. Anrufer, am 1. Januar
+        ("de_date_ordinal", rf"(?<![\d.,\w])(?P<dd>\d{{1,2}})\.(?=[ \t]?(?:{_DE_MONTHS})\b)"),  # 1. Januar
+        ("de_year", r"(?<![\d.,\w-])(?P<dy>1[1-9]\d\d)(?![\d.,]\d|[\w%°-])"),  # 1985: neunzehnhundert...
+        ("plain_range", _PLAIN_RANGE),
+    ),
+    "fr": (
+        ("fr_ordinal", r"(?<![\d.,\w])(?P<fo>\d{1,3})(?P<fo_suf>ères?|ers?|res?|èmes?|es?)(?![\w])"),  # 1er, 2e
+        ("fr_time", r"(?<![\d.,:\w])(?P<fh>[01]?\d|2[0-4])[ \t]?h(?:[ \t]?(?P<fm>[0-5]\d))?(?![\w])"),  # 14h30
+        ("plain_range", _PLAIN_RANGE),
+    ),
+    "es": (
+        ("es_ordinal", r"(?<![\d.,\w])(?P<eo>\d{1,2})\.?(?P<eo_suf>º|ª|°|er)(?![\w])"),  # 1.º, 2.ª, 3.er
+        ("plain_range", _PLAIN_RANGE),
+    ),
+    **dict.fromkeys(("it", "pt", "nl", "pl", "sv", "da", "no"), (("plain_range", _PLAIN_RANGE),)),
+}
+
+
 def _rules_for(lang: str) -> tuple[tuple[re.Pattern[str], Reader], ...]:
     rules = _COMPILED.get(lang)
     if rules is None:
-        chosen = _RULES_EN if lang == "en" else _RULES_OTHER if lang in _LANGUAGES else _RULES_MARKDOWN
+        chosen = _RULES_EN if lang == "en" else (
+            (*_RULES_MARKDOWN, *_RULES_BY_LANG.get(lang, ()), *_RULES_OTHER[len(_RULES_MARKDOWN):])
+            if lang in _LANGUAGES else _RULES_MARKDOWN)
         rules = _COMPILED[lang] = tuple((re.compile(body), _READERS[name]) for name, body in chosen)
     return rules
 
@@ -937,6 +967,65 @@ def _read_vulgar(match: re.Match[str], lang: str, rules: LanguageRules) -> str |
     return f"{_words(int(whole), lang)} and {_say_fraction(a, b, lang, article=True)}"
 
 
+def _read_de_article_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """der 3. Anrufer: der dritte; am 1. Januar: am ersten (the weak endings after an article)."""
+    article = match["da"]
+    ending = "" if article.lower() in ("der", "die", "das") else "n"
+    return f"{article} {_words(int(match['dn']), lang, to='ordinal')}{ending}"
+
+
+def _read_de_date_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    """1. Januar with no article before it ("Montag, 1. Januar"): erster."""
+    return _words(int(match["dd"]), lang, to="ordinal") + "r"
+
+
+def _read_de_year(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    return _words(int(match["dy"]), lang, to="year")
+
+
+def _read_plain_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    word = _RANGE_WORDS.get(lang)
+    low, high = _number(match["pr_lo"], lang, rules), _number(match["pr_hi"], lang, rules)
+    if word is None or low is None or high is None or int(match["pr_lo"]) >= int(match["pr_hi"]):
+        return None
+    return f"{low} {word} {high}"
+
+
+def _read_fr_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    value, suffix = int(match["fo"]), match["fo_suf"]
+    plural = "s" if suffix.endswith("s") and value > 1 else ""
+    if value == 1:
+        if suffix.rstrip("s") in ("er",):
+            return "premier" + ("s" if suffix.endswith("s") else "")
+        if suffix.rstrip("s") in ("re", "ère"):
+            return "première" + ("s" if suffix.endswith("s") else "")
+        return None
+    if suffix.rstrip("s") in ("er", "re", "ère"):
+        return None  # "2er" is no ordinal
+    return _words(value, lang, to="ordinal") + plural
+
+
+def _read_fr_time(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    hours = int(match["fh"])
+    number = _words(hours, lang)
+    number = number[:-2] + "une" if number.endswith("un") else number  # une heure, vingt et une heures
+    said = number + (" heure" if hours <= 1 else " heures")
+    minutes = match["fm"]
+    return f"{said} {_words(int(minutes), lang)}" if minutes and int(minutes) else said
+
+
+def _read_es_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    value, suffix = int(match["eo"]), match["eo_suf"]
+    said = _words(value, lang, to="ordinal")
+    if suffix == "ª":
+        return said[:-1] + "a" if said.endswith("o") else said
+    if suffix == "er":
+        return said[:-1] if value in (1, 3) and said.endswith("o") else None  # primer, tercer
+    if value in (1, 3) and re.match(r"[ \t]+[a-zñ]", match.string[match.end():]):
+        return said[:-1]  # before its noun: "1.º piso", el primer piso
+    return said
+
+
 def _read_about(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     before = match.string[:match.start()]
     if re.search(r"(?i)\b(?:about|around|approximately|roughly|approx\.)\s*$", before):
@@ -980,6 +1069,13 @@ _READERS: dict[str, Reader] = {
     "keep": _read_kept,
     "times": _read_times,
     "about": _read_about,
+    "de_article_ordinal": _read_de_article_ordinal,
+    "de_date_ordinal": _read_de_date_ordinal,
+    "de_year": _read_de_year,
+    "plain_range": _read_plain_range,
+    "fr_ordinal": _read_fr_ordinal,
+    "fr_time": _read_fr_time,
+    "es_ordinal": _read_es_ordinal,
     "md_strike": _read_dropped,
     "emoji": _read_dropped,
     "star": lambda match, lang, rules: "star",

@@ -126,7 +126,7 @@ def test_english(written: str, said: str) -> None:
 @pytest.mark.parametrize(("language", "written", "said"), [
     ("de", "4,50 €, 1.234 Stück, 12,5 %", "vier Euro und fünfzig Cent, eintausendzweihundertvierunddreißig Stück,"
                                           " zwölf Komma fünf Prozent"),
-    ("fr", "3,5 %, 21 h", "trois virgule cinq pour cent, vingt et un h"),
+    ("fr", "3,5 %, 21 h", "trois virgule cinq pour cent, vingt et une heures"),
     ("ru", "25470 рублей", "двадцать пять тысяч четыреста семьдесят рублей"),  # chatterbox#284: skipped as digits
     ("tr", "%7 ve 7%", "%yedi ve yüzde yedi"),
     ("ja", "25470円", "二万五千四百七十円"),  # no space between CJK and a number's words
@@ -144,6 +144,15 @@ def test_english(written: str, said: str) -> None:
     ("fr", "1 500 euros, 2 345,67 €", "mille cinq cents euros, deux mille trois cent quarante-cinq euros et"
                                        " soixante-sept centimes"),
     ("de", "Das kostet 20 € und 1 €.", "Das kostet zwanzig Euro und ein Euro."),
+    # a language's own ordinals, clock times, ranges and years
+    ("de", "Am 1. Januar 1985 war der 3. Anrufer da; Montag, 1. Mai; 3-5 Werktage; wir haben 3. Das", "Am ersten"
+     " Januar neunzehnhundertfünfundachtzig war der dritte Anrufer da; Montag, erster Mai; drei bis fünf Werktage;"
+     " wir haben drei. Das"),
+    ("fr", "Le 1er janvier, la 1re fois, le 21e siècle, à 14h30, de 9h à 17h, 1h, 3-5 jours", "Le premier janvier,"
+     " la première fois, le vingt et unième siècle, à quatorze heures trente, de neuf heures à dix-sept heures, une"
+     " heure, trois à cinq jours"),
+    ("es", "el 1.º piso, la 2.ª vez, el 3.er día, 3-5 días", "el primer piso, la segunda vez, el tercer día, tres a"
+     " cinco días"),
     ("es", "Cuesta $20.", "Cuesta veinte dólares."),
 ])
 def test_other_languages(language: str, written: str, said: str) -> None:
