@@ -404,7 +404,7 @@ _DE_MONTHS = (r"Januar|Februar|März|April|Mai|Juni|Juli|August|September|Oktobe
               r"|Jan|Feb|Mär|Apr|Jun|Jul|Aug|Sept?|Okt|Nov|Dez")
 _PLAIN_RANGE = r"(?<![\d.,\w-])(?P<pr_lo>\d{1,4})[ \t]?[-–][ \t]?(?P<pr_hi>\d{1,4})(?![\d.,]\d|[\w%°:-])"
 _RANGE_WORDS = {"de": "bis", "fr": "à", "es": "a", "it": "a", "pt": "a", "nl": "tot", "pl": "do", "sv": "till",
-                "da": "til", "no": "til", "fi": "–", "ru": "–"}
+                "da": "til", "no": "til"}
 _RULES_BY_LANG: dict[str, tuple[tuple[str, str], ...]] = {
     "de": (
         ("de_article_ordinal", r"\b(?P<da>[Dd]er|[Dd]ie|[Dd]as|[Dd]en|[Dd]em|[Dd]es|[Aa]m|[Zz]um|[Vv]om|[Ii]m|[Bb]eim)"
