@@ -61,6 +61,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             variant=self.session.variant,
             random_weights=bool(engine is not None and engine.random_weights),
             max_contexts=self.session.settings.max_contexts_per_session,
+            inactivity_timeout_s=self.session.settings.inactivity_timeout_s,
         )))
 
     def on_refused(self, refusal: Refusal) -> None:

@@ -333,6 +333,7 @@ class SessionStarted:
     variant: str
     random_weights: bool
     max_contexts: int
+    inactivity_timeout_s: float  # a session with no open context that sends nothing this long is closed
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ function connect() {
     hello = JSON.parse(e.data);
     dash.hello = hello;
     dash.connected = true;
+    document.body.classList.remove("stale");
     maxSamples = Math.max(10, Math.round(120 / hello.sample_period_s));
     samples = hello.history.slice(-maxSamples);
     $("random-banner").hidden = !hello.random_weights;
@@ -37,6 +38,7 @@ function connect() {
   source.onerror = () => {
     dash.connected = false;
     setPill("bad", "reconnecting…");
+    document.body.classList.add("stale"); // the figures are the last ones seen, not live
   };
 }
 

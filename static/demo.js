@@ -14,10 +14,20 @@ const auth = {
     || sessionStorage.getItem(CREDENTIAL_STORE) || "",
   needed: false,
 };
+// A credential from the URL is kept for this tab and taken out of the address bar (and the history): a reload
+// must not bring back a refused one over a key pasted since, and a key must not sit in the URL.
+if (["token", "api_key", "access_token"].some((name) => pageQuery.has(name))) {
+  if (auth.credential) sessionStorage.setItem(CREDENTIAL_STORE, auth.credential);
+  for (const name of ["token", "api_key", "access_token"]) pageQuery.delete(name);
+  const rest = pageQuery.toString();
+  history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + location.hash);
+}
 const HEADER_BYTES = 12;
 const ENCODING_NAMES = { 1: "pcm_s16le", 2: "mulaw", 3: "alaw" };
 const MAX_TURNS_SHOWN = 4;
-const RECONNECT_MS = 1500;
+const RECONNECT_MS = 1500; // the first retry; then doubling, up to RECONNECT_MAX_MS
+const RECONNECT_MAX_MS = 15000;
+const KEEPALIVE_MS = 10000; // at most; a third of the server's inactivity timeout (session_started) if shorter
 const RING_SECONDS = 150;
 const VARIANTS = ["english", "turbo", "multilingual"];
 const SAMPLING_DEFAULTS = {
@@ -39,13 +49,13 @@ const COLORS = {
 // What the browser tests read.
 const demo = (window.__demo = {
   ready: false, variant: null, randomWeights: null, samplesPlayed: 0, underruns: 0, framesReceived: 0,
-  ttfbMs: null, turnState: "idle", turns: 0, lastReason: null, voices: [],
+  ttfbMs: null, turnState: "idle", turns: 0, lastReason: null, voices: [], sessions: 0,
   load: { sessions: 0, turns: 0, busy: 0, p50Ms: null },
 });
 
 // ---- the session ------------------------------------------------------------------------------------
 
-const conn = { ws: null, info: null };
+const conn = { ws: null, info: null, retries: 0, keepalive: null, retryTimer: null };
 const turnsById = new Map();
 const turnsByStream = new Map();
 const turns = []; // newest first
@@ -70,27 +80,42 @@ function askForCredential() {
 }
 
 function useCredential() {
-  auth.credential = $("credential").value.trim();
+  const given = $("credential").value.trim();
+  if (!given) return setPill("bad", "paste an API key or a token first");
+  auth.credential = given;
   sessionStorage.setItem(CREDENTIAL_STORE, auth.credential);
   auth.needed = false;
   $("auth-banner").hidden = true;
   loadStatus();
   loadVoices();
-  if (conn.ws) conn.ws.close(); // reconnects with the credential
+  conn.retries = 0;
+  const old = conn.ws; // a session without the credential (or none): a new one with it, now
+  conn.ws = null;
+  if (old) old.close();
+  connect();
 }
 
 function connect() {
+  clearTimeout(conn.retryTimer);
+  if (auth.needed) return; // until a credential is given (useCredential connects)
+  if (conn.ws && conn.ws.readyState <= WebSocket.OPEN) return; // one session at a time
   const ws = new WebSocket(wsUrl());
   ws.binaryType = "arraybuffer";
   conn.ws = ws;
   ws.onmessage = (e) => (typeof e.data === "string" ? onEvent(JSON.parse(e.data)) : onFrame(e.data));
   ws.onclose = () => {
     if (conn.ws !== ws) return;
+    clearInterval(conn.keepalive);
+    const started = conn.info !== null;
     demo.ready = false;
     conn.info = null;
+    // a turn whose audio all came (context_done "completed") plays on: only one still coming is lost
+    if (current && !current.finished && !current.completed) finishTurn(current, "failed", "connection lost");
+    if (!started) loadStatus(); // refused before the session started: a 401 shows the key field
     if (!auth.needed) setPill("bad", "disconnected, retrying…");
-    if (current && !current.finished) finishTurn(current, "failed", "connection lost");
-    setTimeout(connect, RECONNECT_MS);
+    const delay = Math.min(RECONNECT_MS * 2 ** conn.retries, RECONNECT_MAX_MS);
+    conn.retries += 1;
+    conn.retryTimer = setTimeout(connect, delay);
   };
 }
 
@@ -103,7 +128,13 @@ function onEvent(ev) {
   switch (ev.type) {
     case "session_started":
       conn.info = ev;
+      conn.retries = 0;
+      clearInterval(conn.keepalive); // an idle page keeps its session: well inside the server's timeout
+      conn.keepalive = setInterval(() => send({ type: "keepalive" }),
+        Math.min(KEEPALIVE_MS, ((ev.inactivity_timeout_s || 20) * 1000) / 3));
       demo.ready = true;
+      demo.sessions += 1;
+      showMsg("speak-msg", ""); // what was said while not connected ("busy: loading") is over
       demo.variant = ev.variant;
       demo.randomWeights = ev.random_weights;
       showServer(ev.variant, ev.random_weights);
@@ -130,6 +161,7 @@ function onEvent(ev) {
       turn.audioMs = ev.audio_ms;
       demo.lastReason = ev.reason;
       if (ev.reason === "completed") {
+        turn.completed = true; // all of its audio is here: it plays to its end whatever the socket does
         audio.node && audio.node.port.postMessage({ type: "end" });
         if (turn.samples === 0) finishTurn(turn, "done");
       } else if (!turn.finished) {
@@ -141,10 +173,13 @@ function onEvent(ev) {
       if (turn) finishTurn(turn, "busy", ev.reason);
       else showMsg("speak-msg", `server busy: ${ev.reason}`, "err");
       break;
-    case "error":
-      showMsg("speak-msg", `${ev.code}: ${ev.message}`, "err");
+    case "error": {
+      const ours = ev.context_id ? turnsById.get(ev.context_id) : null;
+      if (ours && ours.finished && ev.code === "unknown_context") break; // its text after the first error: moot
+      showMsg("speak-msg", `${ev.field ? `${ev.field}: ` : ""}${ev.message} (${ev.code})`, "err");
       if (turn && !turn.finished && turn.state === "opening") finishTurn(turn, "failed", ev.message);
       break;
+    }
   }
   markDirty(turn);
 }
@@ -262,10 +297,28 @@ function rel(turn) {
   return performance.now() - turn.t0;
 }
 
+let starting = false; // a turn is being started (its audio context may take a moment): one at a time
+
 async function speak() {
-  if (!demo.ready) return showMsg("speak-msg", "not connected yet", "err");
+  if (starting) return;
+  starting = true;
+  $("speak").disabled = true;
+  try {
+    await startTurn();
+  } finally {
+    starting = false;
+    $("speak").disabled = false;
+  }
+}
+
+async function startTurn() {
+  if (!demo.ready) return showMsg("speak-msg", auth.needed ? "give an API key first" : "not connected yet", "err");
   const text = $("text").value.trim();
   if (!text) return showMsg("speak-msg", "type something first", "err");
+  const seed = $("seed").value.trim();
+  if (seed !== "" && !(/^\d+$/.test(seed) && BigInt(seed) < 2n ** 63n)) {
+    return showMsg("speak-msg", "seed: a whole number from 0 (or empty for a random one)", "err");
+  }
   if (current && !current.finished) bargeIn();
   showMsg("speak-msg", "");
   demo.turnState = "starting"; // (the audio context may take a moment: a new rate means a new one)
@@ -285,7 +338,7 @@ async function speak() {
   if ($("model").value) open.model = $("model").value;
   const sampling = samplingOverrides();
   if (Object.keys(sampling).length) open.sampling = sampling;
-  if ($("seed").value !== "") open.seed = Number($("seed").value);
+  if (seed !== "") open.seed = Number(seed);
   if (Number($("speed").value) !== 1) open.speed = Number($("speed").value);
   send(open);
   if (mode === "whole") {
@@ -380,6 +433,7 @@ function finishTurn(turn, state, detail) {
   turn.endedAt = rel(turn);
   if (detail) turn.detail = detail;
   setState(turn, state);
+  if (turn === current && turn.firstFrameAt === null) showTtfb(undefined); // no audio came: no time to show
   if (turn === current) $("barge").disabled = true;
   markDirty(turn);
 }
@@ -397,8 +451,8 @@ function setState(turn, state) {
 
 function showTtfb(ms) {
   const el = $("ttfb");
-  el.classList.toggle("pending", ms === null);
-  el.innerHTML = ms === null ? "…" : `${Math.round(ms)}<span class="unit">ms</span>`;
+  el.classList.toggle("pending", ms == null);
+  el.innerHTML = ms === null ? "…" : ms === undefined ? "—" : `${Math.round(ms)}<span class="unit">ms</span>`;
 }
 
 function renderNumbers(turn) {
@@ -677,7 +731,6 @@ function toggleLoad() {
     Object.assign(load, { running: true, turns: 0, busy: 0, ttfas: [] });
     for (let i = 0; i < n; i++) load.sessions.push(new SimSession(i));
     $("load-toggle").textContent = "Stop load";
-    showMsg("load-msg", `${n} sessions talking`, "ok");
   }
   renderLoad();
 }
@@ -698,6 +751,11 @@ function renderLoad() {
   $("load-p50").textContent = p50 === null ? "—" : fmtMs(p50);
   $("load-p95").textContent = p95 === null ? "—" : fmtMs(p95);
   $("load-busy").textContent = String(load.busy);
+  if (load.running) {  // what is true now: the sessions the server took, not the ones asked for
+    const asked = load.sessions.length;
+    showMsg("load-msg", open === asked ? `${open} sessions talking` : `${open} of ${asked} connected`,
+            open === asked ? "ok" : "err");
+  }
 }
 
 // ---- voices, status, controls -----------------------------------------------------------------------
@@ -831,7 +889,11 @@ function init() {
   }
   resetSampling();
   for (const radio of document.querySelectorAll("input[name=mode]")) {
-    radio.addEventListener("change", () => ($("rate-field").style.opacity = radio.value === "llm" && radio.checked ? 1 : 0.4));
+    radio.addEventListener("change", () => {
+      const streamed = document.querySelector("input[name=mode]:checked").value === "llm";
+      $("rate-field").style.opacity = streamed ? 1 : 0.4;
+      $("rate").disabled = !streamed;
+    });
   }
   $("speak").addEventListener("click", () => speak().catch((err) => showMsg("speak-msg", String(err), "err")));
   $("barge").addEventListener("click", bargeIn);

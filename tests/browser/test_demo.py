@@ -170,5 +170,52 @@ def test_with_auth_on_the_page_asks_for_a_key_and_uses_a_token(tab: Tab, tmp_pat
         fresh.goto(f"{live.http_url}/?token={token}")
         fresh.wait_for_function("window.__demo && window.__demo.ready", timeout=10_000)
         assert fresh.is_hidden("#auth-banner") and fresh.evaluate("window.__demo.voices") == ["default"]
+        assert "token=" not in fresh.url  # taken out of the address bar (kept for the tab), not left in history
+        fresh.reload()
+        fresh.wait_for_function("window.__demo && window.__demo.ready", timeout=10_000)
     unexpected = [e for e in tab.errors if "401" not in e and "WebSocket" not in e]  # but the refusals before the key
     assert unexpected == [], tab.errors
+
+
+def test_an_idle_page_keeps_its_session_and_a_played_turn_stays_done(tab: Tab, tmp_path: Path) -> None:
+    """The server closes a session silent for its inactivity timeout (here 2 s): the page keeps its socket with
+    keep-alives paced by `session_started.inactivity_timeout_s`, so the turn that played is "done", not "failed ·
+    connection lost", and the page never reconnects."""
+    from agent_server.settings import Settings
+
+    from tests.agent_server.fake_engine import FakeEngine
+    from tests.agent_server.live_server import live_server
+
+    settings = Settings(data_dir=tmp_path, inactivity_timeout_s=2.0)
+    with live_server(FakeEngine(realtime_factor=0.2), settings) as live:
+        page = open_demo(tab, live.http_url)
+        page.fill("#text", SHORT_TEXT)
+        speak_and_wait(page)
+        page.wait_for_timeout(5_000)  # idle: more than twice the timeout
+        state = demo_state(page)
+        assert state["turnState"] == "done" and state["sessions"] == 1 and state["ready"], state
+    assert tab.errors == []
+
+
+def test_a_double_click_on_speak_starts_one_turn_at_a_time(tab: Tab, server: Any) -> None:
+    page = open_demo(tab, server.http_url)
+    page.fill("#text", SHORT_TEXT)
+    page.dblclick("#speak")
+    finished = "['done', 'cancelled', 'busy', 'failed'].includes(window.__demo.turnState)"
+    page.wait_for_function(f"window.__demo.turns >= 1 && {finished}", timeout=20_000)
+    page.wait_for_timeout(500)
+    state = demo_state(page)
+    assert state["turns"] == 1 and state["turnState"] == "done", state  # the second click came while it started
+    assert tab.errors == []
+
+
+def test_a_seed_that_is_no_whole_number_is_refused_in_the_page(tab: Tab, server: Any) -> None:
+    page = open_demo(tab, server.http_url)
+    page.click("#sampling summary")
+    for bad in ("-5", "1.5", "99999999999999999999"):
+        page.fill("#seed", bad)
+        turns = demo_state(page)["turns"]
+        page.click("#speak")
+        page.wait_for_timeout(200)
+        assert "seed" in page.inner_text("#speak-msg") and demo_state(page)["turns"] == turns
+    page.fill("#seed", "")
