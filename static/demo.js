@@ -354,7 +354,8 @@ function newTurn(text, mode, tokensPerS, encoding, rateHz) {
   turnNumber += 1;
   const turn = {
     id: `turn-${turnNumber}-${Math.random().toString(36).slice(2, 7)}`, number: turnNumber, text, mode,
-    tokensPerS, encoding, rateHz, voice: $("voice").value, t0: performance.now(), wall: new Date(),
+    tokensPerS, encoding, rateHz, voice: $("voice").selectedOptions[0]?.textContent || $("voice").value,
+    t0: performance.now(), wall: new Date(),
     pieces: [], firstTextAt: null, endAt: null, segments: [], frames: [], samples: 0, firstFrameAt: null,
     ttfbMs: null, playingAt: null, played: [], drainedAt: null, underruns: [], bargeAt: null, doneAt: null, timing: null,
     audioMs: null, streamId: null, state: "opening", finished: false, cancelled: false, el: null, dirty: true,
@@ -792,8 +793,10 @@ async function upload() {
     if (!r.ok) return showMsg("upload-msg", (body.error && body.error.message) || `HTTP ${r.status}`, "err");
     await loadVoices(body.voice_id);
     showMsg("upload-msg", `voice “${body.name || body.voice_id}” is ready and selected (${body.duration_s} s clip)`, "ok");
+    $("clip").value = ""; // made: a second click would make the same voice again
+    $("clip-name").value = "";
   } catch (err) {
-    showMsg("upload-msg", String(err), "err");
+    showMsg("upload-msg", err instanceof TypeError ? "the server cannot be reached: try again" : String(err), "err");
   } finally {
     $("upload").disabled = false;
   }

@@ -118,12 +118,15 @@ def test_upload_a_voice_and_use_it(tab: Tab, server: Any, tmp_path: Path) -> Non
     voice_id = page.input_value("#voice")
     assert voice_id != "default" and voice_id in [v.voice_id for v in server.hub.voices.list()]
     assert "Browser test voice" in page.inner_text("#voice")
+    assert page.input_value("#clip-name") == "" and page.evaluate("$ => document.querySelector('#clip').files.length",
+                                                                  None) == 0  # made: the form is ready for another
 
     page.click("label:has(> input[value=whole])")
     page.fill("#text", "This is my own voice.")
     speak_and_wait(page)
     assert demo_state(page)["turnState"] == "done"
     assert server.hub.engine.submits[-1].voice_id == voice_id
+    assert "Browser test voice" in page.inner_text("#turns")  # the timeline names the voice, not its id
     assert tab.errors == []
 
 
