@@ -1034,22 +1034,21 @@ def _read_about(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
     return "about " if after and not after.isalnum() else "about"  # (before "$20": a word of its own)
 
 
-def _read_times(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return "times"
-
-
-
-
-def _read_dropped(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return ""
 
 
 def _read_kept(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     return match[0]
 
 
-def _read_amp(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    return "and"
+def _said_as(words: str) -> Reader:
+    """A rule whose match is always said the same: a word ("&": and), or nothing (a markdown mark)."""
+    def read(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+        return words
+
+    return read
+
+
+_read_dropped = _said_as("")
 
 
 _READERS: dict[str, Reader] = {
@@ -1065,9 +1064,9 @@ _READERS: dict[str, Reader] = {
     "measure": _read_measure,
     "ordinal": _read_ordinal,
     "number": _read_number,
-    "amp": _read_amp,
+    "amp": _said_as("and"),
     "keep": _read_kept,
-    "times": _read_times,
+    "times": _said_as("times"),
     "about": _read_about,
     "de_article_ordinal": _read_de_article_ordinal,
     "de_date_ordinal": _read_de_date_ordinal,
@@ -1078,7 +1077,7 @@ _READERS: dict[str, Reader] = {
     "es_ordinal": _read_es_ordinal,
     "md_strike": _read_dropped,
     "emoji": _read_dropped,
-    "star": lambda match, lang, rules: "star",
+    "star": _said_as("star"),
     "id_number": _read_id_number,
     "code_token": _read_code_token,
     "letter_code": _read_letter_code,
@@ -1091,10 +1090,10 @@ _READERS: dict[str, Reader] = {
     "cents": _read_cents,
     "percent_range": _read_percent_range,
     "per_unit": _read_per_unit,
-    "by": lambda match, lang, rules: "by",
-    "times_x": lambda match, lang, rules: "times",
-    "plus": lambda match, lang, rules: "plus",
-    "equals": lambda match, lang, rules: "equals",
+    "by": _said_as("by"),
+    "times_x": _said_as("times"),
+    "plus": _said_as("plus"),
+    "equals": _said_as("equals"),
     "street": _read_street,
     "saint": _read_saint,
     "unit_no": _read_unit_no,
