@@ -42,6 +42,19 @@ function connect() {
   };
 }
 
+const AUDIO_RATE_WINDOW_S = 4;
+
+function rollingMean(values, span) {
+  const out = [];
+  let sum = 0;
+  for (let i = 0; i < values.length; i++) {
+    sum += values[i] || 0;
+    if (i >= span) sum -= values[i - span] || 0;
+    out.push(sum / Math.min(i + 1, span));
+  }
+  return out;
+}
+
 function setPill(kind, text) {
   const pill = $("pill");
   pill.className = `pill ${kind}`;
@@ -97,8 +110,13 @@ function render() {
     { name: "in use (mean per step)", color: C.accent, values: col((s) => s.slots.mean), fill: true },
     { name: "max", color: C.danger, values: col((s) => s.slots.max), dashed: true },
   ], { min: 0 });
-  $("now-audio").innerHTML = `${last.audio_per_s.toFixed(2)}<small>s/s</small>`;
-  line("audio", t, [{ name: "audio s per s", color: C.accent, values: col((s) => s.audio_per_s), fill: true }], {});
+  // the engine makes audio in bursts (a chunk per segment and step): per 0.5 s sample the rate swings between 0
+  // and several s/s, so it is shown as the mean over the last AUDIO_RATE_WINDOW_S
+  const span = Math.max(1, Math.round(AUDIO_RATE_WINDOW_S / hello.sample_period_s));
+  const audioRate = rollingMean(col((s) => s.audio_per_s), span);
+  $("now-audio").innerHTML = `${audioRate[audioRate.length - 1].toFixed(2)}<small>s/s</small>`;
+  line("audio", t, [{ name: `audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: audioRate,
+                      fill: true }], {});
 
   // sessions
   const sessionsNow = Object.values(last.sessions).reduce((a, b) => a + b, 0);

@@ -174,8 +174,7 @@ function onEvent(ev) {
       else showMsg("speak-msg", `server busy: ${ev.reason}`, "err");
       break;
     case "error": {
-      const ours = ev.context_id ? turnsById.get(ev.context_id) : null;
-      if (ours && ours.finished && ev.code === "unknown_context") break; // its text after the first error: moot
+      if (turn && turn.finished && ev.code === "unknown_context") break; // its text after the first error: moot
       showMsg("speak-msg", `${ev.field ? `${ev.field}: ` : ""}${ev.message} (${ev.code})`, "err");
       if (turn && !turn.finished && turn.state === "opening") finishTurn(turn, "failed", ev.message);
       break;
