@@ -156,14 +156,17 @@ function setup(name) {
   return { g, w, h };
 }
 
+// The axis top: four equal steps of a round size (1, 2, 2.5 or 5 times a power of ten), so every tick reads
+// round ("1k 2k 3k 4k", not "0.9k 1.9k 2.8k 3.8k"); whole steps for counts.
 function niceMax(v, integer) {
   if (!(v > 0)) return integer ? 4 : 1;
-  const p = Math.pow(10, Math.floor(Math.log10(v)));
-  for (const m of [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) {
-    const top = m * p;
-    if (top >= v) return integer ? Math.max(4, Math.ceil(top)) : top;
+  const need = v / 4;
+  const p = Math.pow(10, Math.floor(Math.log10(need)));
+  for (const m of [1, 2, 2.5, 5, 10]) {
+    const step = m * p;
+    if (step >= need && (!integer || Number.isInteger(step))) return 4 * step;
   }
-  return 10 * p;
+  return 40 * p;
 }
 
 function label(v) {
