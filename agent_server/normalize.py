@@ -480,11 +480,18 @@ def _lang(language: str | None) -> str:
     return (language or "en").lower().split("-")[0]
 
 
+def _unspaced(written: str, rules: LanguageRules) -> str:
+    """Other languages' grouping spaces ("1 500", "2 345,67", a no-break or thin space) as the language's group
+    mark; beside a mark already there ("1. 500"), dropped."""
+    group_mark = "," if rules.decimal_mark == "." else "."
+    return re.sub(r"[ \u00a0\u202f]", "" if re.search(r"[,.][ \u00a0\u202f]", written) else group_mark, written)
+
+
 def _amount(written: str, rules: LanguageRules) -> Decimal | None:
     """'1,234.5' (English), '1.234,5' (German) -> Decimal; None where the marks do not read as one number in this
     language ('1,5' in English, '3.5' in German)."""
     group_mark = "," if rules.decimal_mark == "." else "."
-    written = re.sub(r"[ \u00a0\u202f]", "" if re.search(r"[,.][ \u00a0\u202f]", written) else group_mark, written)
+    written = _unspaced(written, rules)
     whole, mark, fraction = written.partition(rules.decimal_mark)
     if (mark and not fraction.isdigit()) or not re.fullmatch(rf"\d{{1,3}}(?:{re.escape(group_mark)}\d{{3}})*|\d+",
                                                                  whole):
@@ -507,8 +514,7 @@ def _digits(written: str, lang: str) -> str:
 
 def _number(written: str, lang: str, rules: LanguageRules) -> str | None:
     """A quantity said as one; digit by digit where it is not one (a leading zero, too many digits)."""
-    written = re.sub(r"[ \u00a0\u202f]", "" if re.search(r"[,.][ \u00a0\u202f]", written) else
-                     ("." if rules.decimal_mark == "," else ","), written)  # (other languages' grouping spaces)
+    written = _unspaced(written, rules)
     plain = written.replace(",", "").replace(".", "")
     value = _amount(written, rules)
     if value is None:
@@ -665,6 +671,12 @@ def _read_ordinal(match: re.Match[str], lang: str, rules: LanguageRules) -> str 
     return _words(value, lang, to="ordinal")
 
 
+def _say_digit_groups(groups: Sequence[str], lang: str, *, plus: bool = False) -> str:
+    """A phone number's groups, digit by digit, a pause between them ("plus one, four one five, ...")."""
+    said = ", ".join(_digits(group, lang) for group in groups)
+    return f"{'plus' if lang == 'en' else '+'} {said}" if plus else said
+
+
 def _read_phone(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
     written = match["ph"]
     groups = re.split(r"[ .-]", written.lstrip("+"))
@@ -672,10 +684,7 @@ def _read_phone(match: re.Match[str], lang: str, rules: LanguageRules) -> str | 
         return None  # "10-20", "2023-2024", "2 500": a range or a number (the rules after this one)
     if all(len(group) == 3 for group in groups[1:]) and len(groups[0]) <= 3 and written[len(groups[0])] in " .":
         return _number("".join(groups), lang, rules)  # "1.234.567", "1 234 567": thousands grouped
-    said = ", ".join(_digits(group, lang) for group in groups)
-    if written.startswith("+"):
-        said = f"{'plus' if lang == 'en' else '+'} {said}"
-    return said
+    return _say_digit_groups(groups, lang, plus=written.startswith("+"))
 
 
 def _read_version(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
@@ -804,15 +813,13 @@ def _read_phone_intl(match: re.Match[str], lang: str, rules: LanguageRules) -> s
     groups = re.split(r"[ .-]", written.lstrip("+"))
     if sum(map(len, groups)) < 8 or all(len(group) <= 4 for group in groups):
         return None  # short, or groups the phone rule reads (and tells from thousands)
-    said = ", ".join(_digits(group, lang) for group in groups)
-    return f"plus {said}" if written.startswith("+") else said
+    return _say_digit_groups(groups, lang, plus=written.startswith("+"))
 
 
 def _read_phone_area(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
-    groups = [match["pa_area"], *re.split(r"[ .-]", match["pa_rest"])]
-    said = ", ".join(_digits(group, lang) for group in groups)
     country = match["pa_cc"]
-    return f"plus {_digits(country, lang)}, {said}" if country else said
+    groups = [*([country.strip(" .-+")] if country else []), match["pa_area"], *re.split(r"[ .-]", match["pa_rest"])]
+    return _say_digit_groups(groups, lang, plus=bool(country))
 
 
 def _read_vanity(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
