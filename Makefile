@@ -1,6 +1,6 @@
 # The two commands a newcomer needs (see README): `make serve` and `make test`. Both install first.
 ARGS ?=
-.PHONY: install browser-deps scale-deps serve test lint
+.PHONY: install browser-deps scale-deps monitoring-deps serve test lint
 
 install:
 	@bash scripts/install.sh
@@ -13,11 +13,15 @@ browser-deps: install
 scale-deps: install
 	@bash scripts/ci_scale_deps.sh || echo "warning: could not install redis-server/haproxy; multi-replica tests will not run" >&2
 
+# Debian prometheus for promtool: deploy/'s alert rules and their unit tests (root for apt-get; without: skip, or fail under CI=true)
+monitoring-deps: install
+	@bash scripts/ci_monitoring_deps.sh || echo "warning: could not install promtool; alert rule tests will not run" >&2
+
 serve: install
 	.venv/bin/agent-server $(ARGS)
 
 # the gates first (zero findings: mypy --strict and ruff, configured in pyproject.toml), then the suite
-test: browser-deps scale-deps lint
+test: browser-deps scale-deps monitoring-deps lint
 	.venv/bin/python -m pytest -q
 
 lint: install

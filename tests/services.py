@@ -27,11 +27,11 @@ DEPLOY_HAPROXY_CFG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 START_TIMEOUT_S = 10.0
 
 
-def require(program: str) -> str:
-    """The program's path; skip (fail under CI) when it is not installed."""
+def require(program: str, installer: str = "scripts/ci_scale_deps.sh") -> str:
+    """The program's path; skip (fail under CI) when it is not installed (`installer` is the script that does)."""
     path = shutil.which(program) or (f"/usr/sbin/{program}" if Path(f"/usr/sbin/{program}").exists() else None)
     if path is None:
-        message = f"{program} not found (scripts/ci_scale_deps.sh installs it from Debian)"
+        message = f"{program} not found ({installer} installs it from Debian)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

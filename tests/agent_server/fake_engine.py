@@ -362,7 +362,7 @@ class FakeEngine(EngineLike):
             seg.request.sink(event)
 
 
-def make_engine(settings: object) -> FakeEngine:
+def make_engine(settings: object, engine_class: type[FakeEngine] = FakeEngine) -> FakeEngine:
     """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.fake_engine:make_engine`
     (the load test's server).
 
@@ -372,4 +372,4 @@ def make_engine(settings: object) -> FakeEngine:
     if "chunk_schedule_tokens" in options:
         options["chunk_schedule_tokens"] = tuple(options["chunk_schedule_tokens"])
     options.setdefault("variant", getattr(settings, "variant", "english"))
-    return FakeEngine(**options)
+    return engine_class(**options)

@@ -19,7 +19,7 @@ from agent_server.cli import build_server
 from agent_server.settings import Settings
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN, StepStats
 
-from tests.agent_server.fake_engine import FakeEngine
+from tests.agent_server.fake_engine import FakeEngine, make_engine
 from tests.agent_server.live_server import STARTUP_TIMEOUT_S, LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +65,12 @@ class StatsFakeEngine(FakeEngine):
                 audio_s=tokens * SECONDS_PER_TOKEN,
             )
         )
+
+
+def make_stats_engine(settings: object) -> FakeEngine:
+    """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.browser.support:make_stats_engine`: the real CLI with
+    an engine that reports its steps as synth.Engine does (options as `fake_engine.make_engine`'s)."""
+    return make_engine(settings, StatsFakeEngine)
 
 
 def wire_metrics(app: Any, **options: Any) -> metrics.Metrics:

@@ -1,6 +1,7 @@
 """deploy/: the Kubernetes manifests against the Kubernetes schemas (kubernetes-validate, offline), the KEDA
-ScaledObject and the compose file against what the server really exports and listens on, haproxy.cfg through
-`haproxy -c`, the Dockerfile through hadolint. Everything offline."""
+ScaledObject, the ServiceMonitor and the compose file against what the server really exports and listens on,
+haproxy.cfg through `haproxy -c`, the Dockerfile through hadolint. Everything offline. (The alert rules, the
+PrometheusRule and the Grafana dashboard: test_monitoring.py.)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from tests.services import require
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
 KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")  # the oldest still in wide use, and the newest the validator knows
-CRD_KINDS = {"ScaledObject"}  # KEDA's: no schema in the Kubernetes set (checked by hand below)
+# KEDA's and the Prometheus Operator's: no schema in the Kubernetes set (checked by hand below)
+CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -130,10 +132,38 @@ def test_keda_scales_on_metrics_the_server_exports(tmp_path: Path) -> None:
     assert float(trigger["metadata"]["threshold"]) < slots  # scale before a pod's slots are all taken
 
 
+def test_prometheus_scrapes_every_pods_metrics_port_through_the_drain() -> None:
+    """The ServiceMonitor selects the metrics Service (and not HAProxy's headless one), whose port is the pods'
+    --metrics-port (it answers until the process exits, port 8000's /metrics does not), listing pods that are
+    loading or draining too; its job is the one the alert rules name, its pod label the one KEDA's query does."""
+    monitor = find("ServiceMonitor", "agent-server")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selected = [doc for _, doc in manifests() if doc["kind"] == "Service"
+                and monitor["spec"]["selector"]["matchLabels"].items() <= doc["metadata"]["labels"].items()]
+    assert [service["metadata"]["name"] for service in selected] == ["agent-server-metrics"]
+    (service,) = selected
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    (service_port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    pod = find("Deployment", "agent-server")["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    container_ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    metrics_port = int(env_of(find("ConfigMap", "agent-server"))["AGENT_SERVER_METRICS_PORT"])
+    assert container_ports[service_port["targetPort"]] == metrics_port == service_port["port"]
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == metrics_port  # annotation-based scrapes
+    job = service["metadata"]["labels"][monitor["spec"]["jobLabel"]]
+    assert f'up{{job="{job}"}}' in (DEPLOY / "prometheus" / "agent-server.rules.yaml").read_text()
+    (pod_label,) = monitor["spec"]["podTargetLabels"]
+    keda_query = find("ScaledObject", "agent-server")["spec"]["triggers"][0]["metadata"]["query"]
+    assert re.sub(r"[./-]", "_", pod_label) + f'="{pod["metadata"]["labels"][pod_label]}"' in keda_query
+
+
 def test_the_kustomization_names_files_that_exist() -> None:
     kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     for resource in kustomization["resources"]:
         assert (DEPLOY / resource).is_file(), resource
+    assert {f"k8s/{path.name}" for path in K8S.glob("*.yaml")} == set(kustomization["resources"])  # none left out
     (generator,) = kustomization["configMapGenerator"]
     assert generator["name"] == "haproxy" and all((DEPLOY / f).is_file() for f in generator["files"])
     volumes = find("Deployment", "haproxy")["spec"]["template"]["spec"]["volumes"]
