@@ -39,12 +39,12 @@ ATTENTION_LAYERS = 8  # the tiny flow's: encoder 1 + 4 (up-blocks), estimator 3 
 FRAME_SAMPLES = 480
 HOP_SAMPLES = 120
 BANDS = 16
-# What a join may cost, per frame: RMS over the bands of the level difference in dB. Measured at the 7 joins: at most
-# 0.26 dB as built; 0.9-1.6 dB with a left context of 0 (the first frames of each window), 4.7-5.9 dB with the
-# crossfade reversed, 4.4-4.6 dB without a crossfade.
+# What a join may cost, per frame: RMS over the bands of the level difference in dB. Measured at the 7 joins:
+# 0.13-0.26 dB as built; 0.9-1.55 dB with a left context of 0 (the first frames of each window), 1.0-1.4 dB with
+# the held-back mel frames one frame early, 4.7-5.9 dB with the crossfade reversed or the held tail dropped.
 MAX_JOIN_DB = 0.5
 # The crossfade partners (the tail held back from one HiFT call and the next call's render of the same frames), over
-# the middle half of the overlap, relative difference. Measured: 1.5-1.8 % as built; 10-11 % when the next call's
+# the middle half of the overlap, relative difference. Measured: 1.3-2.0 % as built; 8.3-10.6 % when the next call's
 # sine source restarts instead of carrying the previous call's excitation (its harmonics' phases differ).
 MAX_PARTNER_DIFFERENCE = 0.05
 
