@@ -82,8 +82,9 @@ class StepInputs:
     """Host mirror (numpy views over one pinned buffer) and device twin of every per-row step input.
 
     `ints[field]` / `floats[field]` are the host arrays [max_rows] the engine writes; `device_int(field)` /
-    `device_float(field)` are the device tensors the step reads. The host buffer may be rewritten only after
-    the previous upload completed; the step's one host sync (the sampled ids) guarantees that.
+    `device_float(field)` are the device tensors the step reads. `upload` copies the host mirror through one of two
+    pinned staging buffers on CUDA (alternating), so the mirror may be rewritten at once, even with two steps in
+    flight.
     """
 
     def __init__(self, max_rows: int, device: torch.device, scratch_pos: int, bos_token: int) -> None:
@@ -93,7 +94,15 @@ class StepInputs:
         int_bytes = len(INT_FIELDS) * max_rows * 8
         float_bytes = len(FLOAT_FIELDS) * max_rows * 4
         pin = device.type == "cuda"
-        self.host = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8)
+        self._host_bytes = self.host.numpy()
+        # CUDA: two pinned staging copies, alternating, so that writing the next step's inputs never changes a
+        # buffer whose non-blocking upload the device has not done yet (with overlapped steps the host writes step
+        # k+1's inputs before step k has run; step k-1's upload is done, since its ids were read)
+        self._staging = [torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=True)
+                         for _ in range(2 if pin else 0)]
+        self._staging_bytes = [buffer.numpy() for buffer in self._staging]
+        self._slot = 0
         self.device_bytes = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, device=device)
         host_ints = self.host[:int_bytes].view(torch.int64).view(len(INT_FIELDS), max_rows).numpy()
         host_floats = self.host[int_bytes:].view(torch.float32).view(len(FLOAT_FIELDS), max_rows).numpy()
@@ -143,8 +152,13 @@ class StepInputs:
             ints["reset"][list(state.rows)] = 1
 
     def upload(self) -> None:
-        """The step's one host-to-device copy (non-blocking from pinned memory on CUDA)."""
-        self.device_bytes.copy_(self.host, non_blocking=True)
+        """The step's one host-to-device copy (on CUDA non-blocking, from the staging buffer not used last)."""
+        if not self._staging:
+            self.device_bytes.copy_(self.host)
+            return
+        slot, self._slot = self._slot, 1 - self._slot
+        self._staging_bytes[slot][:] = self._host_bytes
+        self.device_bytes.copy_(self._staging[slot], non_blocking=True)
 
 
 class StepGraph:

@@ -349,9 +349,12 @@ class T3Runner:
         return logits
 
     def release(self, rows: tuple[int, ...]) -> None:
-        """These rows' segment is gone: hold nothing of its voice (a removed voice's prefix is freed)."""
+        """These rows' segment is gone: hold nothing of its voice (a removed voice's prefix is freed), and each row
+        is its own CFG partner again (an idle row's partner must lie inside any row bucket that holds the row: a
+        pair claimed as rows (3, 9) leaves row 3 idle in a 4-row bucket)."""
         for row in rows:
             self.row_prefixes.clear(row)
+        self.inputs.ints["partner"][list(rows)] = rows
 
     # --- the prefix pool ---------------------------------------------------------------------------------
 

@@ -171,3 +171,18 @@ def test_cache_is_allocated_once_and_sized_by_config() -> None:
     assert len(cache.keys) == runner.n_layers
     assert cache.keys[0].shape == (6, runner.n_heads, 128, runner.head_dim)
     assert cache.usable_len == 127 and cache.scratch_pos == 127
+
+
+def test_a_released_rows_cfg_partner_stays_inside_a_smaller_row_bucket() -> None:
+    """A CFG pair claimed as rows (3, 9) (rows 4-8 taken), then released: a later 4-row step has row 3 idle, and
+    sampling reads each row's partner's logits within the bucket (an index past it is an error on the CPU and a
+    device-side assert on CUDA)."""
+    bundle = tiny_bundle("english")
+    runner = T3Runner(bundle.t3, max_rows=16, max_len=128, device=DEVICE, dtype=torch.float32)
+    ints = runner.inputs.ints
+    ints["partner"][3], ints["partner"][9] = 9, 9  # as admission writes them: the cond row reads the uncond row's
+    runner.release((3, 9))
+    runner.inputs.idle_rows(4)
+    runner.inputs.upload()
+    runner.sample(4)  # raised IndexError before the release reset the partners
+    assert ints["partner"][3] == 3 and ints["partner"][9] == 9
