@@ -148,10 +148,25 @@ def _with_eos_bias_(bundle: ModelBundle, boost: float) -> None:
     bundle.t3.speech_head = biased.eval()
 
 
+def _run_cases(bundle: ModelBundle, variant: Variant, cases: list[Case]) -> Collector:
+    with _started(_engine(bundle, variant, len(cases))) as engine:
+        collector = Collector()
+        for case in cases:
+            engine.submit(_request(case, collector))
+        collector.wait_done([c.request_id for c in cases])
+    return collector
+
+
+def _done(collector: Collector, request_id: str) -> SegmentEvent:
+    done = [e for e in collector.events[request_id] if isinstance(e, SegmentEvent)][-1]
+    assert done.kind == EventKind.DONE, (request_id, done)
+    return done
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_eos_ends_a_segment_where_the_reference_ends_it(variant: Variant) -> None:
-    """A peaky model made to say EOS now and then: segments end on it mid-way, where the reference ends them
-    (Turbo never on its first id), with reason "eos" and EOS not counted as speech; the others go on."""
+    """A peaky model made to say EOS now and then: segments end on it mid-way, where the reference ends them, with
+    reason "eos" and EOS not counted as speech; the others go on."""
     limit = 60
     cases = [replace(c, params=replace(c.params, max_new_tokens=limit)) for c in _cases(variant)]
     for boost in (3.0, 5.0, 7.0, 9.0):  # the smallest that ends some segments, not all, mid-way
@@ -165,19 +180,29 @@ def test_eos_ends_a_segment_where_the_reference_ends_it(variant: Variant) -> Non
             break
     else:
         pytest.fail("no EOS bias ended some segments, not all, mid-way")
-    with _started(_engine(bundle, variant, len(cases))) as engine:
-        collector = Collector()
-        for case in cases:
-            engine.submit(_request(case, collector))
-        collector.wait_done([c.request_id for c in cases])
+    collector = _run_cases(bundle, variant, cases)
     said.check({c.request_id: collector.tokens(c.request_id) for c in cases}, f"EOS bias {boost}")
     for case in cases:
-        tokens = collector.tokens(case.request_id)
-        done = [e for e in collector.events[case.request_id] if isinstance(e, SegmentEvent)][-1]
-        assert done.kind == EventKind.DONE
+        tokens, done = collector.tokens(case.request_id), _done(collector, case.request_id)
         assert (done.reason == "eos") == (tokens[-1] == said.eos), (case.request_id, done.reason, tokens[-3:])
         assert done.speech_tokens == sum(1 for t in tokens if t < SPEECH_VOCAB_SIZE)
-        assert said.eos not in tokens[1:-1] and (variant != "turbo" or len(tokens) >= 2)
+        assert said.eos not in tokens[1:-1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_eos_at_the_first_chance_ends_at_once_but_never_turbos_first_id(variant: Variant) -> None:
+    """A model that says nothing but EOS: English ends on its first id; Turbo's first id is never taken for EOS
+    (inference_turbo checks from the second on), so it ends on its second. No speech token either way."""
+    cases = _cases(variant)[:3]
+    bundle = peaky_bundle(variant)
+    _with_eos_bias_(bundle, 60.0)
+    said = _peaky(variant, bundle, cases)
+    collector = _run_cases(bundle, variant, cases)
+    said.check({c.request_id: collector.tokens(c.request_id) for c in cases}, "EOS at once")
+    for case in cases:
+        tokens, done = collector.tokens(case.request_id), _done(collector, case.request_id)
+        assert tokens == ([said.eos] if variant != "turbo" else [said.eos, said.eos]), (case.request_id, tokens)
+        assert done.reason == "eos" and done.speech_tokens == 0
 
 
 @pytest.mark.parametrize("schedule", ["all_at_once", "staggered"])
