@@ -82,10 +82,12 @@ def step_bytes(engine: Engine) -> tuple[int, tuple[int, int]]:
 
 def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, dtype: str, device: str,
             graphs: str, context_tokens: int, threads: int = 0, cpu_weights: str = "fp32",
-            bandwidth: float = 0.0) -> dict[str, object]:
+            bandwidth: float = 0.0, overlap_steps: str = "auto") -> dict[str, object]:
     if threads > 0:
         torch.set_num_threads(threads)
-    extra = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
+    extra: dict[str, object] = {"cuda_graphs": graphs} if "cuda_graphs" in EngineConfig.__dataclass_fields__ else {}
+    if "overlap_steps" in EngineConfig.__dataclass_fields__:
+        extra["overlap_steps"] = overlap_steps
     config = EngineConfig(variant=variant, weights="random", device=device, dtype=dtype,  # type: ignore[arg-type]
                           max_slots=sessions, max_context_tokens=context_tokens, cpu_weights=cpu_weights,
                           **extra)  # type: ignore[arg-type]
@@ -122,6 +124,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
     floor_ms = floor_bytes / bandwidth * 1e3 if bandwidth else 0.0
     return {"variant": variant, "sessions": sessions, "voices": voices, "threads": torch.get_num_threads(),
             "cpu_weights": cpu_weights, "dtype": dtype, "graphs": engine.status()["cuda_graphs_state"],
+            "overlap_steps": engine.overlap_steps,
             "ops_per_step": ops, "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
             "row_bucket": n_rows, "key_bucket": n_keys, "floor_mb": round(floor_bytes / 1e6, 1),
             "floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2) if floor_ms else None,
@@ -144,6 +147,8 @@ def main() -> None:
                         help="CPU thread counts to run each measurement with (0: leave the count as it is)")
     parser.add_argument("--cpu-weights", default="fp32", choices=["fp32", "bf16"],
                         help="CPU, float32 T3: bf16-stored projection weights (the server's --cpu-weights)")
+    parser.add_argument("--overlap-steps", default="auto", choices=["auto", "on", "off"],
+                        help="launch step k+1 before reading step k's ids (auto: with CUDA graphs)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     bundle = random_bundle(args.variant, args.size, torch.device(args.device))
@@ -155,7 +160,8 @@ def main() -> None:
         for voices in sorted(choices):
             for threads in args.threads:
                 row = measure(bundle, args.variant, sessions, voices, args.steps, args.dtype, args.device,
-                              args.cuda_graphs, args.context_tokens, threads, args.cpu_weights, bandwidth)
+                              args.cuda_graphs, args.context_tokens, threads, args.cpu_weights, bandwidth,
+                              args.overlap_steps)
                 row["size"] = args.size
                 print(json.dumps(row), flush=True)
                 rows.append(row)

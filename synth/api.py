@@ -359,7 +359,7 @@ class EngineConfig:
     # "on", "off" (synth/gpu.use_vocoder_tf32).
     vocoder_tf32: str = "auto"
     # Launch step k+1 before reading step k's ids, so that the host's work on them overlaps the device's:
-    # "auto" (on with a CUDA device), "on", "off". Never with the alignment analyzer.
+    # "auto" (on with the decode's CUDA graphs), "on", "off". Never with the alignment analyzer.
     overlap_steps: str = "auto"
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the

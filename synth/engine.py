@@ -11,7 +11,7 @@ This file imports no torch (tests/test_layering.py): the runner (synth/t3_runner
 `execute(plan) -> StepOutput`, the scheduler (synth/scheduler.py) the per-row counters as numpy arrays, so a step's
 host work is a fixed number of operations whatever the rows; Python runs per segment only for its admission, first
 id and end. A decoding row feeds the id sampled for it at the step before from the device, so with overlapped steps
-(`overlap_steps`, on by default on a CUDA device) step k+1 is launched before step k's ids are read, and the host's
+(`overlap_steps`, on by default with CUDA graphs) step k+1 is launched before step k's ids are read, and the host's
 reading, stop checks and vocoder hand-off of step k run while the device computes step k+1 (vLLM's async
 scheduling). A segment that ended at step k has also been stepped at k+1; that id is dropped.
 
@@ -182,10 +182,12 @@ class Engine(EngineLike):
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama,
             track_states=config.alignment_analyzer), on_release=self.runner.release)
-        # step k+1 launched before step k's ids are read: on a CUDA device (where launching is all the host does),
-        # never with the alignment analyzer (its edit of step k+1 reads step k's id on the host)
+        # step k+1 launched before step k's ids are read: "auto" with the decode's CUDA graphs (a step is then a few
+        # launches the device runs while the host reads the step before; eager, the launches are the step, and a
+        # probe of the eager sampler would see the step launched after a segment's end), never with the alignment
+        # analyzer (its edit of step k+1 reads step k's id on the host)
         self.overlap_steps = not config.alignment_analyzer and (
-            config.overlap_steps == "on" or (config.overlap_steps == "auto" and self.device.type == "cuda"))
+            config.overlap_steps == "on" or (config.overlap_steps == "auto" and parts.decode_graphs))
         self.threads = ThreadBudget.resolve(config.decode_threads, config.vocoder_threads, available_cores())
         # the decode's threads lent to the vocoder's urgent ticks (CPU only: on a GPU the threads only launch)
         self.lease = CoreLease(self.threads.decode, self.threads.vocoder,
