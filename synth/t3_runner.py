@@ -586,12 +586,13 @@ class T3Runner:
         return ""
 
     def _parity_inputs(self, n_rows: int, n_keys: int) -> None:
-        """Rows [0, n_rows) of every length up to `n_keys` keys, distinct tokens, writes to the scratch position;
-        sampling parameters that make every processor decide something."""
+        """Rows [0, n_rows) of every length up to `n_keys` keys, fed from the last sampled ids or distinct host
+        tokens, writing to the scratch position; sampling parameters that make every processor decide something."""
         inputs, rows = self.inputs, np.arange(n_rows)
         ints, floats = inputs.ints, inputs.floats
         inputs.idle_rows(self.inputs.max_rows)
         keys = n_keys - rows % min(n_keys, 7)
+        ints["feed"][:n_rows] = np.where(rows % 2 == 0, rows, -1)  # half the rows feed `sampled`, half `token`
         ints["token"][:n_rows] = (37 * rows + 11) % (self.start_speech_token - 1)
         ints["speech_pos"][:n_rows] = rows % 16 + 1
         ints["pos"][:n_rows] = keys - 1
