@@ -33,7 +33,7 @@ from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.hub import Hub
 from agent_server.logging import configure_logging
-from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, ON_OFF, Settings
+from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, Settings
 from synth.api import VARIANTS
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cuda-graphs", "cuda_graphs", "capture the decode step and sampling as CUDA graphs per batch bucket at "
         "start-up: auto (on with CUDA), on, off", choices=CUDA_GRAPHS)
     add("--vocoder-graphs", "vocoder_graphs", "CUDA: replay the vocoder's renders as CUDA graphs, one per (batch, "
-        "length bucket), each captured when first met (off until measured on a GPU)", choices=ON_OFF)
+        "length bucket), each captured when first met: auto (on with CUDA, eager if the start-up check fails), on, "
+        "off (off until measured on a GPU)", choices=CUDA_GRAPHS)
     add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
         "or D,V")
     add("--lend-threads", "lend_threads", "CPU: on: the decode's threads render a turn's first chunk (the decode "
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "too while it has nothing to render, where that is faster on this machine; vocoder: only the first; off: "
         "neither", choices=LEND_THREADS)
     add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
-    add("--max-slots", "max_slots", "segments the engine generates at once", type=int)
+    add("--max-slots", "max_slots", "segments the engine generates at once, or auto (as many as the GPU's free "
+        "memory holds; printed at start); a count that does not fit is refused", type=slot_count)
     add(
         "--queue-when-full",
         "queue_when_full",
@@ -148,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def slot_count(raw: str) -> int:
+    """--max-slots: a count, or "auto" (0)."""
+    return 0 if raw.strip().lower() == "auto" else int(raw)
+
+
 def comma_list(raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -190,6 +197,8 @@ def _convert(name: str, raw: str, annotation: object, parser: argparse.ArgumentP
             parser.error(f"{'/'.join(ENV_VARS[name])}={raw!r}: not one of {', '.join(BOOL_WORDS)}")
         return BOOL_WORDS[raw.lower()]
     try:
+        if name == "max_slots":
+            return slot_count(raw)
         if kind == "int":
             return int(raw)
         if kind == "float":

@@ -74,6 +74,7 @@ KNOWN_CLOSE_CODES = frozenset({1000, 1001, 1002, 1003, 1005, 1006, 1007, 1008, 1
 CONTEXT_REASONS = ("completed", "cancelled", "busy", "failed", "shutdown")
 BUSY_SCOPES = ("session", "context")
 DEFAULT_PROTOCOLS = ("native",)
+GRAPHS_REASON_CHARS = 160  # tts_engine_graphs: the reason label, cut (the whole reason: /v1/status)
 
 SAMPLE_PERIOD_S = 0.5  # dashboard resolution
 HISTORY_S = 120.0  # dashboard history kept (and sent to a dashboard that connects)
@@ -248,7 +249,7 @@ class _HubCollector(Collector):
         engine = hub.engine
         status: dict[str, Any] = engine.status() if engine is not None else {}
         families = self._families()
-        sessions_f, contexts_f, slots_f, max_slots_f, waiting_f, ready_f, random_f = families
+        sessions_f, contexts_f, slots_f, max_slots_f, waiting_f, ready_f, random_f, graphs_f = families
         for protocol, count in by_protocol.items():
             sessions_f.add_metric([protocol], count)
         contexts_f.add_metric([], sum(s.live_streams for s in sessions))
@@ -257,6 +258,10 @@ class _HubCollector(Collector):
         waiting_f.add_metric([], float(status.get("waiting", 0)))
         ready_f.add_metric([], 1.0 if hub.ready else 0.0)
         random_f.add_metric([], 1.0 if engine is not None and engine.random_weights else 0.0)
+        for part, key in (("decode", "cuda_graphs"), ("vocoder", "vocoder_graphs")):
+            if f"{key}_state" in status:  # engines that report it (synth's; test fakes may not)
+                reason = str(status.get(f"{key}_reason", ""))[:GRAPHS_REASON_CHARS]
+                graphs_f.add_metric([part, str(status[f"{key}_state"]), reason], 1.0)
         return families
 
     @staticmethod
@@ -269,6 +274,9 @@ class _HubCollector(Collector):
             GaugeMetricFamily("tts_engine_waiting_segments", "Segments in the engine's admission queue"),
             GaugeMetricFamily("tts_server_ready", "1 once the model is loaded and the server takes sessions"),
             GaugeMetricFamily("tts_random_weights", "1 when the model runs on random weights (audio is noise)"),
+            GaugeMetricFamily("tts_engine_graphs", "1 for each part's CUDA graphs state: on, off, or fallback (eager "
+                              "after a capture failure or a replay unequal to eager at start-up), with the reason",
+                              labels=["part", "state", "reason"]),
         ]
 
 

@@ -14,7 +14,6 @@ WEIGHTS_KEYWORDS = ("auto", "random-tiny", "random-full")
 DTYPES = ("float32", "bfloat16", "float16")
 CPU_WEIGHTS = ("fp32", "bf16")
 CUDA_GRAPHS = ("auto", "on", "off")
-ON_OFF = ("on", "off")
 LEND_THREADS = ("on", "vocoder", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 AUTH_MODES = ("auto", "on", "off")
@@ -38,7 +37,8 @@ class Settings:
     # with a CUDA device), "on" (requires one), "off" (eager, the CPU's path).
     cuda_graphs: str = "auto"
     # The vocoder's renders as CUDA graphs, one per (batch, length bucket), captured the first time each is met:
-    # "on" (requires CUDA) or "off". Off by default until the GPU check has measured it (BENCHMARKS.md).
+    # "auto" (on with CUDA, eager if its start-up check fails), "on" (requires CUDA), "off". Off by default until
+    # the GPU check has measured it (BENCHMARKS.md).
     vocoder_graphs: str = "off"
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
@@ -48,7 +48,7 @@ class Settings:
     # where that makes a step faster on this machine (BorrowGain); "vocoder": only the first; "off": neither.
     lend_threads: str = "on"
     max_sessions: int = 256  # open WebSocket sessions, all protocols together; beyond: busy + close 1013
-    max_slots: int = 16  # engine: segments generating at once
+    max_slots: int = 16  # engine: segments generating at once; 0 ("auto"): as many as the GPU's free memory holds
     # When every engine slot is taken, a context's first segment is refused at once (`busy`, so the
     # agent can fall back) unless this is set: then it waits in the engine's bounded admission queue,
     # ahead of other waiting segments. Later segments of a context always wait (never fail mid-turn).
@@ -142,8 +142,8 @@ class Settings:
             raise ValueError(f"cpu_vocoder must be one of {', '.join(CPU_WEIGHTS)}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}")
-        if self.vocoder_graphs not in ON_OFF:
-            raise ValueError(f"vocoder_graphs must be one of {', '.join(ON_OFF)}")
+        if self.vocoder_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"vocoder_graphs must be one of {', '.join(CUDA_GRAPHS)}")
         ThreadBudget.parse(self.threads)  # raises ValueError naming the accepted forms
         if self.lend_threads not in LEND_THREADS:
             raise ValueError(f"lend_threads must be one of {', '.join(LEND_THREADS)}")
@@ -182,7 +182,9 @@ class Settings:
             raise ValueError("agent_check_port must be in 0..65535 (0: off)")
         if self.phrase_cache_mb < 0 or self.phrase_cache_ttl_s <= 0:
             raise ValueError("phrase_cache_mb must be >= 0 and phrase_cache_ttl_s > 0")
-        for name in ("max_sessions", "max_slots", "max_contexts_per_session", "outbox_max_items", "encoder_threads",
+        if self.max_slots < 0:
+            raise ValueError("max_slots must be >= 1, or 0 (auto)")
+        for name in ("max_sessions", "max_contexts_per_session", "outbox_max_items", "encoder_threads",
                      "max_text_piece_chars", "max_context_text_chars", "max_message_bytes", "max_protocol_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -107,8 +108,13 @@ class RepoRun:
     random_weights: bool | None
     rounds: list[RoundResult] = field(default_factory=list)
     engine_after: dict[str, Any] = field(default_factory=dict)  # /v1/status's engine after the rounds
+    error: str = ""  # the server did not start (or died): why, with its log's tail
 
 
+# the engine's CUDA graph state, printed after a checkout's rounds (older checkouts lack it)
+GRAPH_KEYS = ("cuda_graphs", "cuda_graphs_state", "cuda_graphs_reason", "cuda_graphs_count", "cuda_graphs_capture_s",
+              "cuda_graphs_pool_mb", "cuda_graphs_parity", "overlap_steps", "vocoder_graphs_state", "vocoder_tf32",
+              "max_slots")
 # the engine's thread-lease counters, printed after a checkout's rounds (older checkouts lack some)
 LEASE_KEYS = ("decode_threads", "vocoder_threads", "lend_threads", "lent_ticks", "decode_waits_for_lent_ticks",
               "decode_borrows_threads", "borrowed_steps", "render_waits_for_borrowed_steps",
@@ -299,12 +305,21 @@ class BusyCores:
             proc.join(10)
 
 
-def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str], out_dir: Path) -> RepoRun:
+def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str], out_dir: Path,
+             runs: list[RepoRun], save: Callable[[], None]) -> RepoRun:
+    """One checkout's rounds, appended to `runs` at once and saved after every round (a run cut short keeps what
+    it measured). A server that does not start is recorded in its run (`error`), not raised."""
     server = Server(repo, args, extra, out_dir / f"{args.out.name}_{label}_server.log")
     run = RepoRun(label=label, repo=str(repo), commit=git_commit(repo), server_args=server.command[3:],
                   variant=args.variant, random_weights=None)
+    runs.append(run)
     try:
-        server.wait_ready(args.server_start_timeout_s)
+        try:
+            server.wait_ready(args.server_start_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            run.error = f"server did not start: {exc}"
+            print(f"[{label}] {run.error}", flush=True)
+            return run
         status = http_json(f"http://127.0.0.1:{server.port}/v1/status")
         engine = status.get("engine", status) if isinstance(status, dict) else {}
         run.random_weights = bool(engine.get("random_weights", args.weights.startswith("random")))
@@ -318,13 +333,18 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
                 result = asyncio.run(one_round(server.url, sessions, args, max_new))
                 run.rounds.append(result)
                 print(f"[{label}] N={sessions}: {format_row(result)}", flush=True)
+                save()
         after = http_json(f"http://127.0.0.1:{server.port}/v1/status")
         run.engine_after = after.get("engine", after) if isinstance(after, dict) else {}
+        graphs = {key: run.engine_after[key] for key in GRAPH_KEYS if key in run.engine_after}
+        if graphs:
+            print(f"[{label}] graphs: {json.dumps(graphs)}", flush=True)
         lease = {key: run.engine_after[key] for key in LEASE_KEYS if key in run.engine_after}
         if lease:
             print(f"[{label}] thread lease: {json.dumps(lease)}", flush=True)
     finally:
         server.stop()
+        save()
     return run
 
 
@@ -341,6 +361,8 @@ def print_table(runs: list[RepoRun]) -> None:
     print(f"\n{'checkout':12} {'N':>3} {'ok':>5} {'TTFA p50':>9} {'TTFA p95':>9} {'audio-s/s':>10} {'x N=1':>6} "
           f"{'dry mean':>9} {'dry p95':>8} {'dry times':>9}")
     for run in runs:
+        if run.error:
+            print(f"{run.label[:12]:12} {run.error.splitlines()[0][:100]}")
         base = next((r.audio_s_per_wall_s for r in run.rounds if r.sessions == 1), None)
         for r in run.rounds:
             ratio = f"{r.audio_s_per_wall_s / base:.2f}" if base else "-"
@@ -415,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--session-timeout-s", type=float, default=600.0)
     parser.add_argument("--server-start-timeout-s", type=float, default=SERVER_START_TIMEOUT_S)
     parser.add_argument("--out", type=Path, default=Path("out/bench_capacity"), help="output path without suffix")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where the servers' logs go (default: --out's)")
     args = parser.parse_args(argv)
     if min(args.sessions) < 1:
         parser.error("--sessions must be >= 1")
@@ -425,17 +448,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         extra = [*extra, "--threads", args.threads]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    runs = [run_repo(label, repo, args, extra + per_repo.get(label, []), args.out.parent)
-            for label, repo in parse_repos(args.repo)]
+    log_dir = args.log_dir or args.out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[RepoRun] = []
     report = {"machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                           "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "server_args": extra, "runs": [asdict(run) for run in runs]}
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+              "server_args": extra, "runs": runs}
+
+    def save() -> None:
+        report["runs"] = [asdict(run) for run in runs]
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+
+    try:
+        for label, repo in parse_repos(args.repo):
+            run_repo(label, repo, args, extra + per_repo.get(label, []), log_dir, runs, save)
+    except KeyboardInterrupt:  # `timeout -s INT`: the servers were stopped (run_repo's finally), the rounds saved
+        print("\ninterrupted: the rounds so far are in the JSON", flush=True)
+        save()
+        print_table(runs)
+        raise SystemExit(130) from None
+    save()
     print_table(runs)
     if plot(runs, args.out.with_suffix(".png")):
         print(f"\nplot: {args.out.with_suffix('.png')}")
     print(f"json: {args.out.with_suffix('.json')}")
+    if any(run.error for run in runs):
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

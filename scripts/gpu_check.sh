@@ -1,96 +1,174 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script for a lent H200 (a Python 3.12 image with its own CUDA torch, no
-# network). Each stage is bounded by `timeout`, writes what it measured under $OUT_DIR, and the most important
-# comes first, so a stage that fails or runs out of time leaves the others' figures.
+# The GPU check: ONE device call of at most 8 minutes on a lent H100/H200 (Python 3.12 with its own CUDA torch, no
+# network), the most important stage first. Each stage is bounded by `timeout -s INT` (pytest and the servers stop
+# cleanly and keep what they wrote); a stage that fails or runs out of time is recorded and the next one runs.
 #
-#   bash scripts/fetch_gpu_wheels.sh        # here, once: .whl/ (what the image lacks, ~54 MB)
-#   git archive <old commit> synth agent_server static | tar -x -C .gpu_old   # optional: the code to compare
-#   on the device (carry .whl and .gpu_old; $OUT is the folder that comes back): bash scripts/gpu_check.sh
-#   here, the same stages end to end on tiny weights and the CPU:  bash scripts/gpu_check.sh --device cpu
+#   here, once:        bash scripts/fetch_gpu_wheels.sh     # .whl/: what the image lacks (carried, ~25 MB)
+#   the device call:   bash scripts/gpu_check.sh            # carry .whl; timeout_s 540; $OUT comes back
+#   here, end to end:  bash scripts/gpu_check.sh --device cpu   # the same stages on tiny weights and the CPU
 #
-# Stages: (1) the engine's tests on CUDA: graph replay == eager, the decode over row/key buckets, equivalence
-# with chatterbox's reference; (2) the decode step of full-size Turbo, a voice per segment: ms and ops per step,
-# fp32 eager and bf16 with graphs; (3) the real server's capacity, Turbo, N sessions streaming an LLM reply
-# (first audio, audio seconds per second, underruns), old code beside new; (4) more decode steps: Turbo fp32
-# with graphs, English bf16 with graphs; (5) the vocoder's batched render ticks, eager vs captured graphs
-# (`use_graphs`: a CUDA graph per (batch, bucket), no compiler; GPU_COMPILE=1 adds torch.compile's, about a
-# minute per shape), Turbo, 24-token chunks. Stage 3 runs a third server with `--vocoder-graphs on` on CUDA.
-# Bounds (the `timeout`s): stage 1 165 s, 2 60 s, 3 400 s, 4 180 s, 5 230 s, so two device calls back to back,
-# GPU_STAGES="1 3" (the default) then GPU_STAGES="2 4 5", each fits one command's 10 minutes.
+# Stages and their bounds (s): 0 smoke 35 | 1 parity 170 | 2 capacity 190 | 3 decode step, TF32, English,
+# vocoder ticks 85: 480 in all (the machine's start and the transfers come on top: ask for timeout_s 540).
+#  0. the wheels, the imports, nvidia-smi, a background GPU-memory log (gpumem.csv, every second)
+#  1. graph replay == eager at the runner level (decode + sampling: Turbo and English, tiny and full, fp32 and bf16;
+#     the vocoder's render graphs), then the engine through graphs, ops and host syncs per step on CUDA, the runner
+#     and the equivalence with chatterbox's own inference
+#  2. the real server's capacity: Turbo bf16, full size, random weights, 1 / 16 / 64 / 128 sessions (first audio
+#     alone is N = 1), graphs (auto: the start-up check may fall back, `engine_after` says) versus graphs off
+#  3. decode step ms against the memory floor (Turbo bf16 at 1 / 64 / 128 rows), the vocoder's TF32 SNR against
+#     fp32, English bf16, then the vocoder's render ticks eager vs graphs (is --vocoder-graphs worth its default?)
+#
+# What comes back ($OUT; 6 files, no folder): gpu_check.log (everything printed), results.json (each stage's status,
+# seconds and figures, rewritten after every stage), capacity_turbo.json (rewritten after every round) and .png,
+# gpumem.csv, bundle.tar.gz (every stage's whole output: test logs, server logs, JSON; re-packed after every stage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda
 [ "${1:-}" = "--device" ] && DEVICE=${2:-cuda}
 OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+CHECK_START=$(date +%s)
 if [ "$DEVICE" = cuda ]; then
     PY=python3
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 3; }
+    SIZE=full; DTYPE=bfloat16; SESSIONS="1 16 64 128"; STEP_ROWS="1 64 128"; ENGLISH_ROWS="1 64"
+    RENDER_BATCHES="1 16 64"
+    SMOKE_S=35; PARITY_S=80; ENGINE_TESTS_S=65; STEP_COUNTS_S=25; CAPACITY_S=190; STEP_S=25; TF32_S=15; ENGLISH_S=15
+    TICKS_S=30
+else
+    PY=${PY:-.venv/bin/python}
+    SIZE=tiny; DTYPE=float32; SESSIONS="1 2"; STEP_ROWS="1 4"; ENGLISH_ROWS="1"; RENDER_BATCHES="1"
+    SMOKE_S=120; PARITY_S=120; ENGINE_TESTS_S=300; STEP_COUNTS_S=0; CAPACITY_S=400; STEP_S=200; TF32_S=300
+    ENGLISH_S=200; TICKS_S=300
+fi
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:warnings -rs -m "gpu or not gpu")
+
+stage() { STAGE=$1; STAGE_START=$(date +%s); echo; echo "== $1: $2 ($(date +%T), ${DEVICE})"; }
+# record STATUS [FILE...]: this stage's status and seconds into results.json, with the JSON (or JSON lines) files
+record() {
+    local status=$1; shift
+    "$PY" - "$OUT_DIR/results.json" "$STAGE" "$status" "$(( $(date +%s) - STAGE_START ))" "$DEVICE" "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+path, stage, status, seconds, device, *files = sys.argv[1:]
+results = json.loads(Path(path).read_text()) if Path(path).exists() else {"device": device, "stages": {}}
+figures = {}
+for name in files:
+    p = Path(name)
+    if not p.exists():
+        continue
+    text = p.read_text()
+    try:
+        figures[p.name] = json.loads(text)
+    except ValueError:  # JSON lines (or lines of which some are JSON)
+        figures[p.name] = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+results["stages"][stage] = {"status": status, "seconds": int(seconds), **({"figures": figures} if figures else {})}
+Path(path).write_text(json.dumps(results, indent=1))
+EOF
+    tar -czf "$OUT_DIR/bundle.tar.gz.part" -C "$WORK" . && mv "$OUT_DIR/bundle.tar.gz.part" "$OUT_DIR/bundle.tar.gz"
+    echo "-- $STAGE: $status ($(( $(date +%s) - STAGE_START )) s; $(( $(date +%s) - CHECK_START )) s in all)"
+}
+# bounded NAME SECONDS CMD...: the command under `timeout -s INT` (then KILL 10 s later), its whole output in
+# $WORK/NAME.txt and on the console; returns its status (124: out of time)
+bounded() {
+    local name=$1 seconds=$2; shift 2
+    timeout -s INT -k 10 "$seconds" "$@" 2>&1 | tee "$WORK/$name.txt"
+    return "${PIPESTATUS[0]}"
+}
+outcome() { case $1 in 0) echo ok ;; 124) echo "out of time" ;; *) echo "failed ($1)" ;; esac; }
+
+# ---- 0. smoke ------------------------------------------------------------------------------------------------------
+stage 0 "smoke: wheels, imports, device, memory log"
+status=ok
+# the carried wheels (on the GPU machine; GPU_CHECK_WHEELS=1 does it on a CPU too: the wheel set's smoke test in a
+# venv of the image's packages, BENCHMARKS.md "GPU check, issue 34")
+if [ "${GPU_CHECK_WHEELS:-$([ "$DEVICE" = cuda ] && echo 1 || echo 0)}" = 1 ]; then
+    # into /tmp/site, which goes AFTER the image's site-packages (a .pth file, not PYTHONPATH): a carried wheel never
+    # shadows a package the image has; fetch_gpu_wheels.sh carries only what the image lacks
+    if timeout -s INT 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl > "$WORK/wheels.txt" 2>&1; then
+        site=$("$PY" -c "import site; print(site.getsitepackages()[0])")
+        echo /tmp/site > "$site/zz_gpu_check_wheels.pth" 2>/dev/null \
+            || export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"  # a read-only image: last on the path
+    else
+        cat "$WORK/wheels.txt"; status="failed (wheel install)"
+    fi
     # chatterbox/__init__ imports the watermarker (resemble-perth, 34 MB, never used by synth/): an empty module
     mkdir -p /tmp/site/perth && printf 'PerthImplicitWatermarker = None\n' > /tmp/site/perth/__init__.py
-    export PYTHONPATH=/tmp/site:$PWD
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
-    # 64 twice: the vocoder-graphs server captures each (batch, bucket) the first time it meets it, inside the
-    # measured rounds; its second round at 64 is the one that shows replays alone
-    SIZE=full; DTYPE=bfloat16; STEP_SESSIONS="1 8 64"; CAPACITY_SESSIONS="1 16 64 64"; SLOTS=64
-    RENDER_BATCHES="1 8 32 64"
+fi
+MEMLOG=
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$WORK/gpu.txt"
+    nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 1 > "$OUT_DIR/gpumem.csv" 2>&1 &
+    MEMLOG=$!
 else
-    PY=.venv/bin/python
-    export PYTHONPATH=$PWD
-    SIZE=tiny; DTYPE=float32; STEP_SESSIONS="1 4"; CAPACITY_SESSIONS="1 2"; SLOTS=16
-    RENDER_BATCHES="1"  # the CPU's inductor takes about a minute per compiled shape
+    echo "device cpu: no nvidia-smi, no memory log" | tee "$OUT_DIR/gpumem.csv"
 fi
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
-          'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$OUT_DIR/versions.txt"
-STAGES=${GPU_STAGES:-1 3}  # then GPU_STAGES="2 4 5"; a rerun can take fewer
-stage() { echo; echo "== $1 ($(date +%T))"; }
-want() { [[ " $STAGES " == *" $1 "* ]]; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+bounded versions "$SMOKE_S" "$PY" -c "
+import json, torch, transformers, tokenizers, numpy, chatterbox
+import synth.engine, synth.t3_runner, agent_server.cli
+cuda = torch.cuda.is_available()
+print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__,
+                  'tokenizers': tokenizers.__version__, 'numpy': numpy.__version__,
+                  'cuda': cuda and torch.cuda.get_device_name(), 'capability': cuda and torch.cuda.get_device_capability(),
+                  'memory_gb': cuda and round(torch.cuda.mem_get_info()[1] / 1e9, 1)}))
+" || status="failed (imports)"
+grep '^{' "$WORK/versions.txt" > "$WORK/versions.json" || true
+record "$status" "$WORK/versions.json"
 
-if want 1; then
-    stage "1. engine tests on $DEVICE"
-    SYNTH_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m "gpu or not gpu" \
-        tests/synth/test_t3_runner.py tests/synth/test_reference_equivalence.py tests/synth/test_engine_equivalence.py \
-        tests/synth/test_render_graphs.py \
-        2>&1 | tail -12 | tee "$OUT_DIR/tests.txt"
+# ---- 1. parity -----------------------------------------------------------------------------------------------------
+stage 1 "parity: graph replay == eager (runner level, vocoder), then the engine's tests on $DEVICE"
+export SYNTH_TEST_DEVICE=$DEVICE SYNTH_PARITY_JSON=$WORK/parity.jsonl
+bounded parity "$PARITY_S" "${PYTEST[@]}" tests/synth/test_graph_parity.py
+parity=$?
+engine_tests=(tests/synth/test_cuda_graphs.py tests/synth/test_t3_runner.py tests/synth/test_engine_equivalence.py
+              tests/synth/test_reference_equivalence.py)
+[ "$DEVICE" = cpu ] && engine_tests=(tests/synth/test_cuda_graphs.py tests/synth/test_engine_graphs.py)
+bounded engine_tests "$ENGINE_TESTS_S" "${PYTEST[@]}" "${engine_tests[@]}"
+engine=$?
+counts=skipped  # ops and host syncs of eager steps on CUDA (a graph replay dispatches no op to count); the CPU
+if [ "$STEP_COUNTS_S" -gt 0 ]; then  # runs them in CI
+    bounded step_counts "$STEP_COUNTS_S" env SYNTH_TEST_CUDA_GRAPHS=off "${PYTEST[@]}" tests/synth/test_step_counts.py
+    counts=$(outcome $?)
 fi
-graphs=auto  # CPU: eager; CUDA: on, unless the replay test fails
-[ "$DEVICE" = cuda ] && graphs=on
-if [ "$DEVICE" = cuda ] && ! SYNTH_TEST_DEVICE=cuda timeout 45 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings \
-        -m gpu tests/synth/test_cuda_graphs.py > "$OUT_DIR/cuda_graphs.txt" 2>&1; then
-    graphs=off; echo "CUDA graphs failed their test: the server stages run with --cuda-graphs off" | tee -a "$OUT_DIR/tests.txt"
-fi
+unset SYNTH_TEST_DEVICE SYNTH_PARITY_JSON
+record "parity $(outcome $parity); engine tests $(outcome $engine); step counts $counts" "$WORK/parity.jsonl"
 
-step() {  # variant dtype graphs
-    timeout 60 "$PY" scripts/bench_decode_step.py --device "$DEVICE" --size "$SIZE" --variant "$1" --dtype "$2" \
-        --cuda-graphs "$3" --sessions $STEP_SESSIONS --voices each --steps 20 \
-        --json "$OUT_DIR/step_$1_$2_graphs-$3.json" 2>&1 | grep '^{' | tee -a "$OUT_DIR/steps.txt"
-}
-want 2 && stage "2. decode step, $SIZE, a voice per segment" && step turbo float32 off
+# ---- 2. capacity ---------------------------------------------------------------------------------------------------
+stage 2 "capacity: Turbo $DTYPE $SIZE, sessions $SESSIONS, graphs auto vs off"
+capacity_args=(--variant turbo --weights "random-$SIZE" --sessions $SESSIONS --server-start-timeout-s 90
+               --out "$OUT_DIR/capacity_turbo" --log-dir "$WORK")
+# the code before, when carried (git archive <commit> synth agent_server static | tar -x -C .gpu_old; ignored)
+[ -d .gpu_old/agent_server ] && capacity_args+=(--repo "old=.gpu_old" --server-args-for
+    "old=--device $DEVICE --dtype $DTYPE")
+bounded capacity "$CAPACITY_S" "$PY" scripts/bench_capacity.py "${capacity_args[@]}" \
+    --repo graphs=. --server-args-for "graphs=--device $DEVICE --dtype $DTYPE --cuda-graphs auto" \
+    --repo eager=. --server-args-for "eager=--device $DEVICE --dtype $DTYPE --cuda-graphs off"
+record "$(outcome $?)" "$OUT_DIR/capacity_turbo.json"
 
-if want 3; then
-    stage "3. server capacity, Turbo, old vs new (and new with the vocoder's graphs)"
-    old=(); [ -d .gpu_old/agent_server ] && old=(--repo "old=.gpu_old" --server-args-for "old=--device $DEVICE")
-    vgraphs=(); [ "$DEVICE" = cuda ] && vgraphs=(--repo vgraphs=. --server-args-for
-        "vgraphs=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs --vocoder-graphs on")
-    timeout 400 "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" --sessions $CAPACITY_SESSIONS \
-        "${old[@]}" --repo new=. --server-args-for "new=--device $DEVICE --dtype $DTYPE --cuda-graphs $graphs" \
-        "${vgraphs[@]}" --server-start-timeout-s 100 --out "$OUT_DIR/capacity_turbo" -- --max-slots "$SLOTS" 2>&1 \
-        | tail -22 | tee "$OUT_DIR/capacity.txt"
-fi
+# ---- 3. decode step, TF32, English ---------------------------------------------------------------------------------
+stage 3 "decode step vs the memory floor (Turbo $DTYPE), the vocoder's TF32 SNR, English $DTYPE"
+bounded step_turbo "$STEP_S" "$PY" scripts/bench_decode_step.py --device "$DEVICE" --size "$SIZE" --variant turbo \
+    --dtype "$DTYPE" --cuda-graphs auto --sessions $STEP_ROWS --voices each --steps 20 --json "$WORK/step_turbo.json"
+turbo=$?
+tf32_variants=(turbo english); [ "$DEVICE" = cpu ] && tf32_variants=(turbo)
+bounded tf32 "$TF32_S" "$PY" scripts/vocoder_tf32_snr.py --device "$DEVICE" --preset "$SIZE" \
+    --variants "${tf32_variants[@]}" --streams "$([ "$DEVICE" = cuda ] && echo 8 || echo 1)" --json "$WORK/tf32.json"
+tf32=$?
+bounded step_english "$ENGLISH_S" "$PY" scripts/bench_decode_step.py --device "$DEVICE" --size "$SIZE" \
+    --variant english --dtype "$DTYPE" --cuda-graphs auto --sessions $ENGLISH_ROWS --voices each --steps 20 \
+    --json "$WORK/step_english.json"
+english=$?
+bounded ticks "$TICKS_S" "$PY" scripts/bench_vocoder.py --mode batched --device "$DEVICE" --preset "$SIZE" \
+    --variants turbo --shapes chunk_24 --batch-sizes $RENDER_BATCHES --graphs --reps 5 --out "$WORK/ticks.json"
+ticks=$?
+record "turbo step $(outcome $turbo); tf32 $(outcome $tf32); english step $(outcome $english); ticks $(outcome $ticks)" \
+    "$WORK/step_turbo.json" "$WORK/tf32.json" "$WORK/step_english.json" "$WORK/ticks.json"
 
-if want 4 && [ "$DEVICE" = cuda ]; then
-    stage "4. decode step with graphs (if they passed): Turbo $DTYPE and fp32, English $DTYPE"
-    step turbo "$DTYPE" "$graphs"; step turbo float32 "$graphs"; step english "$DTYPE" "$graphs"
-fi
-if want 5; then
-    stage "5. vocoder render ticks, Turbo, eager vs captured graphs (GPU_COMPILE=1: also torch.compile), batches $RENDER_BATCHES"
-    # its per-batch lines are in the log as they come, so a stage cut short by its bound keeps what it measured
-    compile=(); [ "${GPU_COMPILE:-0}" = 1 ] && compile=(--compile)
-    timeout 230 "$PY" scripts/bench_vocoder.py --mode batched --device "$DEVICE" --preset "$SIZE" --variants turbo \
-        --shapes chunk_24 --batch-sizes $RENDER_BATCHES --graphs "${compile[@]}" --reps 5 \
-        --out "$OUT_DIR/vocoder_batched.json" 2>&1 | grep -E "graphs|compiled|eager_ms|^turbo|^variant" \
-        | tee "$OUT_DIR/vocoder.txt"
-fi
-stage "done"
+[ -n "$MEMLOG" ] && kill "$MEMLOG" 2>/dev/null
+STAGE=all; STAGE_START=$CHECK_START
+record "done"
+echo "== done in $(( $(date +%s) - CHECK_START )) s; results: $OUT_DIR/results.json"

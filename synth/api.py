@@ -334,19 +334,33 @@ class EngineConfig:
     # AVX512-BF16 or AMX (BENCHMARKS.md, issue 15). The audio moves by bf16 rounding (~1e-2 relative); seeded
     # streams still give the same bits alone or batched.
     cpu_vocoder: str = "fp32"  # "fp32" | "bf16"
-    max_slots: int = 16  # concurrent segments in the T3 batch (KV cache rows are allocated for this many once)
+    # concurrent segments in the T3 batch (KV cache rows are allocated for this many once). 0: "auto", as many as
+    # the free device memory holds beside the vocoder's graphs, the prefix pool and headroom (synth/gpu.py; 16 on
+    # a CPU without memory_budget_gb). A count that does not fit the budget is refused at construction.
+    max_slots: int = 16
+    # The memory budget for slots, in GB (0: the device's free memory once the models are loaded; a CPU: no check).
+    memory_budget_gb: float = 0.0
     max_waiting: int = 256  # admission queue bound; beyond it submit answers BUSY
     # KV positions per row after the voice's conditioning (text + BOS block + speech; each row also holds a copy
     # of its conditioning prefix, which is added to this).
     # 0: enough for the longest segment the server cuts (MAX_SEGMENT_TEXT_TOKENS) plus HARD_MAX_NEW_TOKENS.
     max_context_tokens: int = 0
     # The decode step and sampling captured as CUDA graphs per row / key bucket at start-up and replayed:
-    # "auto" (on with a CUDA device), "on" (a CUDA device is required), "off" (eager, as on a CPU).
+    # "auto" (on with a CUDA device), "on" (a CUDA device is required), "off" (eager, as on a CPU). With "auto" a
+    # capture that fails, or a replay that differs from eager at start-up, means eager (the reason in status());
+    # with "on" the engine refuses to start.
     cuda_graphs: str = "auto"
     # The vocoder's three batched functions (encoder, estimator step, HiFT) replayed as CUDA graphs, one per input
     # signature (batch padded to a power of two, length bucket), each captured the first time it is met
-    # (synth/render_graphs.py): "on" (a CUDA device is required) or "off" (eager).
+    # (synth/render_graphs.py): "auto" (on with a CUDA device; eager after a failure at start-up), "on" (a CUDA
+    # device is required), "off" (eager). Off by default until a GPU figure shows it pays.
     vocoder_graphs: str = "off"
+    # TF32 for the vocoder's float32 matmuls on CUDA: "auto" (when T3 is not float32: torch's switch is process-wide),
+    # "on", "off" (synth/gpu.use_vocoder_tf32).
+    vocoder_tf32: str = "auto"
+    # Launch step k+1 before reading step k's ids, so that the host's work on them overlaps the device's:
+    # "auto" (on with the decode's CUDA graphs), "on", "off". Never with the alignment analyzer.
+    overlap_steps: str = "auto"
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
     # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).

@@ -167,7 +167,8 @@ class ShapeGraphs:
         def call() -> None:
             captured[:] = [self.fn(*args)]  # the last call, the captured one, leaves its outputs
 
-        graph = StepGraph(call, capture=True, pool=self.graphs.pool, thread_local=True)
+        device = next((leaf.device for leaf in entry.inputs if isinstance(leaf, torch.Tensor)), None)
+        graph = StepGraph(call, capture=True, device=device, pool=self.graphs.pool)
         if self.graphs.pool is None:
             self.graphs.pool = graph.pool()
         entry.outputs, entry.out_spec = tree_flatten(captured[0])

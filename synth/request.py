@@ -37,13 +37,12 @@ class SegmentState:
     gen: int = 0  # claim counter: output is delivered only while this matches the rows' owner
     rows: tuple[int, ...] = ()  # cache rows: (cond,) or (cond, uncond)
     prefix: Any = None  # synth.kv_cache.PrefixKV the rows attend to (shared; kept alive while running)
-    next_pos: int = 0  # next position of its rows to write (prefix included; both rows of a CFG segment alike)
-    tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included
-    pending_token: int | None = None  # sampled, not yet fed back
+    # the position its rows write first after the prefill ([prefix | text | BOS block]); while it runs, the
+    # scheduler's RowTable keeps its positions and ids (synth/rows.py)
+    next_pos: int = 0
+    tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included: set when its generation ends
+    n_valid: int = 0  # of them, ids < SPEECH_VOCAB_SIZE (what the vocoder takes): set with `tokens`
     finish_reason: str = ""
-    # vocoder hand-over (the vocoder worker keeps the rest: synth/vocoder_worker.py)
-    valid_tokens: list[int] = field(default_factory=list)  # sampled ids < SPEECH_VOCAB_SIZE, in order
-    pushed_tokens: int = 0  # valid tokens handed to the vocoder worker
     aligner: Any = None  # the multilingual alignment analyzer of this segment (synth.alignment), when on
     # timestamps (time.monotonic seconds)
     admitted_s: float = 0.0

@@ -62,7 +62,7 @@ def apply_top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, sorted_indices = torch.sort(scores, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     sorted_remove = cumulative <= (1 - top_p)
-    sorted_remove[..., -1:] = False
+    sorted_remove[..., -1:].fill_(False)  # not `= False`: on CUDA that is a tensor from a host scalar, copied in
     to_remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
     return scores.masked_fill(to_remove, NEG_INF)
 

@@ -1,42 +1,94 @@
-"""Admission and batching policy. No torch here: it hands the runner a StepPlan and reads back token ids.
+"""Admission and batching policy. No torch here: it hands the runner a StepPlan and reads back the sampled ids.
 
 - A fixed pool of cache rows; a CFG segment claims two, others one. Lowest free rows first, so the
   decode span [0, highest row in use] stays dense.
 - Waiting segments whose session has heard nothing yet are admitted first (TTFB), then by arrival.
 - At most `prefill_budget` admissions per iteration so running segments keep their pace.
 - When no row is free, a request that may not wait (or any request once the queue is full) is refused.
+
+Per-row counters live in a `RowTable` (synth/rows.py): planning a step and recording its ids are numpy operations
+over the rows, whatever their number; Python runs per segment only for its admission, first id and end. A step's
+inputs do not need the ids of the step before: a decoding row feeds the id its cond row sampled last, which the
+runner reads from its device buffer, so the next step may be planned (and launched) before this one's ids are read
+(the engine's overlapped steps). A row's ids that arrive after its segment ended or was cancelled are dropped: the
+plan records each row's claim id, and a row released and claimed again has another.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from synth.request import SegmentState, Status
+import numpy as np
+
+from synth.api import HARD_MAX_NEW_TOKENS
+from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
+from synth.rows import IntArray, RowTable
 
 EOS_DEFAULT = 6562
+_NO_ROWS: IntArray = np.zeros(0, np.int64)
 
 
 @dataclass(slots=True)
 class StepPlan:
-    prefill: list[SegmentState] = field(default_factory=list)  # admitted this iteration, need prefill
-    decode: list[SegmentState] = field(default_factory=list)  # running, with a pending token to feed
+    prefill: list[SegmentState] = field(default_factory=list)  # admitted this step: prefilled, first id sampled
+    # every row that decodes this step (both rows of a CFG segment), ascending, and per row:
+    decode_rows: IntArray = field(default_factory=lambda: _NO_ROWS)
+    decode_pos: IntArray = field(default_factory=lambda: _NO_ROWS)  # the cache position its token is written to
+    decode_speech_pos: IntArray = field(default_factory=lambda: _NO_ROWS)  # ids its segment sampled before this step
+    decode_feed: IntArray = field(default_factory=lambda: _NO_ROWS)  # the row whose last sampled id it feeds
+    # the cond rows whose ids the step reads back (decoding segments first, then the admitted ones), and per row:
+    sample_rows: IntArray = field(default_factory=lambda: _NO_ROWS)
+    sample_gens: IntArray = field(default_factory=lambda: _NO_ROWS)  # its claim id when planned
+    sample_next_pos: IntArray = field(default_factory=lambda: _NO_ROWS)  # its next position after this step
+    rows_needed: int = 0  # 1 + the highest row the step touches (0: none)
+    longest_keys: int = 1  # keys the longest decoding row sees after its write
+    decode_segments: int = 0
+    decode: list[SegmentState] = field(default_factory=list)  # the decoding segments, with `track_states` only
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
-
-    @property
-    def sampled(self) -> list[SegmentState]:
-        """Order of the rows the runner samples (and of StepResult.token_ids): decode first, then prefill."""
-        return self.decode + self.prefill
+        return not self.prefill and not self.decode_rows.size
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    token_ids: list[int]  # one per StepPlan.sampled entry
+    ids: IntArray  # [>= plan.rows_needed] the id sampled for each row of the step (only sample_rows are read)
+
+    @staticmethod
+    def in_plan_order(plan: StepPlan, ids: Sequence[int]) -> StepResult:
+        """A hand-built result (tests): `ids` in the order of `plan.sample_rows`."""
+        out = np.zeros(max(plan.rows_needed, 1), np.int64)
+        out[plan.sample_rows] = np.asarray(ids, np.int64)
+        return StepResult(out)
+
+
+class StepOutput:
+    """A launched step (`runner.execute(plan)`): `result()` waits for its ids (the step's one host sync). The engine
+    may launch the next step first, so that this read overlaps it (vLLM's async scheduling)."""
+
+    __slots__ = ("_read", "plan", "prefill_ms")
+
+    def __init__(self, plan: StepPlan, prefill_ms: float, read: Callable[[], IntArray]) -> None:
+        self.plan = plan
+        self.prefill_ms = prefill_ms
+        self._read = read
+
+    def result(self) -> StepResult:
+        return StepResult(self._read())
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What one step's ids did, for the engine to tell the listeners and the vocoder."""
+
+    ended: list[SegmentState] = field(default_factory=list)  # generation ended (rows released), `tokens` set
+    started: list[SegmentState] = field(default_factory=list)  # sampled their first id
+    opened: list[SegmentState] = field(default_factory=list)  # first valid id, or ended without one (vocoder open)
+    stream_gens: IntArray = field(default_factory=lambda: _NO_ROWS)  # the claim id of each valid id read ...
+    valid_ids: IntArray = field(default_factory=lambda: _NO_ROWS)  # ... and the id, in plan order
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +100,10 @@ class SchedulerConfig:
     usable_len: int  # cache positions a row may fill
     eos_token: int = EOS_DEFAULT
     first_token_may_be_eos: bool = False  # Turbo never EOS-checks its first token
+    max_tokens: int = HARD_MAX_NEW_TOKENS  # the most ids one segment may sample
+    # keep `StepPlan.decode` and each running segment's `tokens` up to date every step (a Python loop over the
+    # rows: only for the alignment analyzer, which reads them)
+    track_states: bool = False
 
 
 class Scheduler:
@@ -57,6 +113,7 @@ class Scheduler:
         self._free_rows = list(range(config.max_rows))
         heapq.heapify(self._free_rows)
         self._row_owner: dict[int, SegmentState] = {}
+        self.table = RowTable(config.max_rows, config.max_tokens)
         self.running: list[SegmentState] = []
         self._waiting: list[tuple[int, int, SegmentState]] = []  # heap of (priority, arrival, state)
         self._arrival = itertools.count()
@@ -66,6 +123,8 @@ class Scheduler:
 
     @property
     def n_waiting(self) -> int:
+        if not self._waiting:
+            return 0
         return sum(1 for _, _, s in self._waiting if s.status == Status.WAITING)
 
     @property
@@ -80,10 +139,21 @@ class Scheduler:
     def owner_of(self, row: int) -> SegmentState | None:
         return self._row_owner.get(row)
 
+    def tokens_of(self, state: SegmentState) -> list[int]:
+        """The ids a segment sampled so far (read back), while it runs; afterwards `state.tokens`."""
+        if state.status == Status.RUNNING and state.rows:
+            return self.table.tokens_of(state.rows[0])
+        return list(state.tokens)
+
+    def tokens_sampled(self, state: SegmentState) -> int:
+        return len(self.tokens_of(state))
+
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def add(self, state: SegmentState) -> bool:
         """Queue a segment. False means refused (BUSY): nothing free and it may not wait, or the queue is full."""
+        if state.max_new_tokens > self.config.max_tokens:
+            raise ValueError(f"max_new_tokens {state.max_new_tokens} > the scheduler's {self.config.max_tokens}")
         # what the queue ahead of it will take counts as taken: a burst of submissions between two steps
         # must not each find the same free slot
         ahead = [s for _, _, s in self._waiting if s.status == Status.WAITING]
@@ -102,11 +172,19 @@ class Scheduler:
             self._release(state)
         state.status = Status.CANCELLED
         state.finish_reason = reason
-        state.pending_token = None
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(decode=[s for s in self.running if s.pending_token is not None])
-        while self._waiting and len(plan.prefill) < self.config.prefill_budget:
+        """This step's plan: every decoding row advances one position (numpy over the rows), then admissions."""
+        table = self.table
+        rows = np.flatnonzero(table.decoding)
+        feed = table.feed[rows]
+        pos = table.next_pos[rows]
+        speech_pos = table.launched[rows]
+        table.next_pos[rows] = pos + 1
+        table.launched[rows] = speech_pos + 1
+        cond = rows[feed == rows]
+        admitted: list[SegmentState] = []
+        while self._waiting and len(admitted) < self.config.prefill_budget:
             _, _, state = self._waiting[0]
             if state.status != Status.WAITING:  # cancelled while waiting
                 heapq.heappop(self._waiting)
@@ -115,40 +193,67 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             self._claim(state)
-            plan.prefill.append(state)
+            admitted.append(state)
+        sample_rows = cond
+        rows_needed = int(rows[-1]) + 1 if rows.size else 0
+        if admitted:
+            sample_rows = np.concatenate([cond, np.array([s.rows[0] for s in admitted], np.int64)])
+            rows_needed = max(rows_needed, max(max(s.rows) for s in admitted) + 1)
+        plan = StepPlan(prefill=admitted, decode_rows=rows, decode_pos=pos, decode_speech_pos=speech_pos,
+                        decode_feed=feed, sample_rows=sample_rows, sample_gens=table.gen[sample_rows],
+                        sample_next_pos=table.next_pos[sample_rows], rows_needed=rows_needed,
+                        longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size))
+        for state in admitted:  # their first id comes from this step's prefill: they decode from the next
+            table.start_decoding(state.rows)
+        if self.config.track_states:
+            plan.decode = [self._row_owner[row] for row in cond.tolist()]
         return plan
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[SegmentState]:
-        """Record sampled ids; returns the segments whose generation ended this step (rows released)."""
-        assert len(result.token_ids) == len(plan.sampled)
-        ended: list[SegmentState] = []
-        for state, token in zip(plan.sampled, result.token_ids, strict=False):
-            if state.status != Status.RUNNING:  # cancelled during the step: its token is dropped
-                continue
-            assert all(self._row_owner.get(r) is state for r in state.rows), "stale slot"
-            state.tokens.append(token)
-            reason = self._stop_reason(state, token)
-            if reason:
-                state.finish_reason = reason
-                state.pending_token = None
-                state.status = Status.GENERATED
+    def update(self, plan: StepPlan, result: StepResult) -> StepUpdate:
+        """Record a step's ids (numpy over the rows); segments whose generation ended release their rows."""
+        table, config = self.table, self.config
+        rows = plan.sample_rows
+        next_pos = plan.sample_next_pos
+        live = table.gen[rows] == plan.sample_gens  # ended or cancelled since it was planned: its id is dropped
+        if not live.all():
+            rows, next_pos = rows[live], next_pos[live]
+        if not rows.size:
+            return StepUpdate()
+        ids = result.ids[rows]
+        count = table.n_tokens[rows] + 1
+        table.n_tokens[rows] = count
+        table.tokens[rows, count - 1] = ids
+        valid = ids < SPEECH_VOCAB_SIZE
+        n_valid = table.n_valid[rows] + valid
+        table.n_valid[rows] = n_valid
+        eos = ids == config.eos_token
+        if config.first_token_may_be_eos:
+            eos &= count > 1
+        maxed = count >= table.max_new[rows]
+        full = next_pos + 1 >= config.usable_len
+        ended = eos | maxed | full
+        first = count == 1
+        opened = (valid & (n_valid == 1)) | (ended & (n_valid == 0))
+        update = StepUpdate(stream_gens=table.gen[rows][valid], valid_ids=ids[valid])
+        owner = self._row_owner
+        if first.any():
+            update.started = [owner[row] for row in rows[first].tolist()]
+        if opened.any():
+            update.opened = [owner[row] for row in rows[opened].tolist()]
+        if config.track_states:
+            for row, token in zip(rows.tolist(), ids.tolist(), strict=True):
+                owner[row].tokens.append(token)
+        if ended.any():
+            for row, is_eos, is_maxed in zip(rows[ended].tolist(), eos[ended].tolist(), maxed[ended].tolist(),
+                                             strict=True):
+                state = owner[row]
+                state.finish_reason = "eos" if is_eos else "max_tokens" if is_maxed else "context_full"
                 self._release(state)
-                ended.append(state)
-            else:
-                state.pending_token = token
-        return ended
+                state.status = Status.GENERATED
+                update.ended.append(state)
+        return update
 
     # --- helpers -----------------------------------------------------------------------------------------
-
-    def _stop_reason(self, state: SegmentState, token: int) -> str:
-        is_first = len(state.tokens) == 1
-        if token == self.config.eos_token and not (is_first and self.config.first_token_may_be_eos):
-            return "eos"
-        if len(state.tokens) >= state.max_new_tokens:
-            return "max_tokens"
-        if state.next_pos + 1 >= self.config.usable_len:
-            return "context_full"
-        return ""
 
     @staticmethod
     def _rows_needed(state: SegmentState) -> int:
@@ -159,15 +264,23 @@ class Scheduler:
         state.rows = rows
         state.gen = next(self._claims)
         state.status = Status.RUNNING
+        state.tokens = []
         for row in rows:
             self._row_owner[row] = state
+        self.table.claim(rows, state.gen, state.next_pos, state.max_new_tokens)
         self.running.append(state)
 
     def _release(self, state: SegmentState) -> None:
+        """Its rows go back to the pool; what it sampled is copied out of the table first."""
+        cond = state.rows[0]
+        if self._row_owner.get(cond) is state:
+            state.tokens = self.table.tokens_of(cond)
+            state.n_valid = int(self.table.n_valid[cond])
         for row in state.rows:
             if self._row_owner.get(row) is state:
                 del self._row_owner[row]
                 heapq.heappush(self._free_rows, row)
+        self.table.release(state.rows)
         self.running.remove(state)
         if self._on_release is not None:
             self._on_release(state.rows)

@@ -5,24 +5,30 @@
   device twin. `upload()` is one non-blocking copy per step; the step reads only the device twin, so a captured
   graph never reads a host value.
 - Buckets: a step runs over rows [0, row bucket) and keys [0, key bucket), both from fixed ladders, so each
-  bucket pair has one shape forever (one graph each on CUDA).
-- `StepGraph`: a zero-argument function over static buffers; on CUDA captured once (side-stream warm-up, then
-  `torch.cuda.graph`) and replayed, elsewhere (or with graphs off) called eagerly: the code CI runs on the CPU is
-  the code the GPU replays.
+  bucket pair has one shape forever (one graph each on CUDA). Rows: powers of two. Keys: steps of 64 up to 512,
+  then 1.25x (rounded up to 64): a row of ~520 keys reads 576, not the 1,024 of a power-of-two ladder.
+- `StepGraph`: a zero-argument function over static buffers; on CUDA captured once (side-stream warm-up, then a
+  capture in torch's thread-local mode) and replayed, elsewhere (or with graphs off) called eagerly: the code CI
+  runs on the CPU is the code the GPU replays.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+if TYPE_CHECKING:
+    from synth.scheduler import StepPlan
+
 # per-row int64 inputs
 INT_FIELDS = (
-    "token",  # the token fed this step (the last sampled id; BOS for idle rows)
+    "feed",  # the row whose id sampled at the last step this row feeds (its segment's cond row); -1: feed `token`
+    "token",  # the token fed by a row that feeds no sampled id (BOS for idle rows)
     "speech_pos",  # tokens the segment sampled before this step: the learned speech position (Llama); 0 = first
     "pos",  # the token's position in the whole row (prefix included): RoPE / GPT-2 position
     "write",  # cache position the token's keys go to: `pos`, or the scratch position for idle rows
@@ -34,17 +40,34 @@ INT_FIELDS = (
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "cfg_weight")
 FLOAT_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0.0, "repetition_penalty": 1.0,
                   "cfg_weight": 0.0}
-MIN_KEY_BUCKET = 64
+KEY_BUCKET_STEP = 64  # key buckets: multiples of this ...
+KEY_BUCKET_LINEAR_UNTIL = 512  # ... one step apart up to here, then
+KEY_BUCKET_GROWTH = 1.25  # this factor apart
 
 
 def ladder(limit: int, first: int = 1) -> tuple[int, ...]:
-    """first, 2*first, 4*first, ... below `limit`, then `limit` itself."""
+    """first, 2*first, 4*first, ... below `limit`, then `limit` itself (the row buckets)."""
     steps = []
     size = first
     while size < limit:
         steps.append(size)
         size *= 2
     return (*steps, limit)
+
+
+def key_ladder(limit: int, step: int = KEY_BUCKET_STEP, linear_until: int = KEY_BUCKET_LINEAR_UNTIL,
+               growth: float = KEY_BUCKET_GROWTH) -> tuple[int, ...]:
+    """step, 2*step, ... up to `linear_until`, then each about `growth` times the last (a multiple of `step`), below
+    `limit`; then `limit` itself. A row pays at most one step of padding below `linear_until` and under 25 % above."""
+    sizes = []
+    size = min(step, limit)
+    while size < limit:
+        sizes.append(size)
+        if size < linear_until:
+            size += step
+        else:
+            size = -(-math.ceil(size * growth) // step) * step
+    return (*sizes, limit)
 
 
 def bucket(ladder_sizes: Sequence[int], need: int) -> int:
@@ -59,8 +82,9 @@ class StepInputs:
     """Host mirror (numpy views over one pinned buffer) and device twin of every per-row step input.
 
     `ints[field]` / `floats[field]` are the host arrays [max_rows] the engine writes; `device_int(field)` /
-    `device_float(field)` are the device tensors the step reads. The host buffer may be rewritten only after
-    the previous upload completed; the step's one host sync (the sampled ids) guarantees that.
+    `device_float(field)` are the device tensors the step reads. `upload` copies the host mirror through one of two
+    pinned staging buffers on CUDA (alternating), so the mirror may be rewritten at once, even with two steps in
+    flight.
     """
 
     def __init__(self, max_rows: int, device: torch.device, scratch_pos: int, bos_token: int) -> None:
@@ -70,7 +94,15 @@ class StepInputs:
         int_bytes = len(INT_FIELDS) * max_rows * 8
         float_bytes = len(FLOAT_FIELDS) * max_rows * 4
         pin = device.type == "cuda"
-        self.host = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8)
+        self._host_bytes = self.host.numpy()
+        # CUDA: two pinned staging copies, alternating, so that writing the next step's inputs never changes a
+        # buffer whose non-blocking upload the device has not done yet (with overlapped steps the host writes step
+        # k+1's inputs before step k has run; step k-1's upload is done, since its ids were read)
+        self._staging = [torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=True)
+                         for _ in range(2 if pin else 0)]
+        self._staging_bytes = [buffer.numpy() for buffer in self._staging]
+        self._slot = 0
         self.device_bytes = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, device=device)
         host_ints = self.host[:int_bytes].view(torch.int64).view(len(INT_FIELDS), max_rows).numpy()
         host_floats = self.host[int_bytes:].view(torch.float32).view(len(FLOAT_FIELDS), max_rows).numpy()
@@ -96,6 +128,7 @@ class StepInputs:
         """Rows [0, n_rows) take no part in the next step unless written after this: they feed BOS at
         position 0, write the scratch position and see one key (their outputs are never read)."""
         ints = self.ints
+        ints["feed"][:n_rows] = -1
         ints["token"][:n_rows] = self.bos_token
         ints["speech_pos"][:n_rows] = 0
         ints["pos"][:n_rows] = 0
@@ -103,45 +136,75 @@ class StepInputs:
         ints["keys"][:n_rows] = 1
         ints["reset"][:n_rows] = 0
 
+    def write_plan(self, plan: StepPlan, n_rows: int) -> None:
+        """A step's per-row inputs, one numpy write per field whatever the rows: rows [0, n_rows) idle by default,
+        then the decoding rows' feeds and positions, and the admitted rows' seen-set reset."""
+        ints = self.ints
+        self.idle_rows(n_rows)
+        rows = plan.decode_rows
+        if rows.size:
+            ints["feed"][rows] = plan.decode_feed
+            ints["speech_pos"][rows] = plan.decode_speech_pos  # sampled id i is embedded at speech position i+1
+            ints["pos"][rows] = plan.decode_pos
+            ints["write"][rows] = plan.decode_pos
+            ints["keys"][rows] = plan.decode_pos + 1
+        for state in plan.prefill:
+            ints["reset"][list(state.rows)] = 1
+
     def upload(self) -> None:
-        """The step's one host-to-device copy (non-blocking from pinned memory on CUDA)."""
-        self.device_bytes.copy_(self.host, non_blocking=True)
+        """The step's one host-to-device copy (on CUDA non-blocking, from the staging buffer not used last)."""
+        if not self._staging:
+            self.device_bytes.copy_(self.host)
+            return
+        slot, self._slot = self._slot, 1 - self._slot
+        self._staging_bytes[slot][:] = self._host_bytes
+        self.device_bytes.copy_(self._staging[slot], non_blocking=True)
 
 
 class StepGraph:
     """`fn` (no arguments, reads and writes only static buffers) captured as a CUDA graph, or run eagerly.
 
-    Capture follows torch's recipe: a few eager runs on a side stream (lazy initialisation, cuBLAS
-    workspaces, autotuning), then one capture into a pool shared by every graph of its owner. Generators the
-    function draws from must be registered with the graph so that replays advance them. `thread_local`: for a
-    capture while other threads keep using the GPU (the vocoder's, lazily, beside the decode): torch's
-    thread-local capture mode, on the warm-up stream rather than torch's one default capture stream.
+    Capture follows torch's recipe (a few eager runs on a side stream for lazy initialisation, cuBLAS workspaces and
+    autotuning, then one capture into a pool shared by every graph of its owner) with two differences from
+    `torch.cuda.graph`: the capture runs in torch's thread-local capture mode, so that another thread's CUDA calls
+    (the vocoder's, or an allocation by any thread) neither fail nor invalidate it, and it neither synchronizes the
+    device nor empties the allocator's cache first (both would reach into the other threads' work). Generators the
+    function draws from are registered with the graph so that replays advance them. A capture that raises leaves
+    no graph behind: its caller decides (synth/t3_runner.py: eager, with the reason).
     """
 
     WARMUP_RUNS = 2
 
-    def __init__(self, fn: Callable[[], None], *, capture: bool, pool: Any = None,
-                 generators: Sequence[torch.Generator] = (), thread_local: bool = False) -> None:
+    def __init__(self, fn: Callable[[], None], *, capture: bool, device: torch.device | None = None, pool: Any = None,
+                 generators: Sequence[torch.Generator] = ()) -> None:
         self.fn = fn
-        self.graph: torch.cuda.CUDAGraph | None = None
-        if not capture:
-            return
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
+        self.graph: Any = None
+        if capture:
+            self.graph = self._capture(fn, device, pool, generators)
+
+    @classmethod
+    def _capture(cls, fn: Callable[[], None], device: torch.device | None, pool: Any,
+                 generators: Sequence[torch.Generator]) -> Any:
+        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(self.WARMUP_RUNS):
+            for _ in range(cls.WARMUP_RUNS):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        for generator in generators:
-            graph.register_generator_state(generator)
-        if thread_local:
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            graph = torch.cuda.CUDAGraph()
+            for generator in generators:
+                graph.register_generator_state(generator)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
                 fn()
-        else:
-            with torch.cuda.graph(graph, pool=pool):
-                fn()
-        self.graph = graph
+            except BaseException:
+                try:  # end the capture so that the stream is usable again; the first error is the one that counts
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        return graph
 
     @property
     def captured(self) -> bool:

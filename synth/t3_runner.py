@@ -22,6 +22,17 @@ that each row reads its own prefix: Turbo's 376 positions per row and layer.)
 Prefill packs every admitted segment into one sequence with a block-diagonal mask, so N admissions cost one
 pass over the weights, not N; it is not captured (shapes vary), it runs once per segment.
 
+`execute(plan) -> StepOutput` is the boundary with the engine (vLLM's model runner): the runner owns the step
+buffers, the prefill packing, each segment's sampling parameters and generator seed, the prefix pool and the
+alignment analyzer's edit; the engine (no torch) keeps the inbox, the scheduling, the hand-off and the emits. A
+step's inputs come from the plan as numpy arrays over its rows (one write per field, not per row), and a decoding
+row feeds the id its cond row sampled at the step before straight from the device buffer: no step needs the host to
+have read the one before, so the engine may launch step k+1 before it reads step k's ids (`StepOutput.result`).
+
+CUDA graphs (`capture_graphs`, start-up only): every (row bucket, key bucket) decode step and every row bucket's
+sampling, captured in thread-local mode, then `check_graphs` replays each beside the eager function on the same
+inputs. Any failure is reported to the caller, which serves eagerly (`drop_graphs`) or refuses to start.
+
 Determinism: a row's logits must not depend on the other rows of its step. On the CPU the projections run
 through oneDNN (`PackedLinears`, row-invariant, checked for 1..300 rows) and SDPA computes each (row, head)
 by plain matmuls and a masked fp32 softmax (the CPU SDPA kernel is not row-invariant), with masked keys
@@ -36,20 +47,25 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from chatterbox.models.t3 import T3
 from chatterbox.models.t3.modules.cond_enc import T3Cond
 
-from synth import decode_attention
+from synth import alignment, decode_attention, gpu
 from synth.kv_cache import PrefixKV, SlotKVCache
 from synth.linear_bf16w import Bf16WeightLinears
+from synth.request import SegmentState
 from synth.sampling import RowParams, sample_gpt2, sample_llama
-from synth.step_buffers import FLOAT_FIELDS, MIN_KEY_BUCKET, StepGraph, StepInputs, bucket, ladder
+from synth.scheduler import StepOutput, StepPlan
+from synth.step_buffers import FLOAT_FIELDS, StepGraph, StepInputs, bucket, key_ladder, ladder
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +73,24 @@ log = logging.getLogger(__name__)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # a sampling hook: rewrites rows of the guided logits [rows, V] (the multilingual alignment analyzer)
 EditGuided = Callable[[torch.Tensor], torch.Tensor]
+
+PREFIX_CACHE_ENTRIES = 64  # voice prefixes kept (per voice and exaggeration), least recently used dropped
+# Graph replay against the eager step at start-up (`check_graphs`): bitwise is expected (the same kernels on the
+# same shapes); where the kernels allow no more, a replay passes with logits within ATOL + RTOL * |eager| (about
+# one unit in the last place of the dtype the logits are computed in: 2^-7 for bf16's 8-bit significand) and the
+# same argmax, and the sampled ids must be identical (the noise is the same generators' draws).
+PARITY_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0**-7, 2.0**-7),
+                    torch.float16: (2.0**-10, 2.0**-10)}  # dtype -> (ATOL, RTOL)
+PARITY_SEED = 1234
+
+
+@dataclass(frozen=True, slots=True)
+class GraphReport:
+    """What `capture_graphs` built."""
+
+    graphs: int  # decode and sampling graphs
+    capture_s: float
+    pool_bytes: int  # device memory the capture reserved (the graphs' shared pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +225,7 @@ class T3Runner:
         # --- the decode step's static buffers (allocated once; a step reads and writes only these) ---
         self.inputs = StepInputs(max_rows, device, self.cache.scratch_pos, self.start_speech_token)
         self.row_buckets = ladder(max_rows)
-        self.key_buckets = ladder(max_len, first=min(MIN_KEY_BUCKET, max_len))
+        self.key_buckets = key_ladder(max_len)
         vocab = t3.hp.speech_tokens_dict_size
         self.vocab = vocab
         self.logits = torch.zeros((max_rows, vocab), dtype=torch.float32, device=device)  # [R, V] fp32
@@ -208,6 +242,41 @@ class T3Runner:
         self._decode_graphs: dict[tuple[int, int], StepGraph] = {}
         self._sample_graphs: dict[int, StepGraph] = {}
         self._graph_pool: Any = None
+        self.graph_parity = ""  # `check_graphs`: "bitwise" or "within tolerance"
+        # each step's sampled ids go to the host through one of two buffers (two steps may be in flight)
+        pin = device.type == "cuda"
+        self._host_ids = [torch.zeros(max_rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_ids_np = [buffer.numpy() for buffer in self._host_ids]
+        self._host_events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._host_slot = 0
+        # the prefix pool: keyed by Voice.key (a content hash) and exaggeration, never by id(): a freed voice's
+        # address is reused at once
+        self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
+        self.bos_positions = 1 if self.is_gpt else 2
+        self.analyzer = False  # the multilingual alignment analyzer per segment (`use_analyzer`)
+
+    @property
+    def usable_len(self) -> int:
+        return self.cache.usable_len
+
+    def bind_thread(self) -> None:
+        """The step thread's first call: its CUDA work goes to this runner's device, and no gradients."""
+        gpu.bind_thread(self.device)
+
+    @staticmethod
+    def kv_bytes_per_row(t3: T3, max_len: int, dtype: torch.dtype) -> int:
+        """Device memory of one cache row (keys and values, every layer), before building a runner."""
+        cfg = t3.cfg
+        if t3.is_gpt:
+            n_layers, hidden = cfg.n_layer, cfg.hidden_size
+        else:
+            n_layers, hidden = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
+        return 2 * n_layers * hidden * max_len * torch.empty(0, dtype=dtype).element_size()
+
+    def use_analyzer(self) -> None:
+        """Give every admitted segment an alignment analyzer (multilingual, full size: the engine checks)."""
+        self.analyzer = True
+        self.capture_heads = alignment.ALIGNED_HEADS
 
     # --- embeddings --------------------------------------------------------------------------------------
 
@@ -280,9 +349,133 @@ class T3Runner:
         return logits
 
     def release(self, rows: tuple[int, ...]) -> None:
-        """These rows' segment is gone: hold nothing of its voice (a removed voice's prefix is freed)."""
+        """These rows' segment is gone: hold nothing of its voice (a removed voice's prefix is freed), and each row
+        is its own CFG partner again (an idle row's partner must lie inside any row bucket that holds the row: a
+        pair claimed as rows (3, 9) leaves row 3 idle in a 4-row bucket)."""
         for row in rows:
             self.row_prefixes.clear(row)
+        self.inputs.ints["partner"][list(rows)] = rows
+
+    # --- the prefix pool ---------------------------------------------------------------------------------
+
+    def prefix_for(self, voice: Any, exaggeration: float) -> PrefixKV:
+        """The voice's conditioning prefix (computed once per voice and exaggeration; LRU)."""
+        key = (voice.key, float(exaggeration) if not self.is_gpt else 0.0)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self.compute_prefix(self.cond_embeds(voice.t3_cond(exaggeration, self.device)))
+            self._prefixes[key] = prefix
+            if len(self._prefixes) > PREFIX_CACHE_ENTRIES:
+                self._prefixes.popitem(last=False)
+        else:
+            self._prefixes.move_to_end(key)
+        return prefix
+
+    # --- one step ----------------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Prefill the admitted (one packed pass), decode the decoding rows (one static-shape step over the row
+        bucket), sample every row of the bucket; the ids come back through `StepOutput.result()`."""
+        t0 = time.perf_counter()
+        items = [item for state in plan.prefill for item in self._admit(state)]
+        analyzed = self.analyzer and any(s.aligner is not None for s in plan.prefill)
+        prefill_logits = self.prefill(items, capture=analyzed) if items else None  # [len(items), V]
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        n_rows, n_keys = self._write_inputs(plan)
+        self.inputs.upload()  # the step's one host-to-device copy
+        if plan.decode_rows.size:
+            self.decode(n_rows, n_keys, capture=self.analyzer and any(s.aligner is not None for s in plan.decode))
+        if prefill_logits is not None:
+            self.place_logits([item.row for item in items], prefill_logits)
+        self.sample(n_rows, self._analyzer_edit(plan, items) if self.analyzer else None)
+        return self._read_back(plan, n_rows, prefill_ms)
+
+    def _write_inputs(self, plan: StepPlan) -> tuple[int, int]:
+        """The host mirror of the step's inputs (StepInputs.write_plan); returns (row bucket, key bucket)."""
+        n_rows, n_keys = self.step_shape(max(plan.rows_needed, 1) - 1, plan.longest_keys)
+        self.inputs.write_plan(plan, n_rows)
+        return n_rows, n_keys
+
+    def _read_back(self, plan: StepPlan, n_rows: int, prefill_ms: float) -> StepOutput:
+        """The step's ids to the host: on CUDA one non-blocking copy into a pinned buffer (two alternate, for two
+        steps in flight) and an event to wait on; on the CPU a copy of the device buffer, read when asked."""
+        event = self._host_events[self._host_slot]
+        if event is None:
+            snapshot = self.sampled[:n_rows].clone()  # the next step overwrites `sampled`
+            return StepOutput(plan, prefill_ms, lambda: snapshot.numpy())
+        slot = self._host_slot
+        self._host_slot = 1 - slot
+        self._host_ids[slot][:n_rows].copy_(self.sampled[:n_rows], non_blocking=True)
+        event.record()
+
+        def read() -> np.ndarray:
+            event.synchronize()
+            return self._host_ids_np[slot][:n_rows].copy()
+
+        return StepOutput(plan, prefill_ms, read)
+
+    def _admit(self, state: SegmentState) -> list[PrefillItem]:
+        """A segment's prefill: the cond row gets the voice prefix and runs its text and BOS block; a CFG uncond row
+        gets the prefix and the shared unconditional text block of the same length, and runs only its BOS block.
+        Also writes its rows' sampling parameters and seeds the cond row's generator."""
+        prefix = self.prefix_for(state.voice, state.params.exaggeration)
+        n_text = len(state.text_ids)
+        bos = self.bos_embeds()
+        items = [PrefillItem(state.rows[0], prefix, prefix.cond_len,
+                             torch.cat([self.text_embeds(state.text_ids), bos]))]
+        if state.uses_cfg:
+            self.extend_uncond_text(prefix, n_text)
+            items.append(PrefillItem(state.rows[1], prefix, prefix.cond_len + n_text, bos))
+        if prefix.cond_len + n_text + bos.shape[0] != state.next_pos:
+            raise RuntimeError(f"{state.request_id}: the scheduler planned its rows from position {state.next_pos}, "
+                               f"the prefill ends at {prefix.cond_len + n_text + bos.shape[0]}")
+        state.prefix = prefix
+        if self.analyzer:
+            state.aligner = alignment.new_analyzer(prefix.cond_len, n_text, self.stop_speech_token)
+        self._write_row_params(state)
+        return items
+
+    def _write_row_params(self, state: SegmentState) -> None:
+        """A claimed segment's rows: sampling parameters, CFG partner, and the cond row's generator seeded."""
+        inputs, params, rows = self.inputs, state.params, state.rows
+        for row in rows:
+            for name in FLOAT_FIELDS:
+                inputs.floats[name][row] = getattr(params, name)
+            inputs.ints["partner"][row] = row
+        inputs.ints["partner"][rows[0]] = rows[-1]  # the uncond row's logits (its own without CFG)
+        if params.seed is None:  # resolved at submit: never None here
+            raise ValueError(f"{state.request_id}: unseeded segment")
+        self.generators[rows[0]].manual_seed(params.seed)
+
+    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem]) -> EditGuided | None:
+        """The alignment analyzers' step on the guided logits (one row per cache row) of the segments that have
+        one (`plan.decode` and the segments' `tokens` are kept for it: SchedulerConfig.track_states)."""
+        rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (cond row, state, text probs)
+        for state in plan.decode:
+            if state.aligner is not None:  # the text block sits right after the conditioning in the row
+                n_text, cols = len(state.text_ids), state.prefix.cond_len
+                rows.append((state.rows[0], state, [self.captured_decode[h][state.rows[0], cols:cols + n_text][None]
+                                                    for h in alignment.ALIGNED_HEADS]))
+        prefix_cols, starts = self.captured_layout
+        cond_items = [k for k, item in enumerate(items) if item.row in {s.rows[0] for s in plan.prefill}]
+        for state, item in zip(plan.prefill, cond_items, strict=True):
+            if state.aligner is not None:  # the BOS block's two queries over the item's own text keys
+                n_text, start = len(state.text_ids), starts[item]
+                end = start + items[item].embeds.shape[0]
+                cols = prefix_cols + start
+                rows.append((state.rows[0], state, [self.captured_prefill[h][end - 2:end, cols:cols + n_text]
+                                                    for h in alignment.ALIGNED_HEADS]))
+        if not rows:
+            return None
+
+        def edit(logits: torch.Tensor) -> torch.Tensor:
+            for row, state, text_probs in rows:
+                alignment.feed(state.aligner, text_probs)
+                last = state.tokens[-1] if state.tokens else self.start_speech_token
+                logits[row:row + 1] = state.aligner.step(logits[row:row + 1], next_token=last)
+            return logits
+
+        return edit
 
     def place_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """Prefill logits [N, V] become the sampling input of `rows` (the step's other rows come from decode)."""
@@ -299,44 +492,140 @@ class T3Runner:
         if capture and self.capture_heads:
             self._decode_eager(n_rows, n_keys, capture=True)
         else:
-            graph = self._decode_graphs.get((n_rows, n_keys))
-            if graph is None:
-                graph = self._decode_graphs[(n_rows, n_keys)] = self._graph(
-                    lambda: self._decode_eager(n_rows, n_keys), [])
-            graph()
+            self._decode_graph(n_rows, n_keys)()
         return self.logits[:n_rows]
 
     def sample(self, n_rows: int, edit_guided: EditGuided | None = None) -> torch.Tensor:
         """Sample every row in [0, n_rows) from `logits` with its own parameters and generator: writes and
-        returns the ids [n_rows] (a view of the static `sampled`); the caller moves them to the host once."""
+        returns the ids [n_rows] (a view of the static `sampled`)."""
         if edit_guided is not None:
             self._sample_eager(n_rows, edit_guided)
         else:
-            graph = self._sample_graphs.get(n_rows)
-            if graph is None:
-                graph = self._sample_graphs[n_rows] = self._graph(lambda: self._sample_eager(n_rows),
-                                                                  self.generators[:n_rows])
-            graph()
+            self._sample_graph(n_rows)()
         return self.sampled[:n_rows]
 
-    def capture_graphs(self) -> int:
-        """Build every bucket's step graphs now (start-up), so that no step ever waits for a capture. Returns
-        the number of graphs built (0 without CUDA graphs: the eager functions need no preparation)."""
+    def _decode_graph(self, n_rows: int, n_keys: int) -> StepGraph:
+        graph = self._decode_graphs.get((n_rows, n_keys))
+        if graph is None:
+            graph = self._decode_graphs[(n_rows, n_keys)] = self._graph(lambda: self._decode_eager(n_rows, n_keys), [])
+        return graph
+
+    def _sample_graph(self, n_rows: int) -> StepGraph:
+        graph = self._sample_graphs.get(n_rows)
+        if graph is None:
+            graph = self._sample_graphs[n_rows] = self._graph(lambda: self._sample_eager(n_rows),
+                                                              self.generators[:n_rows])
+        return graph
+
+    # --- CUDA graphs: start-up only ----------------------------------------------------------------------
+
+    def capture_graphs(self) -> GraphReport:
+        """Capture every bucket's step graphs now (start-up, with no other thread using the device), so that no
+        step ever waits for a capture. Raises what a capture raised (the caller falls back or refuses)."""
         if not self.use_graphs:
-            return 0
+            return GraphReport(0, 0.0, 0)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        t0 = time.perf_counter()
         with torch.inference_mode():
             for n_rows in self.row_buckets:
                 for n_keys in self.key_buckets:
-                    self.decode(n_rows, n_keys)
-                self.sample(n_rows)
-        return len(self._decode_graphs) + len(self._sample_graphs)
+                    self._decode_graph(n_rows, n_keys)
+                self._sample_graph(n_rows)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved if cuda else 0
+        return GraphReport(len(self._decode_graphs) + len(self._sample_graphs), time.perf_counter() - t0, pool_bytes)
+
+    def check_graphs(self) -> str:
+        """Replay every captured graph beside the eager function it captured, on the same inputs ('' when every
+        replay agrees; else what differed). Decode: rows of every length up to the key bucket over whatever the
+        cache holds (the writes go to the scratch position, the same in both runs), logits compared bitwise, else
+        to PARITY_TOLERANCE with the same argmax. Sampling: the same logits, seen sets and reseeded generators,
+        sampled ids and seen sets identical. Leaves every row idle (admission writes what a segment needs)."""
+        parity = "bitwise"
+        atol, rtol = PARITY_TOLERANCE[self.dtype]
+        with torch.inference_mode():
+            for (n_rows, n_keys), graph in sorted(self._decode_graphs.items()):
+                self._parity_inputs(n_rows, n_keys)
+                self._decode_eager(n_rows, n_keys)
+                eager = self.logits[:n_rows].clone()
+                self.logits.zero_()  # a replay that writes nothing cannot pass
+                graph()
+                replayed = self.logits[:n_rows].clone()
+                if torch.equal(eager, replayed):
+                    continue
+                excess = ((replayed - eager).abs() - (atol + rtol * eager.abs())).max().item()
+                if excess > 0 or not torch.equal(eager.argmax(-1), replayed.argmax(-1)):
+                    return (f"decode graph ({n_rows} rows, {n_keys} keys): logits differ from eager by up to "
+                            f"{(replayed - eager).abs().max().item():.3g} (tolerance {atol:g} + {rtol:g} |x|)")
+                parity = "within tolerance"
+            g = torch.Generator().manual_seed(PARITY_SEED)
+            logits = (3 * torch.randn(self.logits.shape, generator=g)).to(self.device)
+            for n_rows, graph in sorted(self._sample_graphs.items()):
+                self._parity_inputs(n_rows, 1)
+                self.logits.copy_(logits)
+                seen = self.seen.clone()
+                for row in range(n_rows):
+                    self.generators[row].manual_seed(PARITY_SEED + row)
+                self._sample_eager(n_rows)
+                eager, eager_seen = self.sampled[:n_rows].clone(), self.seen.clone()
+                self.seen.copy_(seen)
+                self.sampled.fill_(-1)
+                for row in range(n_rows):
+                    self.generators[row].manual_seed(PARITY_SEED + row)
+                graph()
+                if not (torch.equal(eager, self.sampled[:n_rows]) and torch.equal(eager_seen, self.seen)):
+                    differ = int((eager != self.sampled[:n_rows]).sum().item())
+                    return f"sampling graph ({n_rows} rows): {differ} of {n_rows} sampled ids differ from eager"
+        self.inputs.idle_rows(self.inputs.max_rows)
+        self.inputs.upload()
+        self.graph_parity = parity
+        return ""
+
+    def _parity_inputs(self, n_rows: int, n_keys: int) -> None:
+        """Rows [0, n_rows) of every length up to `n_keys` keys, fed from the last sampled ids or distinct host
+        tokens, writing to the scratch position; sampling parameters that make every processor decide something."""
+        inputs, rows = self.inputs, np.arange(n_rows)
+        ints, floats = inputs.ints, inputs.floats
+        inputs.idle_rows(self.inputs.max_rows)
+        keys = n_keys - rows % min(n_keys, 7)
+        ints["feed"][:n_rows] = np.where(rows % 2 == 0, rows, -1)  # half the rows feed `sampled`, half `token`
+        ints["token"][:n_rows] = (37 * rows + 11) % (self.start_speech_token - 1)
+        ints["speech_pos"][:n_rows] = rows % 16 + 1
+        ints["pos"][:n_rows] = keys - 1
+        ints["keys"][:n_rows] = keys
+        ints["reset"][:n_rows] = rows % 2
+        ints["partner"][:n_rows] = np.minimum(rows ^ 1, n_rows - 1)  # CFG pairs (Llama reads them)
+        for name, value in (("temperature", 0.8), ("top_p", 0.95), ("min_p", 0.05), ("top_k", 1000.0 if self.is_gpt
+                            else 0.0), ("repetition_penalty", 1.2), ("cfg_weight", 0.0 if self.is_gpt else 0.5)):
+            floats[name][:n_rows] = value
+        inputs.upload()
+
+    def drop_graphs(self) -> None:
+        """Serve eagerly from now on (a capture failed, or a replay differed): the graphs and their pool go."""
+        self.use_graphs = False
+        self._decode_graphs.clear()
+        self._sample_graphs.clear()
+        self._graph_pool = None
+        self.graph_parity = ""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @property
+    def graphs_captured(self) -> int:
+        return sum(graph.captured for graph in (*self._decode_graphs.values(), *self._sample_graphs.values()))
 
     def _graph(self, fn: Callable[[], None], generators: list[torch.Generator]) -> StepGraph:
         def run() -> None:
             with torch.inference_mode():
                 fn()
 
-        graph = StepGraph(run, capture=self.use_graphs, pool=self._graph_pool, generators=generators)
+        graph = StepGraph(run, capture=self.use_graphs, device=self.device, pool=self._graph_pool,
+                          generators=generators)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         return graph
@@ -344,7 +633,9 @@ class T3Runner:
     def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False) -> None:
         """The decode step over static buffers: no host value read, no allocation that depends on the batch."""
         inp, cache, scale = self.inputs, self.cache, self.scale
-        token = inp.device_int("token")[:n_rows]  # [R]
+        feed = inp.device_int("feed")[:n_rows]  # [R]: the row whose last sampled id it feeds, -1: `token`
+        token = torch.where(feed >= 0, self.sampled.index_select(0, feed.clamp(min=0)),
+                            inp.device_int("token")[:n_rows])  # [R]
         pos = inp.device_int("pos")[:n_rows]  # [R]
         write = inp.device_int("write")[:n_rows]  # [R]
         keys_visible = inp.device_int("keys")[:n_rows]  # [R]

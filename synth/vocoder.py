@@ -95,6 +95,8 @@ DEFAULT_LEFT_CONTEXT_TOKENS = 25
 # from an edge (full-size model), so the crossfade never mixes in badly-conditioned samples. Must be even.
 DEFAULT_CROSSFADE_MEL_FRAMES = 8
 DEFAULT_MAX_CHUNK_TOKENS = 96  # new tokens one render covers at most (bounds the window and its bucket)
+GRAPH_PCM_TOLERANCE = 1e-3  # start-up check of the graphs: PCM (full scale 1) replayed vs eager, at most this apart
+GRAPH_CHECK_SEED = 4321
 DEFAULT_PROMPT_CACHE_BYTES = 2 * 2**30  # LRU budget for prompt caches not in use (streams hold theirs)
 PROMPT_NOISE_SEED = 0  # the prompt region's flow noise is fixed per voice (not per stream)
 # Padded lengths: rendered window tokens round up to a multiple of FLOW_BUCKET_TOKENS, HiFT inputs to a
@@ -287,6 +289,62 @@ class StreamingVocoder:
         self._hift_fn = graphs.wrap(self.hift.__call__, "hift")
         self.graphs = graphs
         return graphs
+
+    def drop_graphs(self) -> None:
+        """Render eagerly from now on (a capture failed, or a replay differed from eager at start-up)."""
+        self._encode_fn = self._encode_after_prompt
+        self._estimate_fn = self._estimate_after_prompt
+        self._hift_fn = self.hift.__call__
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def check_graphs(self, voice: VocoderVoice, chunk_tokens: int) -> str:
+        """A first chunk of one stream rendered through the graphs and again eagerly (the same functions called
+        directly), from identical streams: '' when the PCM agrees (bitwise, or within GRAPH_PCM_TOLERANCE of
+        full scale), else how far apart they are. The signatures are the warm-up's: no new capture."""
+        if self.graphs is None:
+            return ""
+        graphed = self._first_chunk(voice, chunk_tokens)
+        saved = (self._encode_fn, self._estimate_fn, self._hift_fn)
+        self._encode_fn, self._estimate_fn, self._hift_fn = (self._encode_after_prompt, self._estimate_after_prompt,
+                                                             self.hift.__call__)
+        try:
+            eager = self._first_chunk(voice, chunk_tokens)
+        finally:
+            self._encode_fn, self._estimate_fn, self._hift_fn = saved
+        if graphed.shape != eager.shape or not eager.size:
+            return f"a first chunk rendered {graphed.shape} samples through the graphs, {eager.shape} eagerly"
+        worst = float(np.abs(graphed - eager).max())
+        if worst > GRAPH_PCM_TOLERANCE:
+            return f"a first chunk's PCM differs from eager by up to {worst:.3g} (tolerance {GRAPH_PCM_TOLERANCE:g})"
+        return ""
+
+    def _first_chunk(self, voice: VocoderVoice, chunk_tokens: int) -> Pcm:
+        stream = self.open(voice, GRAPH_CHECK_SEED, reproducible=False)  # the warm-up's signatures
+        stream.prompt = self.prompt_cache(voice)
+        stream.add([(7 * i + 3) % SPEECH_VOCAB_SIZE for i in range(chunk_tokens + self.latency_tokens)], final=False)
+        job = stream.next_job(chunk_tokens)
+        if job is None:
+            raise RuntimeError("no first chunk to render")
+        return self.render([job])[0]
+
+    @_without_grad
+    def prompt_cache_bytes_estimate(self) -> int:
+        """Device bytes of one stream's prompt cache at the longest prompt (what a graph's static inputs copy per
+        stream), from a prompt cache built for a silent prompt of that length."""
+        frames = self.prompt_max_tokens * MEL_FRAMES_PER_TOKEN
+        speaker_in = self.s3gen.flow.spk_embed_affine_layer.in_features
+        voice = VocoderVoice(
+            prompt_tokens=torch.zeros(1, self.prompt_max_tokens, dtype=torch.long, device=self.device),
+            prompt_mels=torch.zeros(1, MEL_BINS, frames, device=self.device, dtype=self.dtype),
+            prompt_noise=torch.zeros(1, MEL_BINS, frames, device=self.device, dtype=self.dtype),
+            speaker=self.s3gen.flow.spk_embed_affine_layer(torch.zeros(1, speaker_in, device=self.device,
+                                                                      dtype=self.dtype)))
+        if not self.uses_prompt_cache(voice):
+            return 0
+        return self._build_prompt_cache(voice).nbytes
 
     def _encode_after_prompt(self, mu: torch.Tensor, embedded_tail: torch.Tensor, hidden_tail: torch.Tensor,
                              layer_kv: tuple[torch.Tensor, ...], key_mask: torch.Tensor, tokens: torch.Tensor,

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from synth import gpu
 from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
     SAMPLES_PER_SPEECH_TOKEN,
@@ -111,6 +112,16 @@ class StreamOpen:
     reproducible: bool  # the client gave the seed: fixed chunk boundaries
     listener: ListenerClock | None
     admitted_s: float
+    stream_id: int = -1  # the id `TokenRun`s name it by (the engine's claim id), -1: none
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenRun:
+    """One decode step's valid ids of every stream, as two arrays (whatever the number of streams): the engine
+    thread builds it in a fixed number of operations; the worker sorts it out per stream."""
+
+    stream_ids: npt.NDArray[np.int64]  # StreamOpen.stream_id of each id
+    tokens: npt.NDArray[np.int64]  # the ids, in step order per stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +155,15 @@ class _WarmGraphs:
     built: int = 0
 
 
-_Message = list[StreamOpen | Feed] | _Cancel | _VoiceReady | _WarmGraphs
+@dataclass(slots=True, eq=False)
+class _CheckGraphs:
+    key: str  # a prepared voice
+    fall_back: bool  # on a failure, render eagerly from now on
+    done: threading.Event = field(default_factory=threading.Event)
+    problem: str = ""
+
+
+_Message = list[StreamOpen | TokenRun | Feed] | _Cancel | _VoiceReady | _WarmGraphs | _CheckGraphs
 
 
 @dataclass(slots=True, eq=False)
@@ -202,6 +221,7 @@ class VocoderWorker:
         self._feed_slots = threading.BoundedSemaphore(max_pending_steps)
         self._prepare_queue: queue.Queue[Any] = queue.Queue()
         self._speeches: dict[str, Speech] = {}  # worker thread only
+        self._by_stream: dict[int, Speech] = {}  # StreamOpen.stream_id -> its speech while in _speeches
         self._voices: dict[str, VocoderVoice] = {}  # voice key -> prepared (worker thread only), insertion = age
         self._preparing: set[str] = set()  # worker thread only
         self._stats = RenderStats()
@@ -236,7 +256,7 @@ class VocoderWorker:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def feed(self, items: list[StreamOpen | Feed]) -> None:
+    def feed(self, items: list[StreamOpen | TokenRun | Feed]) -> None:
         """One decode step's opens and token runs. Blocks only while the worker is MAX_PENDING_STEPS behind."""
         while not self._feed_slots.acquire(timeout=IDLE_WAIT_S):
             if self._stop.is_set():
@@ -264,6 +284,15 @@ class VocoderWorker:
         self._inbox.put(message)
         return message.built if message.done.wait(timeout_s) else None
 
+    def check_graphs(self, voice_key: str, timeout_s: float, fall_back: bool) -> str | None:
+        """With the vocoder's graphs on, after `warm_graphs`: a first chunk rendered through the graphs beside the
+        same chunk rendered eagerly, on the worker thread (StreamingVocoder.check_graphs), and the captures that
+        failed. '' when they agree and none failed, else the reason (then, with `fall_back`, the vocoder renders
+        eagerly from now on); None if the worker did not get to it within timeout_s."""
+        message = _CheckGraphs(voice_key, fall_back)
+        self._inbox.put(message)
+        return message.problem if message.done.wait(timeout_s) else None
+
     def take_stats(self) -> RenderStats:
         with self._stats_lock:
             stats, self._stats = self._stats, RenderStats()
@@ -273,8 +302,8 @@ class VocoderWorker:
 
     def _run(self) -> None:
         use_threads(self.threads)
-        torch.set_grad_enabled(False)
         device = self.vocoder.device
+        gpu.bind_thread(device)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         try:
             with torch.cuda.stream(stream) if stream is not None else _nullcontext():
@@ -308,7 +337,7 @@ class VocoderWorker:
 
     def _handle(self, message: _Message) -> None:
         if isinstance(message, _Cancel):
-            self._speeches.pop(message.request_id, None)  # its pending renders go with it
+            self._forget(message.request_id)  # its pending renders go with it
         elif isinstance(message, _VoiceReady):
             self._voice_ready(message)
         elif isinstance(message, _WarmGraphs):
@@ -319,19 +348,63 @@ class VocoderWorker:
                                                                    self.max_batch)
             finally:
                 message.done.set()
+        elif isinstance(message, _CheckGraphs):
+            try:
+                message.problem = self._check_graphs(message.key)
+                if message.problem and message.fall_back:
+                    self.vocoder.drop_graphs()
+            finally:
+                message.done.set()
         else:
             self._feed_slots.release()
             for item in message:
                 if isinstance(item, StreamOpen):
                     self._open(item)
+                elif isinstance(item, TokenRun):
+                    self._add_run(item)
                 else:
                     self._add(item)
+
+    def _check_graphs(self, voice_key: str) -> str:
+        graphs = self.vocoder.graphs
+        if graphs is None:
+            return ""
+        if graphs.failed:
+            return f"{graphs.failed} of the first chunks' graph captures failed"
+        voice = self._voices.get(voice_key)
+        if voice is None:
+            return "the warm-up voice is not prepared"
+        try:
+            return str(self.vocoder.check_graphs(voice, self.policy.first_chunk_tokens))
+        except Exception as exc:
+            log.exception("checking the vocoder's graphs failed")
+            return f"the check raised {type(exc).__name__}: {exc}"
+
+    def _forget(self, request_id: str) -> Speech | None:
+        speech = self._speeches.pop(request_id, None)
+        if speech is not None and speech.spec.stream_id >= 0:
+            self._by_stream.pop(speech.spec.stream_id, None)
+        return speech
+
+    def _add_run(self, run: TokenRun) -> None:
+        """A step's ids of every stream: one `stream.add` per stream (a stable sort keeps each stream's order)."""
+        if not run.stream_ids.size:
+            return
+        order = np.argsort(run.stream_ids, kind="stable")
+        ids, tokens = run.stream_ids[order], run.tokens[order]
+        cuts = np.flatnonzero(np.diff(ids)) + 1
+        for stream_id, part in zip(ids[np.concatenate(([0], cuts))].tolist(), np.split(tokens, cuts), strict=True):
+            speech = self._by_stream.get(stream_id)
+            if speech is not None:  # else cancelled (or failed) meanwhile
+                self._add_tokens(speech, part.tolist(), final=False)
 
     def _open(self, spec: StreamOpen) -> None:
         if not spec.outlet.is_open:  # cancelled before its first tokens got here
             return
         speech = Speech(spec=spec)
         self._speeches[spec.request_id] = speech
+        if spec.stream_id >= 0:
+            self._by_stream[spec.stream_id] = speech
         prepared = self._voices.get(spec.voice.key)
         prompt = None
         if prepared is not None and self.vocoder.uses_prompt_cache(prepared):
@@ -350,11 +423,14 @@ class VocoderWorker:
             return
         if feed.final:
             speech.final = feed
+        self._add_tokens(speech, feed.tokens, feed.final)
+
+    def _add_tokens(self, speech: Speech, tokens: Sequence[int], final: bool) -> None:
         try:
             if speech.stream is None:
-                speech.waiting_tokens.extend(feed.tokens)
+                speech.waiting_tokens.extend(tokens)
             else:
-                speech.stream.add(feed.tokens, feed.final)
+                speech.stream.add(tokens, final)
         except ValueError as exc:  # token ids the vocoder cannot take: this segment only
             self._fail(speech, f"vocoder failure: {exc}")
 
@@ -467,27 +543,27 @@ class VocoderWorker:
     def _finish(self, speech: Speech) -> None:
         final = speech.final
         assert final is not None
-        self._speeches.pop(speech.request_id, None)
+        self._forget(speech.request_id)
         self._send(speech, SegmentEvent(request_id=speech.request_id, kind=EventKind.DONE,
                                         at_monotonic_s=time.monotonic(), speech_tokens=final.speech_tokens,
                                         reason=final.finish_reason))
 
     def _fail(self, speech: Speech, reason: str) -> None:
-        self._speeches.pop(speech.request_id, None)
+        self._forget(speech.request_id)
         self._send(speech, SegmentEvent(request_id=speech.request_id, kind=EventKind.FAILED,
                                         at_monotonic_s=time.monotonic(), reason=reason))
 
     def _send(self, speech: Speech, output: AudioChunk | SegmentEvent) -> None:
         if speech.spec.outlet.send(output) == Delivery.SINK_FAILED:
-            self._speeches.pop(speech.request_id, None)
+            self._forget(speech.request_id)
             self._on_sink_failed(speech.request_id)
 
     # --- the preparation thread --------------------------------------------------------------------------
 
     def _run_preparer(self) -> None:
         use_threads(PREPARER_THREADS)
-        torch.set_grad_enabled(False)
         device = self.vocoder.device
+        gpu.bind_thread(device)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         prepared_voices: dict[str, VocoderVoice] = {}  # this thread only: a voice asked for again is not redone
         while True:

@@ -1,4 +1,5 @@
-"""synth is the engine: it never imports the server side, asyncio or web frameworks; the scheduler no torch."""
+"""synth is the engine: it never imports the server side, asyncio or web frameworks; the scheduler no torch, and
+the engine's step loop none either (the runner owns the tensors: `T3Runner.execute(plan)`)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,13 @@ def test_synth_never_imports_the_server_side() -> None:
 
 
 def test_scheduler_is_policy_only() -> None:
-    for name in ("scheduler.py", "request.py", "api.py"):
+    for name in ("scheduler.py", "request.py", "api.py", "rows.py"):
         assert "torch" not in _imported_modules(ROOT / "synth" / name), name
+
+
+def test_the_engine_imports_no_torch() -> None:
+    """synth/engine.py keeps the inbox, the scheduling, the hand-off and the emits; tensors live behind the runner
+    (synth/t3_runner.py), the vocoder and synth/build.py."""
+    imported = _imported_modules(ROOT / "synth" / "engine.py")
+    assert "torch" not in imported and "numpy" not in imported, imported & {"torch", "numpy"}
+    assert "synth" in imported  # the parse saw its imports

@@ -654,6 +654,17 @@ def test_settings_from_flags_and_environment() -> None:
         settings_from(["--tls-cert", "cert.pem"], {})
 
 
+def test_max_slots_auto_and_the_graph_modes_from_flags_and_environment() -> None:
+    """--max-slots auto: as many slots as the GPU's free memory holds (the engine sizes them: EngineConfig 0)."""
+    assert settings_from(["--max-slots", "auto"], {}).engine_config().max_slots == 0
+    assert settings_from([], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == 0
+    assert settings_from(["--max-slots", "48"], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == 48
+    assert settings_from(["--vocoder-graphs", "auto"], {}).engine_config().vocoder_graphs == "auto"
+    for bad in (["--max-slots", "many"], ["--max-slots", "-1"], ["--vocoder-graphs", "sometimes"]):
+        with pytest.raises(SystemExit):
+            settings_from(bad, {})
+
+
 @pytest.mark.timeout(60)
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     with cli_server(tmp_path, {}, "--variant", "turbo") as (proc, port, log_path):

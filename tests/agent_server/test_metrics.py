@@ -277,3 +277,26 @@ def read_stream(url: str, until_end: bool = False) -> tuple[dict[str, Any], dict
                     break
     assert events[0][0] == "hello" and events[1][0] == "sample"
     return events[0][1], events[1][1]
+
+
+class _GraphsFakeEngine(StatsFakeEngine):
+    """Reports its CUDA graphs as synth's engine does (synth/engine.py: status())."""
+
+    def status(self) -> dict[str, object]:
+        return {**super().status(), "cuda_graphs_state": "fallback",
+                "cuda_graphs_reason": "capture failed: RuntimeError: operation not permitted when stream is capturing",
+                "vocoder_graphs_state": "off", "vocoder_graphs_reason": "vocoder_graphs='off'"}
+
+
+def test_the_engines_graph_states_and_their_reasons_are_a_metric(tmp_path: Path) -> None:
+    """A start that fell back to eager says so in the metrics too (with the reason; all of it in /v1/status)."""
+    app = create_app(_GraphsFakeEngine(), Settings(data_dir=tmp_path))
+    app.state.hub.engine = app.state.hub._given_engine  # as once built
+    samples = {(family.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(metrics.install(app).exposition().decode())
+               for sample in family.samples}
+    decode = ("tts_engine_graphs", (("part", "decode"), ("reason", "capture failed: RuntimeError: operation not "
+                                    "permitted when stream is capturing"), ("state", "fallback")))
+    vocoder = ("tts_engine_graphs", (("part", "vocoder"), ("reason", "vocoder_graphs='off'"), ("state", "off")))
+    assert samples[decode] == 1.0 and samples[vocoder] == 1.0
+    assert sum(1 for name, _ in samples if name == "tts_engine_graphs") == 2

@@ -14,8 +14,10 @@ from synth.engine import Engine
 from synth.loading import ModelBundle, random_bundle
 from synth.voices import Voice
 
-# CPU by default; scripts/gpu_check.sh runs the same tests with SYNTH_TEST_DEVICE=cuda.
+# CPU by default; scripts/gpu_check.sh runs the same tests with SYNTH_TEST_DEVICE=cuda, and SYNTH_TEST_CUDA_GRAPHS=off
+# where a test counts the ops of eager steps (a graph replay dispatches none: tests/synth/test_step_counts.py).
 TEST_DEVICE = os.environ.get("SYNTH_TEST_DEVICE", "cpu")
+TEST_CUDA_GRAPHS = os.environ.get("SYNTH_TEST_CUDA_GRAPHS", "auto")
 _BUNDLES: dict[Variant, ModelBundle] = {}
 
 
@@ -88,6 +90,7 @@ def make_engine(variant: Variant, *, render_audio: bool, max_slots: int = 4, bun
                 **overrides: object) -> Engine:
     """An engine on the shared tiny bundle, or on `bundle` (an engine with cpu_weights="bf16" rounds its
     bundle's weights in place, so give it one of its own)."""
+    overrides.setdefault("cuda_graphs", TEST_CUDA_GRAPHS)
     config = EngineConfig(variant=variant, weights="random-tiny", device=TEST_DEVICE, max_slots=max_slots,
                           max_context_tokens=overrides.pop("max_context_tokens", 1024),  # type: ignore[arg-type]
                           **overrides)  # type: ignore[arg-type]

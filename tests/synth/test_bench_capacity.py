@@ -1,5 +1,6 @@
 """scripts/bench_capacity.py end to end on the tiny preset: it starts the real server from a checkout given with
---repo, runs 1 and 2 native sessions, and writes the JSON the issue asks for."""
+--repo, runs 1 and 2 native sessions, and writes the JSON the issue asks for; a checkout whose server does not
+start is a row with the reason, not the end of the benchmark."""
 
 from __future__ import annotations
 
@@ -17,14 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_bench_capacity_runs_on_tiny_weights(tmp_path: Path) -> None:
     out = tmp_path / "capacity"
+    broken = tmp_path / "broken"  # a checkout whose server exits at once
+    (broken / "agent_server").mkdir(parents=True)
+    (broken / "agent_server" / "__init__.py").write_text("")
+    (broken / "agent_server" / "cli.py").write_text("raise SystemExit('no engine today')\n")
     proc = subprocess.run(
         [sys.executable, "scripts/bench_capacity.py", "--weights", "random-tiny", "--variant", "turbo",
-         "--sessions", "1", "2", "--repo", f"mine={ROOT}", "--threads", "1,1", "--out", str(out),
-         "--", "--cpu-weights", "fp32"],
+         "--sessions", "1", "2", "--repo", f"broken={broken}", "--repo", f"mine={ROOT}", "--threads", "1,1",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--", "--cpu-weights", "fp32"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]  # 2: a checkout did not start
     report = json.loads(out.with_suffix(".json").read_text())
-    (run,) = report["runs"]
+    failed, run = report["runs"]
+    assert failed["label"] == "broken" and failed["rounds"] == []
+    assert "server did not start" in failed["error"] and "no engine today" in failed["error"]
+    assert (tmp_path / "logs" / "capacity_mine_server.log").is_file()
     assert run["label"] == "mine" and run["repo"] == str(ROOT) and run["random_weights"] is True
     assert "--threads" in run["server_args"] and "--cpu-weights" in run["server_args"]
     assert [r["sessions"] for r in run["rounds"]] == [1, 2]

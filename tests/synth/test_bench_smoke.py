@@ -53,3 +53,19 @@ def test_bench_engine_with_bf16_weights(tmp_path: Path) -> None:
         entry = report["variants"][variant]
         assert [row["equal_to_reference"] for row in entry["batched"]] == ["1/1", "3/3"]
         assert entry["batch_invariant_segments"] == "1/1"
+
+
+@pytest.mark.timeout(600)
+def test_bench_host_step_runs_and_reports(tmp_path: Path) -> None:
+    """scripts/bench_host_step.py (the engine with a null runner, host us per step) runs end to end and reports
+    every row count; how fast is the benchmark's business (BENCHMARKS.md), not this test's."""
+    out = tmp_path / "host_step.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_host_step.py", "--rows", "1", "8", "--steps", "20",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [row["rows"] for row in run["rows"]] == [1, 8] and "error" not in run
+    for row in run["rows"]:
+        assert row["steps"] == 20 and 0 < row["median_us"] <= row["p90_us"]
+        assert row["vocoder_feeds"] == 20  # every measured step handed its ids to the (null) vocoder worker
+    assert "median us" in proc.stdout

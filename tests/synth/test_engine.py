@@ -25,7 +25,8 @@ from synth.api import (
     SegmentRequest,
     Variant,
 )
-from synth.engine import S3GEN_SILENCE_TOKENS_TURBO, Engine
+from synth.build import S3GEN_SILENCE_TOKENS_TURBO
+from synth.engine import Engine
 from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE
 from synth.vocoder import VocoderVoice
@@ -388,7 +389,7 @@ def test_half_precision_engine_speaks_a_segment_to_the_end(variant: Variant, dty
     try:
         assert eng.wait_ready(120), eng.failure
         assert eng.runner.cache.keys[0].dtype == getattr(torch, dtype)
-        assert all(p.keys[0].dtype == getattr(torch, dtype) for p in eng._prefixes.values())
+        assert all(p.keys[0].dtype == getattr(torch, dtype) for p in eng.runner._prefixes.values())
         col = Collector()
         params = replace(SamplingParams.defaults(variant), seed=11, max_new_tokens=20)
         eng.submit(SegmentRequest(request_id="half", text=TEXTS[0], params=params, sink=col.sink_for("half")))
@@ -433,7 +434,8 @@ def _ops_per_decode_step(variant: str, sessions: int, voices: int) -> Counter[st
         eng.submit(SegmentRequest(request_id=f"s{i}", text=TEXTS[i], voice_id=f"v{i % voices}", params=params,
                                   sink=lambda output: None))
     with torch.no_grad():
-        while len(eng.scheduler.running) < sessions or any(s.pending_token is None for s in eng.scheduler.running):
+        while len(eng.scheduler.running) < sessions or any(
+                not eng.scheduler.tokens_sampled(s) for s in eng.scheduler.running):
             eng._step()
         eng._step()
         with count_ops() as counter:
@@ -548,13 +550,14 @@ def test_cpu_vocoder_bf16_is_refused_where_it_does_not_apply(monkeypatch: pytest
 
 def test_vocoder_graphs_are_refused_without_cuda() -> None:
     """`vocoder_graphs="on"` captures CUDA graphs: on another device the engine refuses to start, with the reason
-    (it never says ready and then fails every session); "off" is the default and says so in the status."""
+    (it never says ready and then fails every session); "auto" is eager there and says why; "off" is the default
+    and says so in the status."""
     if torch.device(TEST_DEVICE).type == "cuda":
         pytest.skip("this run's device has CUDA (tests/synth/test_render_graphs.py replays the vocoder there)")
     with pytest.raises(EngineError, match="vocoder_graphs='on' needs a CUDA device"):
         make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="on")
-    with pytest.raises(EngineError, match="'on' or 'off'"):
-        make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="auto")
+    with pytest.raises(EngineError, match="'auto', 'on' or 'off'"):
+        make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="always")
     status = make_engine("turbo", render_audio=True, max_slots=1).status()
     graphs = (status["vocoder_graphs"], status["vocoder_graphs_captured"], status["vocoder_graphs_failed"])
     assert graphs == ("off", 0, 0)

@@ -20,6 +20,8 @@ from tests.synth.conftest import TEST_DEVICE, synthetic_voice, tiny_bundle
 # (~1e-6 observed). 1e-4 absolute on logits of magnitude ~1 is far below anything that could matter and
 # far above rounding noise; a wrong position, mask or key block moves them by ~1e-1.
 PREFIX_TOLERANCE = 1e-4
+# the shared tiny bundle's device: a runner elsewhere would move the bundle's T3 away from the other tests' (in place)
+DEVICE = torch.device(TEST_DEVICE)
 TEXTS = {"english": ([255, 12, 13, 14, 15, 16, 0], [255, 40, 41, 0]), "turbo": ([12, 13, 14, 15, 16], [40, 41, 42])}
 
 
@@ -47,7 +49,7 @@ def _set_row(runner: T3Runner, row: int, token: int, speech_pos: int, pos: int) 
 def test_shared_prefix_packed_prefill_and_decode_match_full_forwards(variant: Variant) -> None:
     bundle = tiny_bundle(variant)
     t3 = bundle.t3
-    runner = T3Runner(t3, max_rows=4, max_len=600, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(t3, max_rows=4, max_len=600, device=DEVICE, dtype=torch.float32)
     voices = [synthetic_voice(bundle, name, seed=seed) for name, seed in (("a", 11), ("b", 12))]
     conds = [runner.cond_embeds(v.t3_cond(0.5, runner.device)) for v in voices]  # [1, P, dim] each
     prefixes = [runner.compute_prefix(c) for c in conds]
@@ -67,7 +69,7 @@ def test_shared_prefix_packed_prefill_and_decode_match_full_forwards(variant: Va
     assert n_rows == 4 and n_keys in runner.key_buckets and n_keys > max(lens)
     step = runner.decode(n_rows, n_keys)
     for row, i, token in ((2, 0, 100), (0, 1, 101)):
-        nxt = runner.speech_embeds(torch.tensor([token]), torch.tensor([1]))
+        nxt = runner.speech_embeds(torch.tensor([token], device=DEVICE), torch.tensor([1], device=DEVICE))
         _close(step[row:row + 1], _full(t3, conds[i], tails[i], nxt))
 
 
@@ -78,7 +80,7 @@ def test_a_rows_logits_are_bit_identical_in_every_row_and_key_bucket(variant: Va
     """CPU determinism: a row's logits do not depend on the bucket its step runs in (rows [0, R), keys
     [0, L)) nor on the other rows' content: what keeps a seeded segment's tokens independent of the batch."""
     bundle = tiny_bundle(variant)
-    runner = T3Runner(bundle.t3, max_rows=8, max_len=1024, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(bundle.t3, max_rows=8, max_len=1024, device=DEVICE, dtype=torch.float32)
     voices = [synthetic_voice(bundle, n, seed=s) for n, s in (("a", 21), ("b", 22))]
     prefixes = [runner.compute_prefix(runner.cond_embeds(v.t3_cond(0.5, runner.device))) for v in voices]
     tail = torch.cat([runner.text_embeds(TEXTS[variant][0]), runner.bos_embeds()])
@@ -106,7 +108,7 @@ def test_a_rows_prefill_and_decode_logits_do_not_depend_on_the_thread_count(vari
     with other counts, or a machine with more cores, says the same tokens for the same seed (what a phrase cache
     keyed on the seed relies on). The full-size models were checked the same way (BENCHMARKS.md, issue 15)."""
     bundle = tiny_bundle(variant)
-    runner = T3Runner(bundle.t3, max_rows=4, max_len=512, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(bundle.t3, max_rows=4, max_len=512, device=DEVICE, dtype=torch.float32)
     voice = synthetic_voice(bundle, "a", seed=31)
     prefix = runner.compute_prefix(runner.cond_embeds(voice.t3_cond(0.5, runner.device)))
     tail = torch.cat([runner.text_embeds(TEXTS[variant][0] * 6), runner.bos_embeds()])
@@ -134,7 +136,7 @@ def test_uncond_row_reads_the_shared_text_block() -> None:
     demand; the row itself only runs the BOS block. Same logits as the reference's full uncond row."""
     bundle = tiny_bundle("english")
     t3 = bundle.t3
-    runner = T3Runner(t3, max_rows=4, max_len=600, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(t3, max_rows=4, max_len=600, device=DEVICE, dtype=torch.float32)
     cond = runner.cond_embeds(synthetic_voice(bundle, "a", seed=11).t3_cond(0.5, runner.device))
     prefix = runner.compute_prefix(cond)
     bos = runner.bos_embeds()
@@ -144,14 +146,15 @@ def test_uncond_row_reads_the_shared_text_block() -> None:
         assert prefix.length == prefix.cond_len + max(n, 8 if row != 1 else n)
         got = runner.prefill([PrefillItem(row, prefix, prefix.cond_len + n, bos)])
         with torch.inference_mode():
-            uncond_text = torch.zeros(1, n, cond.shape[-1]) + t3.text_pos_emb(torch.tensor([text_ids]))
+            uncond_text = torch.zeros(1, n, cond.shape[-1], device=DEVICE) + t3.text_pos_emb(
+                torch.tensor([text_ids], device=DEVICE))
         _close(got, _full(t3, cond, uncond_text, bos[None]))
 
 
 def test_prefix_extension_never_writes_the_old_tensors() -> None:
     """Running segments hold the prefix object; growing it replaces tensors, it does not mutate them."""
     bundle = tiny_bundle("english")
-    runner = T3Runner(bundle.t3, max_rows=2, max_len=128, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(bundle.t3, max_rows=2, max_len=128, device=DEVICE, dtype=torch.float32)
     prefix: PrefixKV = runner.compute_prefix(
         runner.cond_embeds(synthetic_voice(bundle, "a", seed=1).t3_cond(0.5, runner.device)))
     before = [k.clone() for k in prefix.keys]
@@ -163,8 +166,23 @@ def test_prefix_extension_never_writes_the_old_tensors() -> None:
 
 def test_cache_is_allocated_once_and_sized_by_config() -> None:
     bundle = tiny_bundle("english")
-    runner = T3Runner(bundle.t3, max_rows=6, max_len=128, device=torch.device("cpu"), dtype=torch.float32)
+    runner = T3Runner(bundle.t3, max_rows=6, max_len=128, device=DEVICE, dtype=torch.float32)
     cache = runner.cache
     assert len(cache.keys) == runner.n_layers
     assert cache.keys[0].shape == (6, runner.n_heads, 128, runner.head_dim)
     assert cache.usable_len == 127 and cache.scratch_pos == 127
+
+
+def test_a_released_rows_cfg_partner_stays_inside_a_smaller_row_bucket() -> None:
+    """A CFG pair claimed as rows (3, 9) (rows 4-8 taken), then released: a later 4-row step has row 3 idle, and
+    sampling reads each row's partner's logits within the bucket (an index past it is an error on the CPU and a
+    device-side assert on CUDA)."""
+    bundle = tiny_bundle("english")
+    runner = T3Runner(bundle.t3, max_rows=16, max_len=128, device=DEVICE, dtype=torch.float32)
+    ints = runner.inputs.ints
+    ints["partner"][3], ints["partner"][9] = 9, 9  # as admission writes them: the cond row reads the uncond row's
+    runner.release((3, 9))
+    runner.inputs.idle_rows(4)
+    runner.inputs.upload()
+    runner.sample(4)  # raised IndexError before the release reset the partners
+    assert ints["partner"][3] == 3 and ints["partner"][9] == 9
