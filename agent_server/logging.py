@@ -22,7 +22,7 @@ from urllib.parse import unquote_plus
 import orjson
 import structlog
 
-from agent_server.auth import QUERY_NAMES
+from agent_server.fleet.auth import QUERY_NAMES
 
 LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
           "info": logging.INFO, "debug": logging.DEBUG}

@@ -44,8 +44,8 @@ from starlette.responses import FileResponse, RedirectResponse, Response, Stream
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agent_server.hub import Hub, ServerStatus
-from agent_server.observers import (
+from agent_server.core.hub import Hub, ServerStatus
+from agent_server.core.observers import (
     BusyRejected,
     ContextFinished,
     FirstAudio,
@@ -54,7 +54,7 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.replica_metrics import ReplicaCollector
+from agent_server.fleet.replica_metrics import ReplicaCollector
 from synth.api import EngineLike, StepStats
 
 log = structlog.get_logger("agent_server.metrics")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import orjson
 
-from agent_server.codecs import StreamFormat, make_encoder
-from agent_server.encode_lane import EncoderPool
+from agent_server.audio.codecs import StreamFormat, make_encoder
+from agent_server.audio.encode_lane import EncoderPool
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 
 FORMATS: dict[str, StreamFormat] = {

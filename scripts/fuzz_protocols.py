@@ -31,8 +31,8 @@ try:
 except ImportError:
     atheris = None
 
-from agent_server import protocol as wire
-from agent_server.compat import (
+from agent_server.errors import FieldError
+from agent_server.protocols import (
     cartesia,
     cartesia_http,
     deepgram,
@@ -43,7 +43,7 @@ from agent_server.compat import (
     openai_speech,
     twilio,
 )
-from agent_server.errors import FieldError
+from agent_server.protocols import native_wire as wire
 
 VARIANTS = ("english", "turbo", "multilingual")
 PARSED, ERROR = "parsed", "error"
@@ -212,7 +212,7 @@ def run_hypothesis(examples: int, seed: int) -> None:
     from hypothesis import strategies as st
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.agent_server.test_parsers_property import targeted_inputs  # one strategy for both
+    from tests.agent_server.protocols.test_parsers_property import targeted_inputs  # one strategy for both
 
     @hypothesis_seed(seed)
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
