@@ -29,12 +29,9 @@ import structlog
 from agent_server.audio.codecs import StreamFormat
 from agent_server.audio.encode_lane import EncoderPool
 from agent_server.audio.formats import OutputFormat
-from agent_server.core.observers import Observers
-from agent_server.core.stream import (
+from agent_server.core.events import (
     AudioOut,
     Emit,
-    SegmenterLike,
-    SpeechStream,
     Stream,
     StreamDone,
     StreamEvent,
@@ -42,6 +39,8 @@ from agent_server.core.stream import (
     StreamStatus,
     build_params,
 )
+from agent_server.core.observers import Observers
+from agent_server.core.stream import SegmenterLike, SpeechStream
 from agent_server.core.voices import Voice, VoiceStore
 from agent_server.errors import UNAVAILABLE, FieldError
 from agent_server.fleet.agent_check import AgentCheckServer, Capacity, ReplicaState

@@ -39,15 +39,7 @@ import structlog
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 
-from agent_server.core.observers import (
-    BusyRejected,
-    ContextFinished,
-    FirstAudio,
-    SessionClosed,
-    SessionOpened,
-    SlowClientDropped,
-)
-from agent_server.core.stream import (
+from agent_server.core.events import (
     MarkupProblem,
     OutputOverflow,
     Stream,
@@ -56,6 +48,14 @@ from agent_server.core.stream import (
     StreamSpec,
     StreamStateError,
     StreamStatus,
+)
+from agent_server.core.observers import (
+    BusyRejected,
+    ContextFinished,
+    FirstAudio,
+    SessionClosed,
+    SessionOpened,
+    SlowClientDropped,
 )
 from agent_server.core.transport import CLOSE_NORMAL as CLOSE_NORMAL  # protocols import the close codes from here
 from agent_server.core.transport import (

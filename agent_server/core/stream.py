@@ -1,7 +1,8 @@
 """SpeechStream: one context (a turn) from text pieces to ordered, encoded audio. Protocol-neutral.
 
-This is the one place where the server talks to the engine. Every wire protocol (the native one in
-session.py, and vendor-compatible ones) drives the same five verbs and renders the same events:
+This is the one place where the server talks to the engine. Every wire protocol (protocols/native.py and the
+vendors' beside it), through the session core (core/session.py), drives the same verbs and renders the same
+events (their vocabulary: core/events.py):
 
     stream = SpeechStream(key, spec, engine=..., segmenter=..., post=..., emit=...)
     stream.open()
@@ -15,12 +16,12 @@ its `AudioOut` frames and `SegmentDone`, then exactly one `StreamDone`.
 Threading: every method runs on the event loop thread. The engine calls its sink on its own thread; the
 sink only hands the output to `post` (loop.call_soon_threadsafe), so the engine never blocks on us.
 
-Markup (`StreamSpec.markup`: the vendor's inline tags, agent_server/markup.py): a `<break>` ends the segment
+Markup (`StreamSpec.markup`: the vendor's inline tags, text/markup.py): a `<break>` ends the segment
 before it and becomes a segment of its own with no text, its silence made here and never submitted; it plays in
 turn like any segment (with its SegmentStarted / SegmentDone, which carry no characters). Speed
-(`StreamSpec.speed`): the encoder plays the audio faster or slower (codecs.TempoEncoder); segment offsets and
-durations are on the audio as it plays. Voices: a segment is said by `StreamSpec.voice_id`, or after
-`stream.start_turn(voice_id, now_s)` (a dialogue's next line, compat/elevenlabs_dialogue.py) by that turn's
+(`StreamSpec.speed`): the encoder plays the audio faster or slower (audio/codecs.TempoEncoder); segment offsets
+and durations are on the audio as it plays. Voices: a segment is said by `StreamSpec.voice_id`, or after
+`stream.start_turn(voice_id, now_s)` (a dialogue's next line, protocols/elevenlabs_dialogue.py) by that turn's
 voice; `start_turn` cuts the text before it as a flush does, so no segment holds two turns.
 
 Ordering: segment N+1 is submitted when segment N has finished generating (GENERATED), so T3 of the next
@@ -28,18 +29,18 @@ segment overlaps the vocoder tail of the current one; audio that arrives for a s
 come is held until every earlier segment has played. One encoder per context keeps the output stream
 continuous across segments (a frame may straddle two segments).
 
-Encoding: the spec's `output_format` (agent_server/codecs.py) picks the encoder. Raw PCM, G.711 and WAV
+Encoding: the spec's `output_format` (audio/codecs.py) picks the encoder. Raw PCM, G.711 and WAV
 encode inline; a compressed format (MP3, Opus, AAC, FLAC) with an `EncoderPool` encodes off the event
-loop on the context's `Lane` (agent_server/encode_lane.py), its results coming back in order. Everything
+loop on the context's `Lane` (audio/encode_lane.py), its results coming back in order. Everything
 that must follow audio (SegmentStarted, SegmentDone, the completing StreamDone) goes through the same
 stage behind that audio, and the stream reads the encoder only through the counters each call returns,
 so both stages give the same events in the same order. A lane that overflows (the encoders cannot keep
 up) emits `OutputOverflow`: the session treats it as a slow client.
 
-`Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one.
+`events.Stream` is what the session core and the protocols use of a stream: `hub.open_stream` returns one.
 A stream submits its segments to a `SegmentTarget` (submit/cancel): the engine itself, or the phrase
-cache in front of it (phrase_cache.CachedSource, which the hub puts there), which answers a hit through the
-segment's own sink as the engine would (STARTED with reason "cached", the audio, GENERATED, DONE). So a
+cache in front of it (fleet/phrase_cache.CachedSource, which the hub puts there), which answers a hit through
+the segment's own sink as the engine would (STARTED with reason "cached", the audio, GENERATED, DONE). So a
 cached segment takes the very path of engine audio: same encoder and framing, same events and metrics,
 and `SegmentStarted.cached` says where it came from.
 """
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +59,22 @@ import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from agent_server.audio.codecs import MAX_SPEED, MIN_SPEED, EncoderCounts, StreamEncoder, StreamFormat, make_encoder
+from agent_server.audio.codecs import EncoderCounts, StreamEncoder, make_encoder
 from agent_server.audio.encode_lane import EncoderPool, EncodeStage, InlineStage, LaneFull
-from agent_server.errors import FieldError
+from agent_server.core.events import (
+    AudioOut,
+    Emit,
+    MarkupProblem,
+    OutputOverflow,
+    SegmentDone,
+    SegmentStarted,
+    StreamDone,
+    StreamSpec,
+    StreamStarted,
+    StreamStateError,
+    StreamStatus,
+    StreamTimes,
+)
 from agent_server.text.markup import MarkupFilter, Pause, Piece
 from agent_server.text.normalize import Spoken, spoken_form, unchanged
 from synth.api import (
@@ -72,7 +85,6 @@ from synth.api import (
     EngineOutput,
     EventKind,
     ListenerClock,
-    SamplingParams,
     SegmentEvent,
     SegmentRequest,
 )
@@ -88,154 +100,9 @@ CHAR_WEIGHT_OTHER = 1.0
 MAX_PENDING_ENCODES = 256  # encoder calls one context may have queued on its lane (beyond: OutputOverflow)
 
 
-# ---- what a stream is opened with ---------------------------------------------------------------
+# ---- what a stream works with --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class StreamSpec:
-    voice_id: str
-    params: SamplingParams  # seed: the context's seed (segment i uses seed + i), or None
-    output_format: StreamFormat
-    language: str | None = None
-    # False: the first segment is refused (BUSY) when the engine has no free slot, instead of queueing.
-    may_wait: bool = True
-    max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
-    cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
-    speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
-    markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/markup.py); none: text
-    normalize: bool = True  # numbers, money, times ... said as words (agent_server/normalize.py); False: as written
-
-    def __post_init__(self) -> None:
-        parse_speed("speed", self.speed)
-
-
-def parse_speed(field: str, value: object) -> float:
-    """A speed multiplier (1: as spoken; 1.25: a quarter faster, the pitch kept); None or "" is 1. Numbers
-    in query strings come as text."""
-    if value is None or value == "":
-        return 1.0
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise FieldError(field, f"{field} must be a number (got {value!r})") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_SPEED <= value <= MAX_SPEED:
-        shown = json.dumps(value) if isinstance(value, (bool, int, float, list, dict)) else repr(value)  # as sent
-        raise FieldError(field, f"{field} must be a number in [{MIN_SPEED:g}, {MAX_SPEED:g}] (got {shown})")
-    return float(value)
-
-
-def build_params(
-    variant: str, overrides: Sequence[tuple[str, float | int]], seed: int | None
-) -> SamplingParams:
-    """The variant's defaults with the client's overrides and seed. Raises FieldError("sampling.x", ...)."""
-    base = SamplingParams.defaults(variant)  # type: ignore[arg-type]
-    changes: dict[str, Any] = {**dict(overrides), "seed": seed}
-    params = dataclasses.replace(base, **changes)
-    try:
-        params.validate()
-    except ValueError as exc:
-        first = str(exc).split(" ", 1)[0]
-        name = "seed" if first == "seed" else f"sampling.{first}"
-        raise FieldError(name, str(exc)) from exc
-    return params
-
-
-# ---- what a stream emits ------------------------------------------------------------------------
-
-
-class StreamStatus(enum.IntEnum):
-    """Where a stream is. Order matters: everything >= COMPLETED is terminal, and the terminal status is
-    the outcome `StreamDone` reports (its `reason` is the lower-case name)."""
-
-    OPEN = 0  # taking text
-    ENDED = 1  # input ended; audio still coming
-    COMPLETED = 10
-    CANCELLED = 11  # by the client
-    BUSY = 12  # the engine refused a segment
-    FAILED = 13  # the engine failed a segment or refused a submit
-    SHUTDOWN = 14  # the server or the session closed under it
-
-    @property
-    def done(self) -> bool:
-        return self >= StreamStatus.COMPLETED
-
-    @property
-    def reason(self) -> str:
-        """The wire name of a terminal status: completed | cancelled | busy | failed | shutdown."""
-        return self.name.lower()
-
-    @property
-    def output_dropped(self) -> bool:
-        """Stopped from outside: output of it still queued for the client is not sent any more."""
-        return self in (StreamStatus.CANCELLED, StreamStatus.SHUTDOWN)
-
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStarted:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentStarted:
-    index: int
-    text: str
-    start_char: int
-    end_char: int
-    audio_offset_ms: float
-    cached: bool = False  # replayed from the phrase cache
-
-
-@dataclass(frozen=True, slots=True)
-class AudioOut:
-    segment_index: int
-    seq: int  # 0, 1, 2 ... per stream
-    payload: bytes  # the next bytes of the `output_format` stream (raw formats: one frame)
-    duration_ms: float  # the audio the piece holds (compressed: the audio encoded since the last piece)
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentDone:
-    index: int
-    text: str
-    start_char: int
-    audio_offset_ms: float
-    audio_ms: float
-    speech_tokens: int
-    char_start_ms: list[int]  # per character of `text`, from the start of the stream's audio
-    char_duration_ms: list[int]
-    turn: int = 0  # the turn it belongs to: 0 before the first `start_turn`, then 1, 2, ...
-
-
-@dataclass(frozen=True, slots=True)
-class StreamDone:
-    status: StreamStatus  # terminal
-    detail: str = ""
-
-    @property
-    def reason(self) -> str:
-        return self.status.reason
-
-
-@dataclass(frozen=True, slots=True)
-class OutputOverflow:
-    """The context's encoder lane is full: its audio cannot be encoded as fast as it comes. Not for
-    protocols: the session core cuts the session as it cuts a slow client."""
-
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class MarkupProblem:
-    """A tag found wrong only when the text was flushed or ended (a `<break` never closed). Not for protocols:
-    the session core reports it as push_text's problems are (`bad_markup`)."""
-
-    detail: str
-
-
-StreamEvent = StreamStarted | SegmentStarted | AudioOut | SegmentDone | StreamDone | OutputOverflow | MarkupProblem
-Emit = Callable[["Stream", StreamEvent], None]
 Post = Callable[..., object]  # loop.call_soon_threadsafe
 
 
@@ -269,7 +136,9 @@ class SegmenterLike(Protocol):
 # ---- state --------------------------------------------------------------------------------------
 
 
-class SegmentStatus(enum.IntEnum):
+class StreamSegmentStatus(enum.IntEnum):
+    """Where one segment of a stream is, as the server side sees it (the engine's own: synth/request.Status)."""
+
     PENDING = 0  # cut by the segmenter, not submitted yet
     SUBMITTED = 1
     STARTED = 2
@@ -279,13 +148,16 @@ class SegmentStatus(enum.IntEnum):
 
 
 @dataclass(slots=True)
-class SegmentState:
+class StreamSegment:
+    """One segment of a stream on the server side: its text, where its audio is, its place in the stream's output
+    (the engine's state of the same segment is synth/request.SegmentState, which only the engine thread sees)."""
+
     index: int
     text: str
     start_char: int
     end_char: int
     request_id: str = ""
-    status: SegmentStatus = SegmentStatus.PENDING
+    status: StreamSegmentStatus = StreamSegmentStatus.PENDING
     held: list[NDArray[Any]] = field(default_factory=list)  # chunks that came before their turn to play
     speech_tokens: int = 0
     samples_24k: int = 0  # audio received so far
@@ -298,62 +170,8 @@ class SegmentState:
     spoken: Spoken | None = None  # what the engine was given for `text` (set when submitted)
 
 
-class StreamStateError(RuntimeError):
-    """A verb that the stream's state does not allow (e.g. text after end)."""
-
-
-@dataclass(slots=True)
-class StreamTimes:
-    """time.monotonic() readings for the first audio of the stream."""
-
-    opened_s: float
-    first_text_s: float | None = None
-    first_submit_s: float | None = None
-    first_chunk_ready_s: float | None = None  # AudioChunk.ready_monotonic_s of the stream's first chunk
-    first_frame_sent_s: float | None = None
-
-    @property
-    def ttfa_s(self) -> float | None:
-        if self.first_frame_sent_s is None or self.first_text_s is None:
-            return None
-        return self.first_frame_sent_s - self.first_text_s
-
-    @property
-    def server_overhead_s(self) -> float | None:
-        if self.first_frame_sent_s is None or self.first_chunk_ready_s is None:
-            return None
-        return self.first_frame_sent_s - self.first_chunk_ready_s
-
-
-class Stream(Protocol):
-    """What the session core and the protocols use of a context's stream (SpeechStream is one)."""
-
-    key: str
-    spec: StreamSpec
-    status: StreamStatus
-    times: StreamTimes
-    text_chars: int  # text pushed so far
-    frames_sent: int  # frames the writer reported sent (`on_frame_sent`)
-    sent_ms: float  # audio in those frames
-
-    @property
-    def segment_count(self) -> int: ...
-    @property
-    def has_unsegmented_text(self) -> bool: ...
-    @property
-    def all_segments_done(self) -> bool: ...
-    def open(self) -> None: ...
-    def push_text(self, text: str, now_s: float) -> list[str]: ...
-    def start_turn(self, voice_id: str, now_s: float) -> int: ...
-    def flush(self, now_s: float) -> None: ...
-    def end(self, now_s: float) -> None: ...
-    def poll(self, now_s: float) -> None: ...
-    def cancel(self, status: StreamStatus = StreamStatus.CANCELLED, detail: str = "") -> bool: ...
-    def on_frame_sent(self, now_s: float, audio_ms: float) -> None: ...
-
-
 class SpeechStream:
-    """A Stream on the engine."""
+    """An `events.Stream` on the engine."""
 
     def __init__(
         self,
@@ -386,7 +204,7 @@ class SpeechStream:
         self._completing = False  # the stream's end is queued behind its last audio
         self._rate_hz = spec.output_format.sample_rate_hz
         self._padding_out_samples = 0  # silence the encoder added to complete frames (drain)
-        self._segments: list[SegmentState] = []
+        self._segments: list[StreamSegment] = []
         self._playing = 0  # index of the segment whose audio goes out now
         self._next_submit = 0
         self._waiting_for_backlog = False
@@ -448,7 +266,7 @@ class SpeechStream:
             if isinstance(piece, Pause):
                 self._add_segments(self._segmenter.flush(now_s))  # the speech before the pause is a segment
                 # its range: its tag, and the whitespace before it the segment before left
-                self._segments.append(SegmentState(len(self._segments), "", min(self._fed_covered, piece.raw_start),
+                self._segments.append(StreamSegment(len(self._segments), "", min(self._fed_covered, piece.raw_start),
                                                    piece.raw_end, pause_ms=piece.duration_ms))
                 self._fed_covered = piece.raw_end
                 self._submit_ready()
@@ -492,7 +310,7 @@ class SpeechStream:
     @property
     def all_segments_done(self) -> bool:
         """Every segment cut so far has all of its audio (or was dropped)."""
-        return all(seg.status >= SegmentStatus.DONE for seg in self._segments)
+        return all(seg.status >= StreamSegmentStatus.DONE for seg in self._segments)
 
     @property
     def has_unsegmented_text(self) -> bool:
@@ -515,7 +333,7 @@ class SpeechStream:
                 start = max(start, self._fed_covered)  # not back over a pause's tag
                 end = max(end, start)
                 self._fed_covered = end
-            self._segments.append(SegmentState(index, seg.text, start, end, voice_id=self._voice_id,
+            self._segments.append(StreamSegment(index, seg.text, start, end, voice_id=self._voice_id,
                                                turn=self._turn))
         if cut:
             self._submit_ready()
@@ -523,7 +341,7 @@ class SpeechStream:
     def _submit_ready(self) -> None:
         self._waiting_for_backlog = False
         while self._next_submit < len(self._segments) and not self.status.done:
-            if self._next_submit > 0 and self._segments[self._next_submit - 1].status < SegmentStatus.GENERATED:
+            if self._next_submit > 0 and self._segments[self._next_submit - 1].status < StreamSegmentStatus.GENERATED:
                 return
             if self._next_submit > 0 and self._backlog_s() > self.spec.max_audio_ahead_s:
                 self._waiting_for_backlog = True
@@ -535,14 +353,14 @@ class SpeechStream:
             else:
                 self._submit(seg)
 
-    def _submit(self, seg: SegmentState) -> None:
+    def _submit(self, seg: StreamSegment) -> None:
         now_s = time.monotonic()
         seed = self.spec.params.seed
         params = self.spec.params if seed is None else dataclasses.replace(
             self.spec.params, seed=(seed + seg.index) % SEED_MODULUS
         )
         seg.request_id = f"{self.key}/{seg.index}"
-        seg.status = SegmentStatus.SUBMITTED
+        seg.status = StreamSegmentStatus.SUBMITTED
         seg.spoken = spoken_form(seg.text, self.spec.language) if self.spec.normalize else unchanged(seg.text)
         request = SegmentRequest(
             request_id=seg.request_id,
@@ -561,20 +379,20 @@ class SpeechStream:
         try:
             self._engine.submit(request)
         except Exception as exc:  # EngineError (unknown voice, stopped), or a bug: fail the stream, not the socket
-            seg.status = SegmentStatus.DROPPED
+            seg.status = StreamSegmentStatus.DROPPED
             if not isinstance(exc, EngineError):
                 log.exception("submit_failed", request_id=seg.request_id)
             self._terminate(StreamStatus.FAILED, str(exc) or type(exc).__name__)
 
-    def _make_pause(self, seg: SegmentState) -> None:
+    def _make_pause(self, seg: StreamSegment) -> None:
         """A pause is its silence, there at once: it plays when its turn comes, and the next segment may go."""
         silence = np.zeros(round(seg.pause_ms * SAMPLES_PER_MS_24K), dtype=np.float32)
         seg.samples_24k = silence.size
         seg.held.append(silence)
-        seg.status = SegmentStatus.DONE
+        seg.status = StreamSegmentStatus.DONE
         self._advance()
 
-    def _sink_for(self, seg: SegmentState) -> Callable[[EngineOutput], None]:
+    def _sink_for(self, seg: StreamSegment) -> Callable[[EngineOutput], None]:
         post = self._post
         on_output = self._on_output
 
@@ -588,8 +406,8 @@ class SpeechStream:
 
     # ---- engine output (loop thread) -------------------------------------------------------------
 
-    def _on_output(self, seg: SegmentState, out: EngineOutput) -> None:
-        if self.status.done or seg.status >= SegmentStatus.DONE:
+    def _on_output(self, seg: StreamSegment, out: EngineOutput) -> None:
+        if self.status.done or seg.status >= StreamSegmentStatus.DONE:
             return  # late output of a cancelled or failed stream
         try:
             if isinstance(out, AudioChunk):
@@ -600,7 +418,7 @@ class SpeechStream:
             log.exception("engine_output_failed", request_id=seg.request_id)
             self._terminate(StreamStatus.FAILED, f"server error: {type(exc).__name__}")
 
-    def _on_chunk(self, seg: SegmentState, chunk: AudioChunk) -> None:
+    def _on_chunk(self, seg: StreamSegment, chunk: AudioChunk) -> None:
         seg.speech_tokens += chunk.speech_tokens
         seg.samples_24k += len(chunk.pcm)
         if seg.index == self._playing:
@@ -610,16 +428,16 @@ class SpeechStream:
         else:
             seg.held.append(chunk.pcm)
 
-    def _on_event(self, seg: SegmentState, event: SegmentEvent) -> None:
+    def _on_event(self, seg: StreamSegment, event: SegmentEvent) -> None:
         kind = event.kind
         if kind == EventKind.STARTED:
-            seg.status = max(seg.status, SegmentStatus.STARTED)
+            seg.status = max(seg.status, StreamSegmentStatus.STARTED)
             seg.cached = event.reason == CACHED_REASON
         elif kind == EventKind.GENERATED:
-            seg.status = SegmentStatus.GENERATED
+            seg.status = StreamSegmentStatus.GENERATED
             self._submit_ready()
         elif kind == EventKind.DONE:
-            seg.status = SegmentStatus.DONE
+            seg.status = StreamSegmentStatus.DONE
             self._submit_ready()
             self._advance()
         elif kind == EventKind.BUSY:
@@ -631,17 +449,17 @@ class SpeechStream:
 
     # ---- audio out -----------------------------------------------------------------------------
 
-    def _announce(self, seg: SegmentState) -> None:
+    def _announce(self, seg: StreamSegment) -> None:
         """The segment's first audio is next: SegmentStarted goes out behind the audio before it."""
         seg.announced = True
         self._behind_audio(partial(self._segment_started, seg))
 
-    def _segment_started(self, seg: SegmentState) -> None:
+    def _segment_started(self, seg: StreamSegment) -> None:
         seg.audio_offset_ms = self._timeline_ms()
         self._emit(self, SegmentStarted(seg.index, seg.text, seg.start_char, seg.end_char, seg.audio_offset_ms,
                                         seg.cached))
 
-    def _play(self, seg: SegmentState, pcm: NDArray[Any]) -> None:
+    def _play(self, seg: StreamSegment, pcm: NDArray[Any]) -> None:
         if not seg.announced:
             self._announce(seg)
         self._encode(seg.index, partial(self._encoder.push, pcm))
@@ -707,7 +525,7 @@ class SpeechStream:
             for pcm in seg.held:
                 self._play(seg, pcm)
             seg.held.clear()
-            if seg.status != SegmentStatus.DONE:
+            if seg.status != StreamSegmentStatus.DONE:
                 return
             if not seg.announced:  # a segment without audio still gets its boundary events
                 self._announce(seg)
@@ -721,7 +539,7 @@ class SpeechStream:
         (the resampler and the framer hold some back; `drain` pads with a few ms of silence)."""
         if self._playing < len(self._segments):
             following = self._segments[self._playing]
-            if following.held or following.status == SegmentStatus.DONE:
+            if following.held or following.status == StreamSegmentStatus.DONE:
                 return  # the next segment's audio pushes it out
         elif self.status == StreamStatus.ENDED:
             self._finish_queued = True
@@ -735,7 +553,7 @@ class SpeechStream:
             self._counts.samples_fed / SAMPLES_PER_MS_24K + self._padding_out_samples * 1000.0 / self._rate_hz
         )
 
-    def _segment_done(self, seg: SegmentState) -> None:
+    def _segment_done(self, seg: StreamSegment) -> None:
         audio_ms = seg.samples_24k / SAMPLES_PER_MS_24K / self.spec.speed  # as it plays
         spoken = seg.spoken or unchanged(seg.text)  # a pause has none
         starts, durations = spoken.written_times(*char_alignment(spoken.text, seg.audio_offset_ms, audio_ms))
@@ -770,10 +588,10 @@ class SpeechStream:
         self.status = status
         self._stage.cancel()  # drops queued encoder calls; the encoder is closed once
         for seg in self._segments:
-            if SegmentStatus.SUBMITTED <= seg.status < SegmentStatus.DONE:
+            if StreamSegmentStatus.SUBMITTED <= seg.status < StreamSegmentStatus.DONE:
                 self._engine.cancel(seg.request_id)
-            if seg.status < SegmentStatus.DONE:
-                seg.status = SegmentStatus.DROPPED
+            if seg.status < StreamSegmentStatus.DONE:
+                seg.status = StreamSegmentStatus.DROPPED
             seg.held.clear()
         self._emit(self, StreamDone(status, detail))
 

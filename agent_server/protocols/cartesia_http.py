@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import AudioOut, SegmentDone
 from agent_server.core.session import Context
-from agent_server.core.stream import AudioOut, SegmentDone
 from agent_server.core.transport import Head
 from agent_server.errors import FieldError, empty_message
 from agent_server.protocols.cartesia import MAX_CONTEXT_ID_CHARS, REQUEST_FIELDS, word_timestamps
@@ -41,7 +41,7 @@ from agent_server.protocols.common import (
     resolve_language,
     resolve_voice,
 )
-from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
+from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.protocols.vendor_formats import cartesia_format
 from agent_server.text.markup import CARTESIA_TAGS
 from agent_server.text.timestamps import ContextAlignment, SegmentTimes
@@ -173,13 +173,14 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
     text_field: ClassVar[str] = "transcript"
     sse: ClassVar[bool] = False
 
-    def parse(self, body: bytes) -> Speech[HttpState]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
         request = parse_request(body, session.variant, sse=self.sse)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
                          speed=request.speed, markup=CARTESIA_TAGS)
-        return Speech(spec, request.transcript, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
+        state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))
+        return HttpSpeechRequest(spec, request.transcript, state)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
         return status, orjson.dumps(status_body(status, TITLES.get(status, "Error"), message, code,

@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import SegmentDone, StreamSpec, build_params, parse_speed
 from agent_server.core.hub import Hub
-from agent_server.core.stream import SegmentDone, StreamSpec, build_params, parse_speed
 from agent_server.errors import FieldError
 from agent_server.text.timestamps import ContextAlignment, SegmentTimes
 

@@ -24,6 +24,15 @@ from typing import ClassVar
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import (
+    AudioOut,
+    SegmentDone,
+    StreamDone,
+    StreamEvent,
+    StreamStateError,
+    StreamStatus,
+    parse_speed,
+)
 from agent_server.core.hub import Refusal
 from agent_server.core.session import (
     CLOSE_NORMAL,
@@ -32,15 +41,6 @@ from agent_server.core.session import (
     Context,
     Session,
     WireProtocol,
-)
-from agent_server.core.stream import (
-    AudioOut,
-    SegmentDone,
-    StreamDone,
-    StreamEvent,
-    StreamStateError,
-    StreamStatus,
-    parse_speed,
 )
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
 from agent_server.protocols.common import PieceJoiner, check_model, make_spec, parse_seed, resolve_voice

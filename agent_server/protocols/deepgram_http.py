@@ -20,13 +20,13 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import parse_speed
 from agent_server.core.session import Context
-from agent_server.core.stream import parse_speed
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
 from agent_server.protocols.common import check_model, load_object, make_spec, parse_seed, resolve_voice
 from agent_server.protocols.deepgram import DEFAULT_MODEL
-from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, Speech
+from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.protocols.vendor_formats import deepgram_format
 
 QUERY_FIELDS = frozenset(
@@ -94,12 +94,12 @@ SpeakContext = Context[SpeakRequest]
 class DeepgramSpeakProtocol(HttpSpeechProtocol[SpeakRequest]):
     name: ClassVar[str] = "deepgram_http"
 
-    def parse(self, body: bytes) -> Speech[SpeakRequest]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[SpeakRequest]:
         session = self.session
         request = parse_request(session.transport.query, body, session.variant)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.model),
                          output_format=request.output, seed=request.seed, language=None, speed=request.speed)
-        return Speech(spec, request.text, request)
+        return HttpSpeechRequest(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
         if status == STATUS_BAD_REQUEST:

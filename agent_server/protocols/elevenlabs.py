@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Protocol
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.hub import Refusal
 from agent_server.core.session import (
     CLOSE_GOING_AWAY,
@@ -48,7 +49,6 @@ from agent_server.core.session import (
     SessionState,
     WireProtocol,
 )
-from agent_server.core.stream import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.errors import (
     BUSY,
     CONTEXT_TEXT_LIMIT,

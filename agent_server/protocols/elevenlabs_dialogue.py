@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import MS_PER_S, StreamFormat
+from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.hub import Refusal
 from agent_server.core.session import (
     CLOSE_NORMAL,
@@ -60,7 +61,6 @@ from agent_server.core.session import (
     SessionState,
     WireProtocol,
 )
-from agent_server.core.stream import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.errors import BUSY, FieldError, empty_message
 from agent_server.protocols.common import (
     b64,
@@ -94,7 +94,7 @@ from agent_server.protocols.elevenlabs_http import (
     SpeechRequest,
     check_optional_types,
 )
-from agent_server.protocols.http_speech import Speech, Turn
+from agent_server.protocols.http_speech import HttpSpeechRequest, Turn
 from agent_server.protocols.vendor_formats import elevenlabs_format
 from agent_server.text.markup import ELEVENLABS_V3_TAGS
 from agent_server.text.timestamps import ContextAlignment, SegmentTimes
@@ -179,7 +179,7 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
     name: ClassVar[str] = "elevenlabs_dialogue_http"
     text_field: ClassVar[str] = "inputs"
 
-    def parse(self, body: bytes) -> Speech[HttpState]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
         transport = session.transport
         output = elevenlabs_format(transport.query.get("output_format"))
@@ -206,7 +206,7 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
                          language=request.language, markup=ELEVENLABS_V3_TAGS, normalize=request.normalize)
         state = HttpState(request, ContextAlignment(lead_ms=output.lead_ms),
                           lines=LineTrack([line.voice_id for line in lines]))
-        return Speech(spec, request.text, state, turns)
+        return HttpSpeechRequest(spec, request.text, state, turns)
 
 
 class DialogueStreamProtocol(DialogueHttpProtocol):

@@ -38,8 +38,8 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import AudioOut, SegmentDone
 from agent_server.core.session import Context
-from agent_server.core.stream import AudioOut, SegmentDone
 from agent_server.core.transport import Head
 from agent_server.errors import FieldError, empty_message
 from agent_server.protocols.common import (
@@ -54,7 +54,7 @@ from agent_server.protocols.common import (
     resolve_voice,
     voice_settings_speed,
 )
-from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, Speech
+from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.protocols.vendor_formats import elevenlabs_format
 from agent_server.text.markup import elevenlabs_tags
 from agent_server.text.timestamps import ContextAlignment, seconds
@@ -253,7 +253,7 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
     streamed: ClassVar[bool] = False
     timestamps: ClassVar[bool] = False
 
-    def parse(self, body: bytes) -> Speech[HttpState]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
         transport = session.transport
         request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body, session.variant,
@@ -261,7 +261,8 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
                          speed=request.speed, markup=elevenlabs_tags(request.model_id), normalize=request.normalize)
-        return Speech(spec, request.text, HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms)))
+        state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))
+        return HttpSpeechRequest(spec, request.text, state)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
         if status == STATUS_BAD_REQUEST:

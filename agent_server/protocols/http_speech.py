@@ -2,7 +2,7 @@
 context per request (agent_server/transport.py's HttpTransport: the body is the one message).
 
 A vendor module subclasses `HttpSpeechProtocol` and writes only its wire format:
-- `parse(body)`: the request -> `Speech` (the stream spec, the text, the vendor's per-context state),
+- `parse(body)`: the request -> `HttpSpeechRequest` (the stream spec, the text, the vendor's per-context state),
   raising FieldError naming the field at fault;
 - `head(ctx)`: the response head; `render_audio`, `render_segment`, `render_completed`: the body;
 - `error_body(status, code, message, field)`: an error in the vendor's shape.
@@ -24,6 +24,7 @@ import base64
 from dataclasses import dataclass
 from typing import ClassVar, Generic
 
+from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
 from agent_server.core.hub import Refusal
 from agent_server.core.session import (
     CLOSE_GOING_AWAY,
@@ -36,7 +37,6 @@ from agent_server.core.session import (
     Session,
     WireProtocol,
 )
-from agent_server.core.stream import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
 from agent_server.core.transport import CLOSE_TOO_BIG, Head
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, UNAVAILABLE, FieldError
 
@@ -68,7 +68,7 @@ class Turn:
 
 
 @dataclass(frozen=True, slots=True)
-class Speech(Generic[S]):
+class HttpSpeechRequest(Generic[S]):
     """One parsed request: what to open, what to say, the vendor's state for the context. A dialogue
     gives `turns` (`text` is then their concatenation, for the record): each is pushed as its own turn."""
 
@@ -88,7 +88,7 @@ class HttpSpeechProtocol(WireProtocol[S]):
 
     # ---- the vendor's part -------------------------------------------------------------------------
 
-    def parse(self, body: bytes) -> Speech[S]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[S]:
         """The request (its body; the query, path and headers are on `self.session.transport`)."""
         raise NotImplementedError
 

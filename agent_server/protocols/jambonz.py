@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import CODEC_SAMPLE_RATES_HZ, StreamFormat
+from agent_server.core.events import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.hub import Refusal
 from agent_server.core.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, WireProtocol
-from agent_server.core.stream import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
 from agent_server.protocols.common import (
@@ -45,7 +45,7 @@ from agent_server.protocols.common import (
     resolve_language,
     resolve_voice,
 )
-from agent_server.protocols.http_speech import HttpSpeechProtocol, Speech
+from agent_server.protocols.http_speech import HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.text.markup import SSML_TAGS, ssml_text
 
 STATUS_BAD_REQUEST = 400
@@ -217,14 +217,14 @@ JambonzHttpContext = Context[SynthRequest]
 class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
     name: ClassVar[str] = "jambonz_http"
 
-    def parse(self, body: bytes) -> Speech[SynthRequest]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[SynthRequest]:
         session = self.session
         request = parse_http(body, session.transport.headers.get("accept"))
         seed = parse_seed("seed", session.transport.query.get("seed") or None)  # our extension, as in the stream URL
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice), output_format=request.output,
                          seed=seed, language=resolve_language("language", request.language, session.variant),
                          markup=SSML_TAGS if request.ssml else frozenset())
-        return Speech(spec, request.text, request)
+        return HttpSpeechRequest(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
         return status, orjson.dumps(http_error_body(_described(field, message, code), code))

@@ -16,9 +16,7 @@ from functools import partial
 from typing import ClassVar
 
 from agent_server.audio.codecs import StreamFormat
-from agent_server.core.hub import Refusal
-from agent_server.core.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
-from agent_server.core.stream import (
+from agent_server.core.events import (
     AudioOut,
     SegmentDone,
     SegmentStarted,
@@ -30,6 +28,8 @@ from agent_server.core.stream import (
     StreamStatus,
     build_params,
 )
+from agent_server.core.hub import Refusal
+from agent_server.core.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
 from agent_server.errors import FieldError
 from agent_server.protocols import native_wire as wire
 from agent_server.protocols import twilio

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from agent_server.audio.formats import OutputFormat
-from agent_server.core.stream import parse_speed
+from agent_server.core.events import parse_speed
 from agent_server.errors import FieldError
 from synth.api import VARIANTS
 

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import AudioOut, parse_speed
 from agent_server.core.session import Context
-from agent_server.core.stream import AudioOut, parse_speed
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
 from agent_server.protocols.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
@@ -30,7 +30,7 @@ from agent_server.protocols.http_speech import (
     STATUS_BUSY,
     STATUS_TOO_LARGE,
     HttpSpeechProtocol,
-    Speech,
+    HttpSpeechRequest,
 )
 from agent_server.protocols.vendor_formats import openai_format
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
@@ -96,12 +96,12 @@ class OpenAISpeechProtocol(HttpSpeechProtocol[SpeechState]):
     name: ClassVar[str] = "openai"
     text_field: ClassVar[str] = "input"
 
-    def parse(self, body: bytes) -> Speech[SpeechState]:
+    def parse(self, body: bytes) -> HttpSpeechRequest[SpeechState]:
         session = self.session
         request = parse_request(body, session.variant)
         spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice),
                          output_format=request.output, seed=request.seed, language=None, speed=request.speed)
-        return Speech(spec, request.input, SpeechState(request))
+        return HttpSpeechRequest(spec, request.input, SpeechState(request))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:
         if status in (STATUS_BAD_REQUEST, STATUS_TOO_LARGE):

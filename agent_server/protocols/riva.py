@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from agent_server.audio.codecs import Codec, StreamFormat
 from agent_server.audio.formats import ENGINE_SAMPLE_RATE_HZ
+from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.session import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -52,7 +53,6 @@ from agent_server.core.session import (
     Session,
     WireProtocol,
 )
-from agent_server.core.stream import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.errors import RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
 from agent_server.protocols.common import make_spec, place_segment, resolve_language, resolve_voice
 from agent_server.text.markup import SSML_TAGS, ssml_text

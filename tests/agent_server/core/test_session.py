@@ -234,7 +234,7 @@ class OffLoopEncoding(NativeProtocol):
     name = "native"
 
     def render(self, ctx: Any, event: Any) -> None:
-        from agent_server.core.stream import AudioOut
+        from agent_server.core.events import AudioOut
 
         if isinstance(event, AudioOut):
             delay_s = 0.02 if event.seq % 2 == 0 else 0.0  # even frames take longer: done out of order

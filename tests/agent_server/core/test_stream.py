@@ -17,12 +17,11 @@ import pytest
 
 from agent_server.audio.codecs import StreamEncoder, StreamFormat, make_encoder
 from agent_server.audio.encode_lane import EncoderPool, Lane
-from agent_server.core.stream import (
+from agent_server.core.events import (
     AudioOut,
     OutputOverflow,
     SegmentDone,
     SegmentStarted,
-    SpeechStream,
     Stream,
     StreamDone,
     StreamEvent,
@@ -31,6 +30,7 @@ from agent_server.core.stream import (
     StreamStateError,
     StreamStatus,
 )
+from agent_server.core.stream import SpeechStream
 from agent_server.text.segmenter import Segmenter
 from synth.api import (
     SAMPLES_PER_SPEECH_TOKEN,

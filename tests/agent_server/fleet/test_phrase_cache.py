@@ -19,17 +19,17 @@ import pytest
 from starlette.applications import Starlette
 
 from agent_server.app import create_app
-from agent_server.core.stream import (
+from agent_server.core.events import (
     AudioOut,
     SegmentDone,
     SegmentStarted,
-    SpeechStream,
     Stream,
     StreamDone,
     StreamEvent,
     StreamSpec,
     StreamStatus,
 )
+from agent_server.core.stream import SpeechStream
 from agent_server.fleet.phrase_cache import (
     NO_CACHE,
     PREWARM,

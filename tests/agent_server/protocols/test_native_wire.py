@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_server.core.stream import build_params, char_alignment
+from agent_server.core.events import build_params
+from agent_server.core.stream import char_alignment
 from agent_server.errors import FieldError
 from agent_server.protocols import native_wire as wire
 from synth.api import SamplingParams

@@ -125,7 +125,8 @@ def test_an_unfinished_tag_is_held_then_text() -> None:
 def test_segment_ranges_count_the_text_as_sent_tags_included(cut: int) -> None:
     """The native `breaks` protocol's `segment_started` [start_char, end_char): the range of the text the client
     pushed (its tags counted), a pause's the range of its tag; in order, never backwards."""
-    from agent_server.core.stream import SegmentStarted, SpeechStream, StreamSpec
+    from agent_server.core.events import SegmentStarted, StreamSpec
+    from agent_server.core.stream import SpeechStream
     from agent_server.text.markup import SSML_TAGS
     from agent_server.text.segmenter import Segmenter
     from synth.api import EventKind, SamplingParams

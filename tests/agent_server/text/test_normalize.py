@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_server.core.stream import SegmentDone, SpeechStream, StreamSpec, char_alignment
+from agent_server.core.events import SegmentDone, StreamSpec
+from agent_server.core.stream import SpeechStream, char_alignment
 from agent_server.text.normalize import spoken_form
 from agent_server.text.segmenter import Segmenter, weighted_len
 from synth.api import EventKind, SamplingParams
