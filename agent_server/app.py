@@ -83,6 +83,7 @@ def create_app(
     app = App(routes=routes, lifespan=lifespan, middleware=middleware)
     app.send_buffer_bytes = settings.socket_send_buffer_bytes
     app.state.hub = hub
+    app.state.port = hub.port  # what the protocols' plain HTTP routes may use (core/port.py)
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
     metrics.install(app)
     return app
@@ -99,10 +100,10 @@ class App(Starlette):
 
 async def start_grpc(hub: Hub, settings: Settings) -> GrpcServer:
     """The gRPC server (imported only when a port is set: it loads grpcio and the Riva protos)."""
-    from agent_server.core.grpc_server import GrpcServer
+    from agent_server.core.grpc_server import GrpcCalls, GrpcServer
     from agent_server.protocols import riva_service
 
-    server = GrpcServer(settings, lambda grpc_server: riva_service.add_to_server(grpc_server, hub))
+    server = GrpcServer(settings, lambda grpc_server: riva_service.add_to_server(grpc_server, GrpcCalls(hub)))
     await server.start()
     return server
 

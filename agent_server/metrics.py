@@ -328,13 +328,12 @@ class DashboardFeed:
 
     def hello(self) -> dict[str, Any]:
         self.sample_if_due()
-        hub = self.metrics.hub
-        engine = hub.engine
+        model = self.metrics.hub.model
         with self._lock:
             history = list(self.history)
         return {
-            "variant": engine.variant if engine is not None else hub.settings.variant,
-            "random_weights": bool(engine.random_weights) if engine is not None else None,
+            "variant": model.variant,
+            "random_weights": model.random_weights,
             "sample_period_s": self.sample_period_s,
             "ttfa_window_s": self.window_s,
             "ttfa_buckets_ms": [round(b * 1000, 3) for b in TTFA_BUCKETS_S],

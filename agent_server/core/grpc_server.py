@@ -11,6 +11,8 @@ lifespan, whose calls are sessions like any WebSocket or HTTP request (agent_ser
 - `run_call(...)`: what every handler runs: the credentials of the call's metadata through the server's
   Auth (UNAUTHENTICATED / PERMISSION_DENIED before any session), then one session of the protocol, which
   keeps running to its teardown when grpc.aio cancels the handler (the client went away).
+- `GrpcCalls`: what a gRPC service (protocols/riva_service.py) is given: `run` and `authorize` for its calls,
+  and the port (core/port.py) for what else it answers; never the hub.
 - `GrpcServer`: the server, with TLS from the same certificate as the HTTP port when one is set.
 """
 
@@ -46,6 +48,7 @@ from agent_server.fleet.auth import Denied, Principal
 
 if TYPE_CHECKING:
     from agent_server.core.hub import Hub
+    from agent_server.core.port import Port
     from agent_server.settings import Settings
 
 log = structlog.get_logger("agent_server.grpc")
@@ -196,6 +199,21 @@ async def one(request: bytes) -> AsyncIterator[bytes]:
 
 
 _running: set[asyncio.Future[None]] = set()  # sessions of calls whose handler was cancelled, until they end
+
+
+class GrpcCalls:
+    """The calls of one app's services: each runs as one session of a protocol on the app's hub."""
+
+    def __init__(self, hub: Hub) -> None:
+        self._hub = hub
+        self.port: Port = hub.port
+
+    async def run(self, context: Context, requests: AsyncIterator[bytes], protocol: type[WireProtocol[Any]],
+                  *, unary: bool) -> bytes | None:
+        return await run_call(self._hub, context, requests, protocol, unary=unary)
+
+    async def authorize(self, context: Context) -> Principal | None:
+        return await authorize(self._hub, context)
 
 
 class GrpcServer:

@@ -40,6 +40,7 @@ from agent_server.core.events import (
     build_params,
 )
 from agent_server.core.observers import Observers
+from agent_server.core.port import Port, ServingModel
 from agent_server.core.stream import SegmenterLike, SpeechStream
 from agent_server.core.voices import Voice, VoiceStore
 from agent_server.errors import UNAVAILABLE, FieldError
@@ -147,6 +148,7 @@ class Hub:
         self.engine: EngineLike | None = None  # set once built (it is ready once status is READY)
         self.sessions: set[SessionHandle] = set()
         self.make_segmenter = segmenter_factory or _default_segmenter_factory()
+        self.port = Port(lambda: self.settings, self.voices, lambda: self.model)  # all a protocol gets
         self._given_engine = engine
         self._engine_factory = engine_factory
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -364,6 +366,10 @@ class Hub:
         self._loop.call_soon_threadsafe(fn, *args)
 
     @property
+    def model(self) -> ServingModel:
+        return ServingModel.of(self.engine, self.settings)
+
+    @property
     def ready(self) -> bool:
         return self.status == ServerStatus.READY
 
@@ -374,16 +380,16 @@ class Hub:
     def status_json(self) -> dict[str, Any]:
         engine = self.engine
         engine_status: dict[str, Any] = engine.status() if engine is not None else {}
-        random_weights = engine.random_weights if engine is not None else None
-        warnings = [RANDOM_WEIGHTS_WARNING] if random_weights else []
+        model = self.model
+        warnings = [RANDOM_WEIGHTS_WARNING] if model.random_weights else []
         if not self.auth.enabled:
             warnings.append(AUTH_OFF_WARNING)
         return {
             "status": self.status.name.lower(),
             "detail": self.detail,
             "ready": self.ready,
-            "variant": engine.variant if engine is not None else self.settings.variant,
-            "random_weights": random_weights,
+            "variant": model.variant,
+            "random_weights": model.random_weights,
             "weights": self.settings.weights,
             "weights_source": engine_status.get("weights_source"),
             "engine": engine_status,
@@ -411,7 +417,7 @@ class Hub:
         }[self.status]
         return Capacity(state, len(self.sessions), self.settings.max_sessions,
                         int(engine_status.get("slots_in_use", 0)), int(engine_status.get("waiting", 0)),
-                        engine.max_slots if engine is not None else self.settings.max_slots, self.detail)
+                        self.model.max_slots, self.detail)
 
     # ---- tasks ---------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """The session core: one `Session` per session of any protocol (a WebSocket, or one HTTP request).
 
 Three layers, one concern each:
-- a transport (agent_server/transport.py): a reader and a writer for one connection, nothing more;
-- a wire protocol (`WireProtocol`: agent_server/native.py, agent_server/compat/*): parses the client's
-  messages and renders events in its own wire form; it never touches the socket;
+- a transport (core/transport.py; core/grpc_server.py for gRPC): a reader and a writer for one connection,
+  nothing more;
+- a wire protocol (`WireProtocol`: agent_server/protocols/*): parses the client's messages and renders events in
+  its own wire form; it never touches the socket, and of the server it sees only `session.port`
+  (core/port.py: the settings, the voices, the serving model's facts), never the hub;
 - this core, which owns everything that must be the same for every protocol:
   - admission: `run()` holds a `try/finally` from `hub.admit` to `hub.remove` around everything the
     protocol does, so no exception in protocol code can leak a session;
@@ -16,7 +18,7 @@ Three layers, one concern each:
     send queue), or when the outbox overflows, or when a context's audio encoder falls behind
     (`OutputOverflow`);
   - the drain (1001 after the last context), busy refusal at admission (1013), teardown;
-  - metrics events (agent_server/observers.py) and structured logs.
+  - metrics events (core/observers.py) and structured logs.
 
 A protocol implements the hooks of `WireProtocol` (`on_open`, `on_message`, `on_input_end`, `render`,
 `render_error`, `on_refused`, `on_close`, `on_tick`) and calls the core's verbs: `send`, `send_audio`, `open_context`,
@@ -82,6 +84,7 @@ from agent_server.logging import RateLimitedLog
 
 if TYPE_CHECKING:
     from agent_server.core.hub import Hub, Refusal
+    from agent_server.core.port import Port
     from agent_server.fleet.auth import Principal
 
 log = structlog.get_logger("agent_server.session")
@@ -212,7 +215,8 @@ class WireProtocol(Generic[S]):
 
 class Session(Generic[S]):
     def __init__(self, hub: Hub, transport: Transport, protocol: type[WireProtocol[S]]) -> None:
-        self.hub = hub
+        self._hub = hub  # the session's own: a protocol gets the port, never the hub
+        self.port: Port = hub.port  # what the protocol may use of the server: settings, voices, the model's facts
         self.settings = hub.settings
         self.transport = transport
         self.protocol_name: str = protocol.name
@@ -243,11 +247,6 @@ class Session(Generic[S]):
 
     # ---- for protocols ---------------------------------------------------------------------------
 
-    @property
-    def variant(self) -> str:
-        engine = self.hub.engine
-        return engine.variant if engine is not None else self.settings.variant
-
     def send(self, data: Payload, ctx: Context[S] | None = None) -> None:
         """Queue a message; with `ctx`, it is skipped if that context is cancelled before it goes out."""
         self._put(Outgoing(ctx, data))
@@ -266,7 +265,7 @@ class Session(Generic[S]):
                 number = next(self._numbers)
                 ctx = Context(context_id, number, state, self.log.bind(context_id=context_id))
                 emit = partial(self._on_stream_event, ctx)
-                ctx.stream = await self.hub.open_stream(f"{self.session_id}/{number}", spec, emit)
+                ctx.stream = await self._hub.open_stream(f"{self.session_id}/{number}", spec, emit)
             finally:
                 self._opening.discard(context_id)
         except FieldError as error:
@@ -287,7 +286,7 @@ class Session(Generic[S]):
         does nothing. Raises StreamStateError when the context no longer takes text."""
         error = self._text_error(ctx, text)
         if error is None and text:
-            refusal = await self.hub.charge_text(self.principal, len(text))
+            refusal = await self._hub.charge_text(self.principal, len(text))
             if refusal is not None:
                 error = FieldError("text", refusal, RATE_LIMITED, context_id=ctx.context_id)
         if error is not None:
@@ -307,7 +306,7 @@ class Session(Generic[S]):
             code=error.code, busy=error.busy,
         )
         if error.busy:
-            self.hub.observers.emit(BusyRejected(self.protocol_name, "context", error.message))
+            self._hub.observers.emit(BusyRejected(self.protocol_name, "context", error.message))
         else:
             self._errors += 1
         if self.state < SessionState.CLOSING:
@@ -382,7 +381,7 @@ class Session(Generic[S]):
         admitted = False
         try:
             await self.transport.accept()
-            refusal = await self.hub.admit(self)
+            refusal = await self._hub.admit(self)
             admitted = refusal is None
             if refusal is not None:
                 await self._refuse(refusal)
@@ -395,17 +394,17 @@ class Session(Generic[S]):
             await self._last_resort_close()
         finally:
             if admitted:
-                self.hub.remove(self)
+                self._hub.remove(self)
                 self.state = SessionState.CLOSED
                 duration_s = time.monotonic() - self._opened_s
                 self.log.info("session_closed", code=self.close_code, reason=self.close_reason,
                               duration_s=round(duration_s, 3))
-                self.hub.observers.emit(SessionClosed(self.protocol_name, self.session_id, self.close_code,
+                self._hub.observers.emit(SessionClosed(self.protocol_name, self.session_id, self.close_code,
                                                       self.close_reason, duration_s))
 
     async def _serve(self) -> None:
         self.log.info("session_opened", client=self.transport.client)
-        self.hub.observers.emit(SessionOpened(self.protocol_name, self.session_id))
+        self._hub.observers.emit(SessionOpened(self.protocol_name, self.session_id))
         writer = asyncio.create_task(self._write_loop(), name=f"write-{self.session_id}")
         self._tasks = [writer]
         try:
@@ -421,7 +420,7 @@ class Session(Generic[S]):
 
     async def _refuse(self, refusal: Refusal) -> None:
         self.log.info("session_refused", reason=refusal.reason)
-        self.hub.observers.emit(BusyRejected(self.protocol_name, "session", refusal.reason))
+        self._hub.observers.emit(BusyRejected(self.protocol_name, "session", refusal.reason))
         try:
             self.wire.on_refused(refusal)
         except Exception:
@@ -563,10 +562,10 @@ class Session(Generic[S]):
     # ---- internals -------------------------------------------------------------------------------
 
     def _check_can_open(self, context_id: str) -> None:
-        if self.state != SessionState.OPEN or not self.hub.ready:
+        if self.state != SessionState.OPEN or not self._hub.ready:
             why = ("the server is shutting down" if self.state == SessionState.DRAINING
                    else "the session is closing" if self.state > SessionState.DRAINING
-                   else f"the server is not ready: {self.hub.detail}")
+                   else f"the server is not ready: {self._hub.detail}")
             raise FieldError("", why, UNAVAILABLE, busy=True)
         if context_id in self.contexts or context_id in self._opening:
             raise FieldError("context_id", f"context {context_id!r} is already open", "context_exists")
@@ -630,7 +629,7 @@ class Session(Generic[S]):
             return
         backlog = self._outbox.qsize()
         self.log.warning("dropped_slow_client", why=why, backlog_items=backlog, code=CLOSE_POLICY)
-        self.hub.observers.emit(SlowClientDropped(self.protocol_name, self.session_id, backlog))
+        self._hub.observers.emit(SlowClientDropped(self.protocol_name, self.session_id, backlog))
         self._aborted = True
         self.state = SessionState.CLOSING
         self.close_code, self.close_reason = CLOSE_POLICY, "slow client: audio not read"
@@ -671,17 +670,17 @@ class Session(Generic[S]):
         stream = ctx.stream
         ctx.log.info("context_done", reason=done.reason, detail=done.detail, segments=stream.segment_count,
                      audio_ms=round(stream.sent_ms, 1), frames=stream.frames_sent)
-        self.hub.observers.emit(ContextFinished(self.protocol_name, self.session_id, ctx.context_id, done.reason,
+        self._hub.observers.emit(ContextFinished(self.protocol_name, self.session_id, ctx.context_id, done.reason,
                                                 stream.sent_ms / 1000.0, stream.segment_count))
         if done.status == StreamStatus.BUSY:
-            self.hub.observers.emit(BusyRejected(self.protocol_name, "context", done.detail))
+            self._hub.observers.emit(BusyRejected(self.protocol_name, "context", done.detail))
 
     def _on_first_audio(self, ctx: Context[S]) -> None:
         times = ctx.stream.times
         engine_ttfb_s = None
         if times.first_chunk_ready_s is not None and times.first_submit_s is not None:
             engine_ttfb_s = times.first_chunk_ready_s - times.first_submit_s
-        self.hub.observers.emit(FirstAudio(self.protocol_name, self.session_id, ctx.context_id, times.ttfa_s,
+        self._hub.observers.emit(FirstAudio(self.protocol_name, self.session_id, ctx.context_id, times.ttfa_s,
                                            times.server_overhead_s, engine_ttfb_s))
 
 

@@ -216,10 +216,10 @@ class CartesiaProtocol(WireProtocol[ContextState]):
 
     async def _open(self, request: Request) -> CartesiaContext | None:
         session = self.session
-        variant = session.variant
+        variant = session.port.model.variant
         check_model("model_id", request.model_id, variant)
         fmt = request.output
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id), output_format=fmt,
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id), output_format=fmt,
                          seed=request.seed, language=resolve_language("language", request.language, variant),
                          speed=request.speed, markup=CARTESIA_TAGS)
         state = ContextState(request, ContextAlignment(lead_ms=fmt.lead_ms))

@@ -175,8 +175,8 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
-        request = parse_request(body, session.variant, sse=self.sse)
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
+        request = parse_request(body, session.port.model.variant, sse=self.sse)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
                          speed=request.speed, markup=CARTESIA_TAGS)
         state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))

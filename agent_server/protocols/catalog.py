@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agent_server.core.hub import Hub
+from agent_server.core.port import port_of
 from agent_server.core.voices import (
     Voice,
     VoiceError,
@@ -132,18 +132,12 @@ def _handled(vendor: Vendor | None, handler: Callable[[Request, Vendor], Any]) -
 # ---- what every vendor reads: the store, the variant, the query ---------------------------------------------
 
 
-def _hub(request: Request) -> Hub:
-    hub: Hub = request.app.state.hub
-    return hub
-
-
 def _store(request: Request) -> VoiceStore:
-    return _hub(request).voices
+    return port_of(request).voices
 
 
 def _variant(request: Request) -> Variant:
-    hub = _hub(request)
-    return hub.engine.variant if hub.engine is not None else hub.settings.variant
+    return port_of(request).model.variant
 
 
 def model_id(variant: Variant) -> str:
@@ -200,7 +194,7 @@ async def _clone(request: Request, *, text: frozenset[str], file_field: str, max
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise VoiceError(STATUS_BAD_REQUEST, file_field, "send multipart/form-data with the clip in "
                            f"`{file_field}`")
-    body = await read_body(request, _hub(request).settings.max_voice_upload_bytes)
+    body = await read_body(request, port_of(request).settings.max_voice_upload_bytes)
     async with read_form(request, body, max_files=max_files) as form:
         fields = form_fields(form, text, frozenset({file_field}))
         uploads = form.getlist(file_field)
@@ -222,7 +216,7 @@ async def list_models(request: Request, vendor: Vendor) -> Response:
     variant = _variant(request)
     if vendor == "elevenlabs":
         _query(request, frozenset())
-        return JSONResponse([elevenlabs_model(variant, _hub(request).settings.max_context_text_chars)])
+        return JSONResponse([elevenlabs_model(variant, port_of(request).settings.max_context_text_chars)])
     if vendor == "deepgram":
         _query(request, frozenset({"include_outdated"}))
         return JSONResponse({"stt": [], "tts": [deepgram_model(v, variant) for v in _store(request).list()]})

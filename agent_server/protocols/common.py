@@ -14,7 +14,7 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import SegmentDone, StreamSpec, build_params, parse_speed
-from agent_server.core.hub import Hub
+from agent_server.core.port import Port
 from agent_server.errors import FieldError
 from agent_server.text.timestamps import ContextAlignment, SegmentTimes
 
@@ -59,9 +59,9 @@ def check_model(field: str, requested: str | None, variant: str) -> None:
         raise FieldError(field, f"this server runs the {variant!r} variant (one variant per server), not {requested!r}")
 
 
-def resolve_voice(hub: Hub, requested: str | None) -> str:
+def resolve_voice(port: Port, requested: str | None) -> str:
     """A voice id of ours selects that voice; any other id (a vendor's) selects the default voice."""
-    if requested and any(v.voice_id == requested for v in hub.voices.list()):
+    if requested and any(v.voice_id == requested for v in port.voices.list()):
         return requested
     return DEFAULT_VOICE
 
@@ -169,12 +169,12 @@ def parse_decimal(raw: str | None) -> int | None:
 
 
 def make_spec(
-    hub: Hub, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
+    port: Port, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
     max_audio_ahead_s: float | None = None, speed: float = 1.0, markup: frozenset[str] = frozenset(),
     normalize: bool = True,
 ) -> StreamSpec:
-    params = build_params(hub.engine.variant if hub.engine is not None else hub.settings.variant, (), seed)
-    settings = hub.settings
+    params = build_params(port.model.variant, (), seed)
+    settings = port.settings
     return StreamSpec(
         voice_id=voice_id,
         params=params,

@@ -111,7 +111,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
     async def on_open(self) -> None:
         session = self.session
         try:
-            self.query = parse_query(session.transport.query, session.variant)
+            self.query = parse_query(session.transport.query, session.port.model.variant)
         except FieldError as error:
             self._error("INVALID_QUERY_PARAMETER", f"{error.field}: {error.message}", CLOSE_POLICY)
             return
@@ -189,7 +189,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
         if query is None:
             return None
         try:
-            spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.model),
+            spec = make_spec(session.port, voice_id=resolve_voice(session.port, query.model),
                              output_format=query.output_format, seed=query.seed, language=None, speed=query.speed)
         except FieldError as error:
             session.reject(error)

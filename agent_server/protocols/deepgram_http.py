@@ -96,8 +96,8 @@ class DeepgramSpeakProtocol(HttpSpeechProtocol[SpeakRequest]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[SpeakRequest]:
         session = self.session
-        request = parse_request(session.transport.query, body, session.variant)
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.model),
+        request = parse_request(session.transport.query, body, session.port.model.variant)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.model),
                          output_format=request.output, seed=request.seed, language=None, speed=request.speed)
         return HttpSpeechRequest(spec, request.text, request)
 

@@ -265,7 +265,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
 
     async def on_open(self) -> None:
         try:
-            self.query = parse_query(self.session.transport.query, self.session.variant)
+            self.query = parse_query(self.session.transport.query, self.session.port.model.variant)
         except FieldError as error:
             self.session.reject(error)
 
@@ -362,7 +362,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         if query is None:
             return None
         try:
-            spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, self.voice_id),
+            spec = make_spec(session.port, voice_id=resolve_voice(session.port, self.voice_id),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
                              speed=voice_settings_speed(voice_settings), markup=elevenlabs_tags(query.model_id),
                              normalize=query.normalize)

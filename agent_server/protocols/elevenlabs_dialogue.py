@@ -193,16 +193,16 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
         if not any(line.text.strip() for line in lines):
             raise empty_message(field="inputs")
         check_optional_types(obj, BODY_TYPES)
-        check_model("model_id", obj.get("model_id"), session.variant)
+        check_model("model_id", obj.get("model_id"), session.port.model.variant)
         request = SpeechRequest(
             voice_id=lines[0].voice_id, text="".join(line.text for line in lines), model_id=obj.get("model_id"),
-            language=resolve_language("language_code", obj.get("language_code"), session.variant),
+            language=resolve_language("language_code", obj.get("language_code"), session.port.model.variant),
             seed=parse_seed("seed", obj.get("seed")), output=output, speed=1.0,
             normalize=elevenlabs_normalization(obj.get("apply_text_normalization")), streamed=self.streamed,
             timestamps=self.timestamps,
         )
-        turns = tuple(Turn(resolve_voice(session.hub, line.voice_id), line.text) for line in lines)
-        spec = make_spec(session.hub, voice_id=turns[0].voice_id, output_format=output, seed=request.seed,
+        turns = tuple(Turn(resolve_voice(session.port, line.voice_id), line.text) for line in lines)
+        spec = make_spec(session.port, voice_id=turns[0].voice_id, output_format=output, seed=request.seed,
                          language=request.language, markup=ELEVENLABS_V3_TAGS, normalize=request.normalize)
         state = HttpState(request, ContextAlignment(lead_ms=output.lead_ms),
                           lines=LineTrack([line.voice_id for line in lines]))
@@ -314,7 +314,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
 
     async def on_open(self) -> None:
         try:
-            self.query = parse_query(self.session.transport.query, self.session.variant)
+            self.query = parse_query(self.session.transport.query, self.session.port.model.variant)
         except FieldError as error:
             self.session.reject(error)
 
@@ -396,7 +396,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             return  # it ended on its own (busy, failed): its error and is_final are out
         for line in lines:
             if line.voice_id != state.voice or line.new_turn:
-                stream.start_turn(resolve_voice(self.session.hub, line.voice_id), now_s)
+                stream.start_turn(resolve_voice(self.session.port, line.voice_id), now_s)
                 state.voice = line.voice_id
             if line.text and not await self.session.push_text(ctx, line.text, now_s):
                 return
@@ -419,7 +419,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
                                  f"{MAX_VOICES} voice ids")
             check_voices("voices", voices)
             check_optional_types(obj, FIRST_MESSAGE_TYPES)
-            spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, voices[0]),
+            spec = make_spec(session.port, voice_id=resolve_voice(session.port, voices[0]),
                              output_format=query.output_format, seed=query.seed, language=query.language_code,
                              markup=ELEVENLABS_V3_TAGS, normalize=query.normalize)
         except FieldError as error:

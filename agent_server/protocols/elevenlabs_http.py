@@ -256,9 +256,9 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
     def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
         transport = session.transport
-        request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body, session.variant,
-                                streamed=self.streamed, timestamps=self.timestamps)
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice_id),
+        request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body,
+                                session.port.model.variant, streamed=self.streamed, timestamps=self.timestamps)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id),
                          output_format=request.output, seed=request.seed, language=request.language,
                          speed=request.speed, markup=elevenlabs_tags(request.model_id), normalize=request.normalize)
         state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))

@@ -221,8 +221,9 @@ class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
         session = self.session
         request = parse_http(body, session.transport.headers.get("accept"))
         seed = parse_seed("seed", session.transport.query.get("seed") or None)  # our extension, as in the stream URL
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice), output_format=request.output,
-                         seed=seed, language=resolve_language("language", request.language, session.variant),
+        language = resolve_language("language", request.language, session.port.model.variant)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice),
+                         output_format=request.output, seed=seed, language=language,
                          markup=SSML_TAGS if request.ssml else frozenset())
         return HttpSpeechRequest(spec, request.text, request)
 
@@ -248,7 +249,7 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
         session = self.session
         try:
             self.query = parse_query(session.transport.query)
-            resolve_language("language", self.query.language, session.variant)
+            resolve_language("language", self.query.language, session.port.model.variant)
         except FieldError as error:
             self.query = None
             session.send(error_message(f"{error.field}: {error.message}", error.code))
@@ -292,8 +293,9 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
 
     async def _open(self, query: StreamQuery) -> JambonzContext | None:
         session = self.session
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, query.voice), output_format=query.output,
-                         seed=query.seed, language=resolve_language("language", query.language, session.variant))
+        language = resolve_language("language", query.language, session.port.model.variant)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, query.voice), output_format=query.output,
+                         seed=query.seed, language=language)
         return await session.open_context(STREAM_CONTEXT_ID, spec, PieceJoiner())
 
     def render(self, ctx: JambonzContext, event: StreamEvent) -> None:

@@ -54,12 +54,12 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
         self._ended_short: dict[str, None] = {}  # context ids, oldest first (at most MAX_ENDED_SHORT)
 
     async def on_open(self) -> None:
-        engine = self.session.hub.engine
+        model = self.session.port.model
         self.session.send(wire.encode(wire.SessionStarted(
             session_id=self.session.session_id,
             protocol_version=wire.PROTOCOL_VERSION,
-            variant=self.session.variant,
-            random_weights=bool(engine is not None and engine.random_weights),
+            variant=model.variant,
+            random_weights=bool(model.random_weights),
             max_contexts=self.session.settings.max_contexts_per_session,
             inactivity_timeout_s=self.session.settings.inactivity_timeout_s,
         )))
@@ -124,7 +124,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
     async def _open(self, message: wire.Open, now_s: float) -> None:
         session = self.session
         cid = message.context_id
-        variant = session.variant
+        variant = session.port.model.variant
         try:
             if message.model is not None and message.model != variant:
                 raise FieldError("model", f"this server runs {variant!r} (one variant per server)")
@@ -250,7 +250,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
                 context_id=cid,
                 stream_id=ctx.number,
                 voice=stream.spec.voice_id,
-                variant=session.variant,
+                variant=session.port.model.variant,
                 output_format={"encoding": fmt.codec, "sample_rate_hz": fmt.sample_rate_hz,
                                "frame_ms": fmt.frame_ms},
                 seed=stream.spec.params.seed,

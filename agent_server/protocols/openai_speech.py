@@ -98,8 +98,8 @@ class OpenAISpeechProtocol(HttpSpeechProtocol[SpeechState]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[SpeechState]:
         session = self.session
-        request = parse_request(body, session.variant)
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, request.voice),
+        request = parse_request(body, session.port.model.variant)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice),
                          output_format=request.output, seed=request.seed, language=None, speed=request.speed)
         return HttpSpeechRequest(spec, request.input, SpeechState(request))
 

@@ -213,8 +213,8 @@ class RivaProtocol(WireProtocol[RivaState]):
         session = self.session
         if self.unary and not request.text.strip():
             raise empty_message()
-        synthesis = parse_request(request, session.variant)
-        spec = make_spec(session.hub, voice_id=resolve_voice(session.hub, synthesis.voice_name),
+        synthesis = parse_request(request, session.port.model.variant)
+        spec = make_spec(session.port, voice_id=resolve_voice(session.port, synthesis.voice_name),
                          output_format=synthesis.output, seed=None, language=synthesis.language,
                          # a unary call's client takes the whole answer at once: nothing to pace
                          max_audio_ahead_s=math.inf if self.unary else None, markup=SSML_TAGS)

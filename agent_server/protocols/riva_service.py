@@ -17,33 +17,32 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from agent_server.core.grpc_server import Context, authorize, one, run_call
-from agent_server.core.hub import Hub
+from agent_server.core.grpc_server import Context, GrpcCalls, one
 from agent_server.protocols import riva
 
 SERVICE = "nvidia.riva.tts.RivaSpeechSynthesis"
 
 
 class RivaService:
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
+    def __init__(self, calls: GrpcCalls) -> None:
+        self.calls = calls
 
     async def synthesize(self, request: bytes, context: Context) -> bytes | None:
-        return await run_call(self.hub, context, one(request), riva.RivaUnaryProtocol, unary=True)
+        return await self.calls.run(context, one(request), riva.RivaUnaryProtocol, unary=True)
 
     async def synthesize_online(self, requests: AsyncIterator[bytes], context: Context) -> None:
-        await run_call(self.hub, context, requests, riva.RivaProtocol, unary=False)
+        await self.calls.run(context, requests, riva.RivaProtocol, unary=False)
 
     async def synthesis_config(self, request: bytes, context: Context) -> bytes:
-        await authorize(self.hub, context)
-        voices = [voice.voice_id for voice in self.hub.voices.list()]
-        variant = self.hub.engine.variant if self.hub.engine is not None else self.hub.settings.variant
-        config: bytes = riva.synthesis_config(variant, voices).SerializeToString()
+        await self.calls.authorize(context)
+        port = self.calls.port
+        voices = [voice.voice_id for voice in port.voices.list()]
+        config: bytes = riva.synthesis_config(port.model.variant, voices).SerializeToString()
         return config
 
 
-def add_to_server(server: grpc.aio.Server, hub: Hub) -> None:
-    service = RivaService(hub)
+def add_to_server(server: grpc.aio.Server, calls: GrpcCalls) -> None:
+    service = RivaService(calls)
     handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
         "Synthesize": grpc.unary_unary_rpc_method_handler(service.synthesize),
         "SynthesizeOnline": grpc.stream_stream_rpc_method_handler(service.synthesize_online),
