@@ -7,7 +7,7 @@ lifespan, whose calls are sessions like any WebSocket or HTTP request (agent_ser
   call ending (finished, cancelled, the client gone) is `Disconnected`. A streamed response writes each
   `send()` at once (`context.write`: it waits while HTTP/2 flow control holds the client's window shut,
   which the slow-client watchdog reads as a blocked send); a unary response keeps its one message until the
-  call ends. `close(code, reason)` ends the call with the gRPC status of that close code (`GRPC_STATUS`).
+  call ends. `close(outcome, reason)` ends the call with the outcome's gRPC status (core/outcomes.py).
 - `run_call(...)`: what every handler runs: the credentials of the call's metadata through the server's
   Auth (UNAUTHENTICATED / PERMISSION_DENIED before any session), then one session of the protocol, which
   keeps running to its teardown when grpc.aio cancels the handler (the client went away).
@@ -27,17 +27,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from agent_server.core.session import (
-    CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
-    WireProtocol,
-    serve,
-)
+from agent_server.core.outcomes import Outcome
+from agent_server.core.session import WireProtocol, serve
 from agent_server.core.transport import (
-    CLOSE_TOO_BIG,
     HTTP_CLIENT_GONE,
     Disconnected,
     InputEnded,
@@ -54,15 +46,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("agent_server.grpc")
 
 Context = grpc.aio.ServicerContext[bytes, bytes]
-# A session's close code -> the status its call ends with.
-GRPC_STATUS: Mapping[int, grpc.StatusCode] = {
-    CLOSE_NORMAL: grpc.StatusCode.OK,
-    CLOSE_GOING_AWAY: grpc.StatusCode.UNAVAILABLE,  # shutting down, not ready
-    CLOSE_POLICY: grpc.StatusCode.INVALID_ARGUMENT,  # a bad request (or a client that stopped reading)
-    CLOSE_TOO_BIG: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    CLOSE_INTERNAL_ERROR: grpc.StatusCode.INTERNAL,
-    CLOSE_TRY_AGAIN_LATER: grpc.StatusCode.RESOURCE_EXHAUSTED,  # busy, a per-key limit
-}
 DENIED_STATUS: Mapping[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
@@ -144,9 +127,9 @@ class GrpcTransport:
         except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as exc:
             raise TransportClosed(str(exc)) from exc
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, outcome: Outcome, reason: str) -> None:
         if self.end is None:
-            status = GRPC_STATUS.get(code, grpc.StatusCode.INTERNAL)
+            status = grpc.StatusCode[outcome.answer.grpc_status]
             self.end = CallEnd(status, "" if status == grpc.StatusCode.OK else reason, self._response)
 
     def abort(self) -> None:

@@ -21,7 +21,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -40,6 +39,7 @@ from agent_server.core.events import (
     build_params,
 )
 from agent_server.core.observers import Observers
+from agent_server.core.outcomes import Outcome, Refusal
 from agent_server.core.port import Port, ServingModel
 from agent_server.core.stream import SegmenterLike, SpeechStream
 from agent_server.core.voices import Voice, VoiceStore
@@ -87,15 +87,6 @@ class ServerStatus(enum.IntEnum):
     FAILED = 4  # the engine failed to load or its thread died
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a session was not admitted. `unavailable`: the server is not serving (loading, shutting down,
-    failed), as opposed to full (a session limit)."""
-
-    reason: str
-    unavailable: bool
-
-
 class SessionHandle(Protocol):
     """What the hub needs from a session of any protocol (session.Session)."""
 
@@ -109,7 +100,7 @@ class SessionHandle(Protocol):
     def live_streams(self) -> int: ...
     def tick(self, now_s: float) -> None: ...
     def begin_drain(self) -> None: ...
-    def close_now(self, code: int, reason: str) -> None: ...
+    def close_now(self, outcome: Outcome, reason: str) -> None: ...
     def fail_streams(self, detail: str) -> None: ...
 
 
@@ -217,7 +208,7 @@ class Hub:
         if self.sessions:
             log.warning("drain_deadline", sessions=len(self.sessions))
             for session in list(self.sessions):
-                session.close_now(1001, "server shutting down")
+                session.close_now(Outcome.DRAIN_CUT, "server shutting down")
             await self._until_no_sessions(self.settings.close_timeout_s + 1.0)
         log.info("drain_done", sessions_left=len(self.sessions), complete=self._drained_complete)
         return self._drained_complete
@@ -236,23 +227,23 @@ class Hub:
         return f"{self._instance}-{next(self._session_numbers)}"
 
     async def admit(self, session: SessionHandle) -> Refusal | None:
-        """Register a session, or say why not (the session then answers busy in its protocol's form and
-        closes with 1013, or 429/503 over HTTP). Nothing is registered when it refuses. The key's session
-        lease (auth.py, in the shared state) is taken here and given back by `remove`."""
+        """Register a session, or say why not (the session then answers busy in its protocol's form and ends
+        with the refusal's outcome: 1013, or 429/503 over HTTP). Nothing is registered when it refuses. The key's
+        session lease (fleet/auth.py, in the shared state) is taken here and given back by `remove`."""
         if self.status != ServerStatus.READY:
-            return Refusal(self._not_serving_reason(), unavailable=True)
+            return Refusal(self._not_serving_reason(), Outcome.NOT_READY)
         if len(self.sessions) + self._admitting >= self.settings.max_sessions:
-            return Refusal(f"too many sessions (at most {self.settings.max_sessions})", unavailable=False)
+            return Refusal(f"too many sessions (at most {self.settings.max_sessions})", Outcome.BUSY)
         self._admitting += 1  # counted while the key's limit is read (Redis): the place is taken
         try:
             refusal = await self.auth.acquire_session(session.principal, session.session_id)
         finally:
             self._admitting -= 1
         if refusal is not None:
-            return Refusal(refusal, unavailable=False)
+            return Refusal(refusal, Outcome.BUSY)
         if not self.ready:  # the drain may have begun while the key's limit was read
             self.spawn(self.auth.release_session(session.principal, session.session_id), "release_session")
-            return Refusal(self._not_serving_reason(), unavailable=True)
+            return Refusal(self._not_serving_reason(), Outcome.NOT_READY)
         self.sessions.add(session)
         self._no_sessions.clear()
         return None
@@ -517,7 +508,7 @@ class Hub:
 
     def _end_session(self, session: SessionHandle) -> None:
         try:
-            session.close_now(1011, "internal error")
+            session.close_now(Outcome.INTERNAL_ERROR, "internal error")
         except Exception:
             log.exception("session_close_failed", session_id=session.session_id)
             self.remove(session)

@@ -18,6 +18,7 @@ Three layers, one concern each:
     send queue), or when the outbox overflows, or when a context's audio encoder falls behind
     (`OutputOverflow`);
   - the drain (1001 after the last context), busy refusal at admission (1013), teardown;
+  - how the session ends: one `Outcome` (core/outcomes.py), which its transport answers from the one table;
   - metrics events (core/observers.py) and structured logs.
 
 A protocol implements the hooks of `WireProtocol` (`on_open`, `on_message`, `on_input_end`, `render`,
@@ -59,9 +60,8 @@ from agent_server.core.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.core.transport import CLOSE_NORMAL as CLOSE_NORMAL  # protocols import the close codes from here
+from agent_server.core.outcomes import CLOSE_INVALID_PAYLOAD, CLOSE_TOO_BIG, Outcome, Refusal
 from agent_server.core.transport import (
-    CLOSE_TOO_BIG,
     Disconnected,
     HttpTransport,
     InputEnded,
@@ -83,17 +83,12 @@ from agent_server.errors import (
 from agent_server.logging import RateLimitedLog
 
 if TYPE_CHECKING:
-    from agent_server.core.hub import Hub, Refusal
+    from agent_server.core.hub import Hub
     from agent_server.core.port import Port
     from agent_server.fleet.auth import Principal
 
 log = structlog.get_logger("agent_server.session")
 
-CLOSE_GOING_AWAY = 1001  # server shutting down
-CLOSE_INVALID_PAYLOAD = 1007  # a text frame that is not UTF-8 (the WebSocket layer closes with it)
-CLOSE_POLICY = 1008  # slow client, too many protocol errors, a vendor's fatal error
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_TRY_AGAIN_LATER = 1013  # busy: max sessions, model loading
 # Sends that find the transport writable complete without yielding to the loop; after this many in a row
 # the writer lets other tasks run, so one session's burst (a 4 s chunk is 200 frames) cannot hold up
 # another session's first frame.
@@ -204,9 +199,9 @@ class WireProtocol(Generic[S]):
         raise NotImplementedError
 
     def on_refused(self, refusal: Refusal) -> None:
-        """The session was not admitted: queue the refusal (the core then closes with 1013)."""
+        """The session was not admitted: queue the refusal (the core then ends it with `refusal.outcome`)."""
 
-    def on_close(self, code: int, reason: str) -> None:
+    def on_close(self, outcome: Outcome, reason: str) -> None:
         """The session is about to close: queue any last words (they go out before the close)."""
 
     def on_tick(self, now_s: float) -> None:
@@ -227,8 +222,9 @@ class Session(Generic[S]):
         self.log = log.bind(session_id=self.session_id, protocol=self.protocol_name)
         if self.principal is not None:  # every line of the session names its API key (by fingerprint)
             self.log = self.log.bind(key=self.principal.key_id)
-        self.close_code = CLOSE_NORMAL
+        self.outcome = Outcome.COMPLETED  # how the session ends (core/outcomes.py): what its transport answers
         self.close_reason = ""
+        self._client_close_code: int | None = None  # the close code the client ended the session with
         self.last_input_s = time.monotonic()  # the last client message
         self._opening: set[str] = set()  # context ids whose stream is being opened
         self._finished: list[Callable[[], None]] = []  # bookkeeping of contexts that ended, not yet queued
@@ -312,20 +308,29 @@ class Session(Generic[S]):
         if self.state < SessionState.CLOSING:
             self.wire.render_error(error)
         if self._errors >= self.settings.max_protocol_errors:
-            self.close(CLOSE_POLICY, "too many protocol errors")
+            self.close(Outcome.BAD_INPUT, "too many protocol errors")
 
-    def close(self, code: int, reason: str) -> None:
-        """Close after the output already queued (and the protocol's last words, `on_close`) went out."""
+    def close(self, outcome: Outcome, reason: str) -> None:
+        """End the session with `outcome` (its close code, HTTP status or gRPC status: core/outcomes.py) after the
+        output already queued (and the protocol's last words, `on_close`) went out."""
         if self._close_queued or self.state >= SessionState.CLOSING:
             return
-        self.close_code, self.close_reason = code, reason
+        self.outcome, self.close_reason = outcome, reason
         try:
-            self.wire.on_close(code, reason)
+            self.wire.on_close(outcome, reason)
         except Exception:
             self.log.exception("protocol_hook_failed", hook="close")
-            self.close_code, self.close_reason = CLOSE_INTERNAL_ERROR, "internal error"
+            self.outcome, self.close_reason = Outcome.INTERNAL_ERROR, "internal error"
         self.state = SessionState.CLOSING
         self._queue_close()
+
+    @property
+    def close_code(self) -> int:
+        """The WebSocket close code of the session's end (logs and metrics record it, for every transport): the
+        client's own when the client ended it."""
+        if self.outcome is Outcome.CLIENT_GONE and self._client_close_code is not None:
+            return self._client_close_code
+        return self.outcome.close_code
 
     # ---- the hub's handles -----------------------------------------------------------------------
 
@@ -351,7 +356,7 @@ class Session(Generic[S]):
         if self.state == SessionState.OPEN:
             self.state = SessionState.DRAINING
             if not self.contexts and not self._opening:
-                self.close(CLOSE_GOING_AWAY, "server shutting down")
+                self.close(Outcome.DRAIN_CUT, "server shutting down")
 
     def _end_idle_contexts(self, now_s: float) -> None:
         """The drain: once the client has sent nothing for DRAIN_IDLE_S, its open contexts have had their turn
@@ -365,10 +370,10 @@ class Session(Generic[S]):
             if ctx.stream.status == StreamStatus.OPEN:
                 ctx.stream.end(now_s)
 
-    def close_now(self, code: int, reason: str) -> None:
+    def close_now(self, outcome: Outcome, reason: str) -> None:
         for ctx in list(self.contexts.values()):
             ctx.stream.cancel(StreamStatus.SHUTDOWN, reason)
-        self.close(code, reason)
+        self.close(outcome, reason)
 
     def fail_streams(self, detail: str) -> None:
         for ctx in list(self.contexts.values()):
@@ -397,8 +402,8 @@ class Session(Generic[S]):
                 self._hub.remove(self)
                 self.state = SessionState.CLOSED
                 duration_s = time.monotonic() - self._opened_s
-                self.log.info("session_closed", code=self.close_code, reason=self.close_reason,
-                              duration_s=round(duration_s, 3))
+                self.log.info("session_closed", outcome=self.outcome.value, code=self.close_code,
+                              reason=self.close_reason, duration_s=round(duration_s, 3))
                 self._hub.observers.emit(SessionClosed(self.protocol_name, self.session_id, self.close_code,
                                                       self.close_reason, duration_s))
 
@@ -425,7 +430,7 @@ class Session(Generic[S]):
             self.wire.on_refused(refusal)
         except Exception:
             self.log.exception("protocol_hook_failed", hook="refused")
-        self.close_code, self.close_reason = CLOSE_TRY_AGAIN_LATER, refusal.reason[:120]
+        self.outcome, self.close_reason = refusal.outcome, refusal.reason[:120]
         self.state = SessionState.CLOSING
         self._queue_close()
         try:
@@ -439,12 +444,12 @@ class Session(Generic[S]):
         while self.state < SessionState.CLOSING:
             message = await receive()
             if isinstance(message, InputRefused):
-                self.close(message.code, message.reason)
+                self.close(message.outcome, message.reason)
                 return
             if isinstance(message, Disconnected):
                 self._client_gone = True
                 if not self._close_queued:  # (uvicorn also reports our own close this way)
-                    self.close_code = message.code
+                    self.outcome, self._client_close_code = Outcome.CLIENT_GONE, message.code
                     self.close_reason = CLIENT_CLOSE_REASONS.get(message.code, "client closed")
                 if message.code == CLOSE_INVALID_PAYLOAD:
                     _invalid_utf8_log.emit(session_id=self.session_id, protocol=self.protocol_name)
@@ -472,7 +477,7 @@ class Session(Generic[S]):
                 item = await get()
                 if item is _CLOSE:
                     self._close_sent = True
-                    await self.transport.close(self.close_code, self.close_reason)
+                    await self.transport.close(self.outcome, self.close_reason)
                     return
                 try:
                     await self._send_item(item, send)
@@ -535,7 +540,7 @@ class Session(Generic[S]):
         self._close_sent = True
         try:
             async with asyncio.timeout(self.settings.close_timeout_s):
-                await self.transport.close(self.close_code, self.close_reason)
+                await self.transport.close(self.outcome, self.close_reason)
             return
         except TimeoutError:
             pass
@@ -549,10 +554,10 @@ class Session(Generic[S]):
         if self._close_sent or self._client_gone:
             return
         self._close_sent = True
-        self.close_code, self.close_reason = CLOSE_INTERNAL_ERROR, "internal error"
+        self.outcome, self.close_reason = Outcome.INTERNAL_ERROR, "internal error"
         try:
             async with asyncio.timeout(self.settings.close_timeout_s):
-                await self.transport.close(CLOSE_INTERNAL_ERROR, "internal error")
+                await self.transport.close(Outcome.INTERNAL_ERROR, "internal error")
         except (TimeoutError, TransportClosed):
             self.transport.abort()
         except Exception:
@@ -622,17 +627,17 @@ class Session(Generic[S]):
 
     def _hook_failed(self, hook: str) -> None:
         self.log.exception("protocol_hook_failed", hook=hook)
-        self.close(CLOSE_INTERNAL_ERROR, "internal error")
+        self.close(Outcome.INTERNAL_ERROR, "internal error")
 
     def _drop_slow_client(self, why: str) -> None:
         if self._aborted or self.state >= SessionState.CLOSED:
             return
         backlog = self._outbox.qsize()
-        self.log.warning("dropped_slow_client", why=why, backlog_items=backlog, code=CLOSE_POLICY)
+        self.log.warning("dropped_slow_client", why=why, backlog_items=backlog, code=Outcome.SLOW_CLIENT.close_code)
         self._hub.observers.emit(SlowClientDropped(self.protocol_name, self.session_id, backlog))
         self._aborted = True
         self.state = SessionState.CLOSING
-        self.close_code, self.close_reason = CLOSE_POLICY, "slow client: audio not read"
+        self.outcome, self.close_reason = Outcome.SLOW_CLIENT, "slow client: audio not read"
         for ctx in list(self.contexts.values()):
             ctx.stream.cancel(StreamStatus.SHUTDOWN, "slow client")
         for task in self._tasks:
@@ -664,7 +669,7 @@ class Session(Generic[S]):
             else:
                 self._put(Outgoing(None, None, on_done=fn))
         if self.state == SessionState.DRAINING and not self.contexts and not self._opening:
-            self.close(CLOSE_GOING_AWAY, "server shutting down")
+            self.close(Outcome.DRAIN_CUT, "server shutting down")
 
     def _context_finished(self, ctx: Context[S], done: StreamDone) -> None:
         stream = ctx.stream
@@ -691,7 +696,7 @@ async def serve(hub: Hub, transport: Transport, protocol: type[WireProtocol[Any]
     except Exception:  # a protocol whose constructor fails: nothing was admitted
         log.exception("session_setup_failed", protocol=protocol.name)
         try:
-            await transport.close(CLOSE_INTERNAL_ERROR, "internal error")
+            await transport.close(Outcome.INTERNAL_ERROR, "internal error")
         except Exception:
             transport.abort()
         return

@@ -6,9 +6,12 @@ writer (`send`, `close`) over one ASGI connection, plus what flow control needs 
 - `HttpTransport`: one HTTP request; its body is the one message `receive()` returns (then it waits for
   the client to go; a body over the limit is `InputRefused`: the client still waits for its 413),
   `send(Head)` starts the response, each later `send()` is a chunk of its body and `close()` ends it (with
-  a plain error response when none was started).
-- `agent_server.grpc_server.GrpcTransport`: one gRPC call; each request is a message, the end of the
+  a plain error response, the outcome's HTTP status, when none was started).
+- `core/grpc_server.GrpcTransport`: one gRPC call; each request is a message, the end of the
   client's requests is `InputEnded`.
+
+Every transport ends its connection with the session's `Outcome` and answers it from the one table
+(core/outcomes.py): a WebSocket's close code, an HTTP status, a gRPC status.
 
 `SocketControlMiddleware` reaches the server's transport under ASGI: it bounds the kernel send buffer,
 lets a session drop a connection that cannot take a close, and reads how many bytes are still waiting to
@@ -32,6 +35,7 @@ import orjson
 from starlette.datastructures import Headers, QueryParams
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agent_server.core.outcomes import CLOSE_GOING_AWAY, Outcome, http_status
 from agent_server.fleet.auth import Principal, principal_of
 
 TRANSPORT_ABORT_KEY = "agent_server.transport_abort"
@@ -39,12 +43,7 @@ TRANSPORT_CLOSE_KEY = "agent_server.transport_close"  # close after what is buff
 HTTP_TRUNCATED_WAIT_S = 2.0  # how long a cut response waits for its connection to close (see HttpTransport.close)
 TRANSPORT_UNSENT_KEY = "agent_server.transport_unsent_bytes"
 OUTQ_FORMAT = struct.Struct("i")
-# An HTTP session's close code -> the status of the plain error response sent when the protocol started
-# none (its own error, in its own shape, is sent by the protocol's `on_close` first).
-HTTP_STATUS_OF_CLOSE = {1001: 503, 1008: 400, 1009: 413, 1011: 500, 1013: 503}
-HTTP_CLIENT_GONE = 1001  # the close code an HTTP session records when its client leaves
-CLOSE_NORMAL = 1000
-CLOSE_TOO_BIG = 1009  # a message (WebSocket) or body (HTTP) over the limit
+HTTP_CLIENT_GONE = CLOSE_GOING_AWAY  # the close code an HTTP session records when its client leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +69,9 @@ class Disconnected:
 @dataclass(frozen=True, slots=True)
 class InputRefused:
     """The transport refused what the client sent, and the client is still there for the answer (an HTTP body
-    over the limit): the session closes with `code` (1009: a 413 on HTTP)."""
+    over the limit): the session ends with `outcome` (TOO_LARGE: a 413 on HTTP)."""
 
-    code: int
+    outcome: Outcome
     reason: str
 
 
@@ -99,7 +98,7 @@ class Transport(Protocol):
     async def accept(self) -> None: ...
     async def receive(self) -> str | bytes | Disconnected | InputEnded | InputRefused: ...
     async def send(self, data: Outbound) -> None: ...
-    async def close(self, code: int, reason: str) -> None: ...
+    async def close(self, outcome: Outcome, reason: str) -> None: ...
     def abort(self) -> None: ...
     def unsent_bytes(self) -> int | None: ...  # None: the transport cannot tell
 
@@ -168,8 +167,8 @@ class WebSocketTransport(_AsgiConnection):
         else:
             raise TypeError("an HTTP response head on a WebSocket")
 
-    async def close(self, code: int, reason: str) -> None:
-        await self._send_or_closed({"type": "websocket.close", "code": code, "reason": reason[:120]})
+    async def close(self, outcome: Outcome, reason: str) -> None:
+        await self._send_or_closed({"type": "websocket.close", "code": outcome.close_code, "reason": reason[:120]})
 
 
 class HttpTransport(_AsgiConnection):
@@ -200,7 +199,7 @@ class HttpTransport(_AsgiConnection):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return InputRefused(CLOSE_TOO_BIG, f"the request body is over {self.max_body_bytes} bytes")
+                return InputRefused(Outcome.TOO_LARGE, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -220,7 +219,7 @@ class HttpTransport(_AsgiConnection):
         body = data if isinstance(data, bytes) else data.encode()
         await self._send_or_closed({"type": "http.response.body", "body": body, "more_body": True})
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, outcome: Outcome, reason: str) -> None:
         """End the response. An answer (a 2xx response, its body streamed) that ends other than normally (a
         failure, a shutdown, a slow client cut) is cut: the connection closes without the body's end (no last
         chunk), so the client sees an incomplete response instead of a short audio file that looks whole. An
@@ -229,11 +228,11 @@ class HttpTransport(_AsgiConnection):
             return
         self.finished = True
         if not self.started:
-            status = HTTP_STATUS_OF_CLOSE.get(code, 500)
+            status = outcome.http_status or http_status(Outcome.INTERNAL_ERROR)  # (none of its own: nobody reads it)
             body = orjson.dumps({"error": {"message": reason or HTTPStatus(status).phrase, "code": status}})
             await self.send(Head(status, "application/json"))
             await self._send_or_closed({"type": "http.response.body", "body": body, "more_body": True})
-        elif self.answering and code != CLOSE_NORMAL and self._close_connection is not None:
+        elif self.answering and outcome is not Outcome.COMPLETED and self._close_connection is not None:
             self._close_connection()  # what was sent still goes out, then FIN
             await self._wait_disconnect()
             return

@@ -25,7 +25,7 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
-from agent_server.core.hub import Refusal
+from agent_server.core.outcomes import Refusal
 from agent_server.core.session import Context, WireProtocol
 from agent_server.errors import RATE_LIMITED, FieldError, empty_message
 from agent_server.protocols.common import (

@@ -33,11 +33,8 @@ from agent_server.core.events import (
     StreamStatus,
     parse_speed,
 )
-from agent_server.core.hub import Refusal
+from agent_server.core.outcomes import Outcome, Refusal
 from agent_server.core.session import (
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
     Context,
     Session,
     WireProtocol,
@@ -113,7 +110,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
         try:
             self.query = parse_query(session.transport.query, session.port.model.variant)
         except FieldError as error:
-            self._error("INVALID_QUERY_PARAMETER", f"{error.field}: {error.message}", CLOSE_POLICY)
+            self._error("INVALID_QUERY_PARAMETER", f"{error.field}: {error.message}", Outcome.BAD_INPUT)
             return
         session.send(_json({
             "type": "Metadata",
@@ -128,13 +125,13 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
 
     def render_error(self, error: FieldError) -> None:
         if error.busy:
-            self._error("BUSY", error.message, CLOSE_TRY_AGAIN_LATER)
+            self._error("BUSY", error.message, Outcome.of_error(error))
         else:
             self._warn(WARNING_CODES.get(error.code, "INVALID_MESSAGE"), error.message)
 
-    def _error(self, code: str, description: str, close_code: int) -> None:
+    def _error(self, code: str, description: str, outcome: Outcome) -> None:
         self.session.send(_error_json(code, description))
-        self.session.close(close_code, description)
+        self.session.close(outcome, description)
 
     def _warn(self, code: str, description: str) -> None:
         self.session.send(_json({"type": "Warning", "code": code, "description": description}))
@@ -179,7 +176,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
         else:  # Close: speak what is left, then close
             self._closing = True
             if ctx is None:
-                session.close(CLOSE_NORMAL, "")
+                session.close(Outcome.COMPLETED, "")
             elif ctx.stream.status == StreamStatus.OPEN:
                 ctx.stream.end(now_s)
 
@@ -221,7 +218,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
             # its Flushed must not hang after a busy turn, nor get it later against the next turn's audio)
             self._flushed_up_to(ALL_SEGMENTS)
             if self._closing:
-                self.session.close(CLOSE_NORMAL, "")
+                self.session.close(Outcome.COMPLETED, "")
 
 
 def _error_json(code: str, description: str) -> str:

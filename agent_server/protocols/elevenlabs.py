@@ -37,13 +37,8 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
-from agent_server.core.hub import Refusal
+from agent_server.core.outcomes import Outcome, Refusal
 from agent_server.core.session import (
-    CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
     Context,
     Session,
     SessionState,
@@ -185,11 +180,12 @@ def parse_message(raw: str | bytes) -> Message:
 
 
 INPUT_TIMEOUT = "input_timeout_exceeded"
-# a context's stream that ended short -> (close code, ElevenLabs' error name), text to speech's and dialogue's
-CUT_SHORT: Mapping[StreamStatus, tuple[int, str]] = {
-    StreamStatus.BUSY: (CLOSE_TRY_AGAIN_LATER, BUSY),
-    StreamStatus.FAILED: (CLOSE_INTERNAL_ERROR, "generation_failed"),
-    StreamStatus.SHUTDOWN: (CLOSE_GOING_AWAY, "shutting_down"),
+# a context's stream that ended short -> ElevenLabs' error name, text to speech's and dialogue's (the outcome:
+# Outcome.of_stream)
+CUT_SHORT: Mapping[StreamStatus, str] = {
+    StreamStatus.BUSY: BUSY,
+    StreamStatus.FAILED: "generation_failed",
+    StreamStatus.SHUTDOWN: "shutting_down",
 }
 
 
@@ -211,11 +207,11 @@ def close_socket(session: Session[Any], now_s: float) -> None:
         if ctx.stream.status == StreamStatus.OPEN:
             ctx.stream.end(now_s)
     if not session.contexts:
-        session.close(CLOSE_NORMAL, "close_socket")
+        session.close(Outcome.COMPLETED, "close_socket")
 
 
-def error_message(error: str, message: str, code: int, context_id: str | None = None) -> str:
-    body: dict[str, Any] = {"message": message, "error": error, "code": code}
+def error_message(error: str, message: str, outcome: Outcome, context_id: str | None = None) -> str:
+    body: dict[str, Any] = {"message": message, "error": error, "code": outcome.close_code}
     if context_id is not None:
         body["contextId"] = context_id
     return orjson.dumps(body).decode()
@@ -270,25 +266,25 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             self.session.reject(error)
 
     def on_refused(self, refusal: Refusal) -> None:
-        self.session.send(error_message("busy", refusal.reason, CLOSE_TRY_AGAIN_LATER))
+        self.session.send(error_message("busy", refusal.reason, refusal.outcome))
 
     def render_error(self, error: FieldError) -> None:
         cid = error.context_id if self.multi else None
         if error.busy:
             if self.multi:  # other contexts may be speaking: refuse this one, keep the socket
                 busy_name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
-                self.session.send(error_message(busy_name, error.message, CLOSE_TRY_AGAIN_LATER, cid))
+                self.session.send(error_message(busy_name, error.message, Outcome.of_error(error), cid))
                 return
-            self._fail(BUSY, error.message, CLOSE_TRY_AGAIN_LATER, cid)
+            self._fail(BUSY, error.message, Outcome.of_error(error), cid)
             return
         name = ERROR_NAMES.get(error.code)
         if name is None:
             name = error.code if error.code != "bad_request" else f"invalid_{error.field or 'message'}"
-        self._fail(name, error.message, CLOSE_POLICY, cid)
+        self._fail(name, error.message, Outcome.of_error(error), cid)
 
-    def _fail(self, error: str, message: str, code: int, context_id: str | None = None) -> None:
-        self.session.send(error_message(error, message, code, context_id))
-        self.session.close(code, message)  # nothing more is rendered; the contexts end with the session
+    def _fail(self, error: str, message: str, outcome: Outcome, context_id: str | None = None) -> None:
+        self.session.send(error_message(error, message, outcome, context_id))
+        self.session.close(outcome, message)  # nothing more is rendered; the contexts end with the session
 
     # ---- client messages -------------------------------------------------------------------------
 
@@ -319,7 +315,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
                 return  # an empty text is a keep-alive (Pipecat's, every 10 s): nothing
             message = f"context {cid!r} is closing: nothing more is taken"
             if self.multi:  # an LLM's late token after close_context: this context's error, the socket goes on
-                session.send(error_message("context_closing", message, CLOSE_POLICY, cid))
+                session.send(error_message("context_closing", message, Outcome.BAD_INPUT, cid))
             else:
                 session.reject(FieldError("context_id", message, "context_closing", context_id=cid))
             return
@@ -327,7 +323,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             if parsed.text == "" and not parsed.flush:
                 if not self.multi:  # a turn of nothing is complete: its isFinal, as after any text
                     session.send(orjson.dumps({"isFinal": True}).decode())
-                    session.close(CLOSE_NORMAL, "end of input before any text")
+                    session.close(Outcome.COMPLETED, "end of input before any text")
                 return  # multi-stream-input: a keep-alive for a context that is not open changes nothing
             ctx = await self._open(cid, now_s, parsed.voice_settings)
             if ctx is None:
@@ -400,7 +396,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             ctx = session.contexts.get(DEFAULT_CONTEXT_ID)
             waiting_for_text = ctx is None or ctx.stream.status == StreamStatus.OPEN
             if waiting_for_text and now_s - self._last_input_s > timeout_s:
-                self._fail(INPUT_TIMEOUT, input_timeout_message(timeout_s), CLOSE_POLICY)
+                self._fail(INPUT_TIMEOUT, input_timeout_message(timeout_s), Outcome.BAD_INPUT)
             return
         for cid, ctx in list(session.contexts.items()):
             if not ctx.state.closing and now_s - ctx.state.last_input_s > timeout_s:
@@ -431,10 +427,10 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         cid = ctx.context_id if self.multi else None
         if event.status in CUT_SHORT:
             # a turn cut short is never an isFinal: the client must not take it for the whole answer
-            code, error = CUT_SHORT[event.status]
-            session.send(error_message(error, event.detail or error, code, cid))
+            outcome, error = Outcome.of_stream(event.status), CUT_SHORT[event.status]
+            session.send(error_message(error, event.detail or error, outcome, cid))
             if not self.multi:
-                session.close(code, event.detail)
+                session.close(outcome, event.detail)
                 return
         final: dict[str, Any] = {"isFinal": True}
         if self.multi:
@@ -442,7 +438,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
         session.send(orjson.dumps(final).decode())
         others_open = any(c is not ctx for c in session.contexts.values())
         if not self.multi or (self._closing_socket and not others_open):
-            session.close(CLOSE_NORMAL, "")
+            session.close(Outcome.COMPLETED, "")
 
 
 class MultiStreamProtocol(ElevenLabsProtocol):

@@ -51,11 +51,8 @@ import orjson
 
 from agent_server.audio.codecs import MS_PER_S, StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
-from agent_server.core.hub import Refusal
+from agent_server.core.outcomes import Outcome, Refusal
 from agent_server.core.session import (
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
     Context,
     Session,
     SessionState,
@@ -291,8 +288,8 @@ class DialogueContext:
 DialogueCtx = Context[DialogueContext]
 
 
-def error_message(error: str, message: str, code: int, param: str | None, context_id: str | None) -> str:
-    body: dict[str, Any] = {"message": message, "error": error, "code": code, "param": param}
+def error_message(error: str, message: str, outcome: Outcome, param: str | None, context_id: str | None) -> str:
+    body: dict[str, Any] = {"message": message, "error": error, "code": outcome.close_code, "param": param}
     if context_id is not None:
         body["context_id"] = context_id
     return orjson.dumps(body).decode()
@@ -319,19 +316,20 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             self.session.reject(error)
 
     def on_refused(self, refusal: Refusal) -> None:
-        self.session.send(error_message(BUSY, refusal.reason, CLOSE_TRY_AGAIN_LATER, None, None))
+        self.session.send(error_message(BUSY, refusal.reason, refusal.outcome, None, None))
 
     def render_error(self, error: FieldError) -> None:
         cid = error.context_id if self.multi else None
+        outcome = Outcome.of_error(error)
         if error.busy:
             name = "max_active_conversations" if error.code == "too_many_contexts" else BUSY
-            self.session.send(error_message(name, error.message, CLOSE_TRY_AGAIN_LATER, error.field or None, cid))
+            self.session.send(error_message(name, error.message, outcome, error.field or None, cid))
             if not self.multi:
-                self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
+                self.session.close(outcome, error.message)
             return  # multi: other contexts may be speaking; this one is refused, the socket stays
         name = ERROR_NAMES.get(error.code) or (error.code if error.code != "bad_request" else "invalid_message")
-        self.session.send(error_message(name, error.message, CLOSE_POLICY, error.field or None, cid))
-        self.session.close(CLOSE_POLICY, error.message)
+        self.session.send(error_message(name, error.message, outcome, error.field or None, cid))
+        self.session.close(outcome, error.message)
 
     # ---- client messages -------------------------------------------------------------------------
 
@@ -356,7 +354,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             refused = self._gone[cid]
             why = "was refused (busy)" if refused else "has ended"
             session.send(error_message("context_closed", f"context {cid!r} {why}: open it again with voices",
-                                       CLOSE_TRY_AGAIN_LATER if refused else CLOSE_POLICY, "context_id", cid))
+                                       Outcome.BUSY if refused else Outcome.BAD_INPUT, "context_id", cid))
             return  # the socket stays open: the client's other contexts go on
         if ctx is None:
             self._gone.pop(cid, None)
@@ -383,7 +381,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         if state.closing:
             if lines or flags["flush"]:  # refused for that context; the client's other contexts go on
                 session.send(error_message("context_closing", f"context {cid!r} is closing: nothing more is taken",
-                                           CLOSE_POLICY, "context_id", cid))
+                                           Outcome.BAD_INPUT, "context_id", cid))
             return
         try:
             await self._apply(ctx, lines, flags["flush"], now_s)
@@ -450,8 +448,8 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             return
         if not self.multi and not session.contexts and now_s - session.last_input_s > query.inactivity_timeout_s:
             message = input_timeout_message(query.inactivity_timeout_s)
-            session.send(error_message(INPUT_TIMEOUT, message, CLOSE_POLICY, None, None))
-            session.close(CLOSE_POLICY, message)  # stream-input, as text to speech's: a socket that never spoke
+            session.send(error_message(INPUT_TIMEOUT, message, Outcome.BAD_INPUT, None, None))
+            session.close(Outcome.BAD_INPUT, message)  # stream-input, as text to speech's: a socket that never spoke
             return
         for ctx in list(self.session.contexts.values()):
             if not ctx.state.closing and now_s - ctx.state.last_input_s > query.inactivity_timeout_s:
@@ -510,15 +508,15 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
         session = self.session
         cid = ctx.context_id if self.multi else None
         if event.status in CUT_SHORT:
-            code, error = CUT_SHORT[event.status]
-            session.send(error_message(error, event.detail or error, code, None, cid))
+            outcome, error = Outcome.of_stream(event.status), CUT_SHORT[event.status]
+            session.send(error_message(error, event.detail or error, outcome, None, cid))
             if not self.multi:
-                session.close(code, event.detail)
+                session.close(outcome, event.detail)
                 return
         session.send(self._json(ctx, {"is_final": True}))
         others_open = any(c is not ctx for c in session.contexts.values())
         if not self.multi or (self._closing_socket and not others_open):
-            session.close(CLOSE_NORMAL, "")
+            session.close(Outcome.COMPLETED, "")
 
 
 class MultiDialogueProtocol(DialogueProtocol):

@@ -1,5 +1,5 @@
 """What every vendor's text-to-speech HTTP endpoint shares, on the session core: one session and one
-context per request (agent_server/transport.py's HttpTransport: the body is the one message).
+context per request (core/transport.py's HttpTransport: the body is the one message).
 
 A vendor module subclasses `HttpSpeechProtocol` and writes only its wire format:
 - `parse(body)`: the request -> `HttpSpeechRequest` (the stream spec, the text, the vendor's per-context state),
@@ -9,9 +9,10 @@ A vendor module subclasses `HttpSpeechProtocol` and writes only its wire format:
 
 What this class does the same for every vendor:
 - the status line waits for the first audio (or the end of a response with none), so that a request
-  refused before any audio gets a real status: 400 (bad request; a vendor may answer its own, e.g.
-  ElevenLabs' 422), 413 (body too large), 429 (busy, rate limited), 503 (not ready, shutting down,
-  generation failed), 500 (a bug). Once audio went out, a failure ends the body early.
+  refused before any audio gets a real status, its outcome's from the one table (core/outcomes.py): 400 (bad
+  request; a vendor may answer its own, e.g. ElevenLabs' 422), 413 (body too large), 429 (busy, rate
+  limited), 503 (not ready, shutting down, generation failed), 500 (a bug). Once audio went out, a failure
+  ends the body early.
 - the client closing the response cancels the context (barge-in; the engine slot is free at the next
   step): the session core's teardown does it.
 - the text is pushed through the core (`push_text`: the server's text limits and the key's budget) and
@@ -24,39 +25,20 @@ import base64
 from dataclasses import dataclass
 from typing import ClassVar, Generic
 
-from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec, StreamStatus
-from agent_server.core.hub import Refusal
-from agent_server.core.session import (
-    CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
-    Context,
-    S,
-    Session,
-    WireProtocol,
-)
-from agent_server.core.transport import CLOSE_TOO_BIG, Head
-from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, UNAVAILABLE, FieldError
+from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec
+from agent_server.core.outcomes import Outcome, Refusal, http_status
+from agent_server.core.session import Context, S, Session, WireProtocol
+from agent_server.core.transport import Head
+from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
 
 NOTHING_TO_SAY = "nothing_to_say"
 # the session core's errors about the text it was given (field "text"): named by the vendor's own field
 SESSION_TEXT_CODES = frozenset({TEXT_TOO_LONG, CONTEXT_TEXT_LIMIT, RATE_LIMITED, "bad_markup"})
-STATUS_BAD_REQUEST = 400
-STATUS_TOO_LARGE = 413
-STATUS_BUSY = 429
-STATUS_INTERNAL = 500
-STATUS_UNAVAILABLE = 503
+# the statuses a vendor's `error_body` may tell apart (from the one table: core/outcomes.py)
+STATUS_BAD_REQUEST = http_status(Outcome.BAD_INPUT)
+STATUS_TOO_LARGE = http_status(Outcome.TOO_LARGE)
+STATUS_BUSY = http_status(Outcome.BUSY)
 JSON = "application/json"
-# A close with no response started yet -> (status, code) of the error the client gets.
-CLOSE_STATUS: dict[int, tuple[int, str]] = {
-    CLOSE_GOING_AWAY: (STATUS_UNAVAILABLE, "shutting_down"),
-    CLOSE_POLICY: (STATUS_BAD_REQUEST, "bad_request"),
-    CLOSE_TOO_BIG: (STATUS_TOO_LARGE, "body_too_large"),
-    CLOSE_TRY_AGAIN_LATER: (STATUS_BUSY, "busy"),
-}
-INTERNAL = (STATUS_INTERNAL, "internal_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,36 +118,28 @@ class HttpSpeechProtocol(WireProtocol[S]):
     # ---- refusals and errors: a status line while none went out ------------------------------------
 
     def on_refused(self, refusal: Refusal) -> None:
-        if refusal.unavailable:
-            self._error_response(STATUS_UNAVAILABLE, "not_ready", refusal.reason, None)
-        else:
-            self._error_response(STATUS_BUSY, "busy", refusal.reason, None)
+        self._error_response(refusal.outcome, refusal.outcome.value, refusal.reason, None)
 
     def render_error(self, error: FieldError) -> None:
+        outcome = Outcome.of_error(error)
         if self.head_sent:
-            self.session.close(CLOSE_INTERNAL_ERROR, error.message)
+            self.session.close(outcome, error.message)
             return
         field = error.field or None
         if field == "text" and error.code in SESSION_TEXT_CODES:  # the session core's name for the text
             field = self.text_field
-        if error.busy and error.code == UNAVAILABLE:
-            self._error_response(STATUS_UNAVAILABLE, "not_ready", error.message, field)
-            self.session.close(CLOSE_GOING_AWAY, error.message)
-        elif error.busy or error.code == RATE_LIMITED:
-            self._error_response(STATUS_BUSY, RATE_LIMITED if error.code == RATE_LIMITED else "busy",
-                                 error.message, field)
-            self.session.close(CLOSE_TRY_AGAIN_LATER, error.message)
-        else:
-            self._error_response(STATUS_BAD_REQUEST, error.code, error.message, field)
-            self.session.close(CLOSE_POLICY, error.message)
+        code = error.code if outcome is Outcome.BAD_INPUT else outcome.value  # busy, not_ready, rate_limited
+        self._error_response(outcome, code, error.message, field)
+        self.session.close(outcome, error.message)
 
-    def on_close(self, code: int, reason: str) -> None:
+    def on_close(self, outcome: Outcome, reason: str) -> None:
         if not self.head_sent:
-            status, error_code = CLOSE_STATUS.get(code, INTERNAL)
-            self._error_response(status, error_code, reason or error_code, None)
+            self._error_response(outcome, outcome.value, reason or outcome.value, None)
 
-    def _error_response(self, status: int, code: str, message: str, field: str | None) -> None:
+    def _error_response(self, outcome: Outcome, code: str, message: str, field: str | None) -> None:
+        """The error response of `outcome`, its status from the one table (none of its own: a bug's, 500)."""
         self.head_sent = True
+        status = outcome.http_status or http_status(Outcome.INTERNAL_ERROR)
         status, body = self.error_body(status, code, message, field)
         self.session.send(Head(status, JSON))
         self.session.send(body)
@@ -196,7 +170,8 @@ class HttpSpeechProtocol(WireProtocol[S]):
 
     def _render_done(self, ctx: Context[S], event: StreamDone) -> None:
         session = self.session
-        if event.status == StreamStatus.COMPLETED:
+        outcome = Outcome.of_stream(event.status)
+        if outcome is Outcome.COMPLETED:
             if self._nothing_to_say(ctx):  # "...", "👍": a 400, never an empty file
                 self.render_error(FieldError(self.text_field, "the text has nothing to say (no letter or digit)",
                                              NOTHING_TO_SAY))
@@ -204,20 +179,18 @@ class HttpSpeechProtocol(WireProtocol[S]):
             if not self.head_sent:
                 self._start(ctx)  # segments without audio (pauses of no length): a body without audio
             self.render_completed(ctx)
-            session.close(CLOSE_NORMAL, "")
+            session.close(outcome, "")
             return
         if self.head_sent:  # a failure after audio started ends the body early
-            if event.status != StreamStatus.CANCELLED:
-                status = STATUS_BUSY if event.status == StreamStatus.BUSY else STATUS_UNAVAILABLE
-                self.render_failed(ctx, status, event.reason, event.detail or event.reason)
-            cut = CLOSE_GOING_AWAY if event.status == StreamStatus.SHUTDOWN else CLOSE_INTERNAL_ERROR  # (the log's)
-            session.close(cut, event.detail or event.reason)
-        elif event.status == StreamStatus.BUSY:
-            self._error_response(STATUS_BUSY, "busy", event.detail or "no free slot", None)
-            session.close(CLOSE_TRY_AGAIN_LATER, event.detail)
+            if outcome.http_status is not None:  # (a cancel has no one to tell)
+                self.render_failed(ctx, outcome.http_status, event.reason, event.detail or event.reason)
+            session.close(outcome, event.detail or event.reason)
+        elif outcome is Outcome.BUSY:
+            self._error_response(outcome, outcome.value, event.detail or "no free slot", None)
+            session.close(outcome, event.detail)
         else:
-            self._error_response(STATUS_UNAVAILABLE, event.reason, event.detail or "generation failed", None)
-            session.close(CLOSE_INTERNAL_ERROR, event.detail)
+            self._error_response(outcome, event.reason, event.detail or "generation failed", None)
+            session.close(outcome, event.detail)
 
 
 class Base64Stream:

@@ -32,8 +32,8 @@ import orjson
 
 from agent_server.audio.codecs import CODEC_SAMPLE_RATES_HZ, StreamFormat
 from agent_server.core.events import AudioOut, StreamDone, StreamEvent, StreamStateError, StreamStatus
-from agent_server.core.hub import Refusal
-from agent_server.core.session import CLOSE_NORMAL, CLOSE_POLICY, Context, Session, WireProtocol
+from agent_server.core.outcomes import Outcome, Refusal
+from agent_server.core.session import Context, Session, WireProtocol
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, BUSY, FieldError, empty_message
 from agent_server.protocols.common import (
@@ -253,7 +253,7 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
         except FieldError as error:
             self.query = None
             session.send(error_message(f"{error.field}: {error.message}", error.code))
-            session.close(CLOSE_POLICY, error.message)
+            session.close(Outcome.BAD_INPUT, error.message)
             return
         session.send(connect_message(self.query))
 
@@ -277,7 +277,7 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
         if parsed.kind == Kind.STOP:  # barge-in: what is not played yet is dropped; the connection ends
             if ctx is not None:
                 ctx.stream.cancel()
-            session.close(CLOSE_NORMAL, "stop")
+            session.close(Outcome.COMPLETED, "stop")
         elif parsed.kind == Kind.FLUSH:
             if ctx is not None and ctx.stream.status == StreamStatus.OPEN:
                 ctx.stream.flush(now_s)

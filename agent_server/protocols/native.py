@@ -28,8 +28,8 @@ from agent_server.core.events import (
     StreamStatus,
     build_params,
 )
-from agent_server.core.hub import Refusal
-from agent_server.core.session import CLOSE_NORMAL, Context, Session, SessionState, WireProtocol
+from agent_server.core.outcomes import Outcome, Refusal
+from agent_server.core.session import Context, Session, SessionState, WireProtocol
 from agent_server.errors import FieldError
 from agent_server.protocols import native_wire as wire
 from agent_server.protocols import twilio
@@ -75,7 +75,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
         idle_s = now_s - max(self._last_active_s, session.last_input_s)
         if session.state == SessionState.OPEN and idle_s > session.settings.inactivity_timeout_s:
             session.log.info("inactivity_timeout", idle_s=round(idle_s, 1))
-            session.close(CLOSE_NORMAL, "inactivity timeout")
+            session.close(Outcome.COMPLETED, "inactivity timeout")
 
     def render_error(self, error: FieldError) -> None:
         if error.busy:

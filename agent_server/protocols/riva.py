@@ -43,17 +43,9 @@ from google.protobuf.message import DecodeError
 from agent_server.audio.codecs import Codec, StreamFormat
 from agent_server.audio.formats import ENGINE_SAMPLE_RATE_HZ
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
-from agent_server.core.session import (
-    CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_NORMAL,
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
-    Context,
-    Session,
-    WireProtocol,
-)
-from agent_server.errors import RATE_LIMITED, UNAVAILABLE, FieldError, empty_message
+from agent_server.core.outcomes import Outcome
+from agent_server.core.session import Context, Session, WireProtocol
+from agent_server.errors import FieldError, empty_message
 from agent_server.protocols.common import make_spec, place_segment, resolve_language, resolve_voice
 from agent_server.text.markup import SSML_TAGS, ssml_text
 from agent_server.text.timestamps import ContextAlignment, WordTime
@@ -226,16 +218,11 @@ class RivaProtocol(WireProtocol[RivaState]):
         if ctx is not None and ctx.stream.status == StreamStatus.OPEN:
             ctx.stream.end(now_s)
         elif ctx is None and not self._opened:
-            self.session.close(CLOSE_NORMAL, "")  # no request at all: nothing to say
+            self.session.close(Outcome.COMPLETED, "")  # no request at all: nothing to say
 
     def render_error(self, error: FieldError) -> None:
         message = f"{error.field}: {error.message}" if error.field else error.message
-        if error.busy and error.code == UNAVAILABLE:
-            self.session.close(CLOSE_GOING_AWAY, message)
-        elif error.busy or error.code == RATE_LIMITED:
-            self.session.close(CLOSE_TRY_AGAIN_LATER, message)
-        else:
-            self.session.close(CLOSE_POLICY, message)
+        self.session.close(Outcome.of_error(error), message)
 
     def render(self, ctx: RivaContext, event: StreamEvent) -> None:
         session = self.session
@@ -267,11 +254,11 @@ class RivaProtocol(WireProtocol[RivaState]):
             if self.unary:
                 whole = response(b"".join(state.audio), state.words, state.synthesis, state.first.text)
                 session.send_audio(ctx, whole.SerializeToString(), state.audio_ms)
-            session.close(CLOSE_NORMAL, "")
+            session.close(Outcome.COMPLETED, "")
         elif event.status == StreamStatus.BUSY:
-            session.close(CLOSE_TRY_AGAIN_LATER, event.detail or "busy")
-        else:
-            session.close(CLOSE_INTERNAL_ERROR, event.detail or event.reason)
+            session.close(Outcome.BUSY, event.detail or "busy")
+        else:  # failed; cut by the drain (the call: INTERNAL, details say which)
+            session.close(Outcome.FAILED, event.detail or event.reason)
 
 
 class RivaUnaryProtocol(RivaProtocol):

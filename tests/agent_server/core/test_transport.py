@@ -13,6 +13,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
+from agent_server.core.outcomes import Outcome
 from agent_server.core.transport import Disconnected, Head, HttpTransport, InputRefused, _unsent_probe
 
 pytestmark = pytest.mark.timeout(30)
@@ -96,13 +97,13 @@ def test_the_http_body_is_one_message_then_only_the_client_leaving_is_news() -> 
 
 def test_an_http_body_over_the_limit_is_refused() -> None:
     channel = Channel({"type": "http.request", "body": b"x" * 101, "more_body": False})
-    assert asyncio.run(http(channel).receive()) == InputRefused(1009, "the request body is over 100 bytes")
+    assert asyncio.run(http(channel).receive()) == InputRefused(Outcome.TOO_LARGE, "the request body is over 100 bytes")
 
 
 def test_a_close_with_no_response_started_sends_an_error() -> None:
     async def scenario() -> list[Message]:
         channel = Channel()
-        await http(channel).close(1011, "internal error")
+        await http(channel).close(Outcome.INTERNAL_ERROR, "internal error")
         return channel.sent
 
     sent = asyncio.run(scenario())
@@ -117,8 +118,8 @@ def test_a_close_after_the_response_started_ends_the_body() -> None:
         transport = http(channel)
         await transport.send(Head(200, "audio/pcm"))
         await transport.send(b"\x00\x01")
-        await transport.close(1000, "")
-        await transport.close(1000, "")  # once only
+        await transport.close(Outcome.COMPLETED, "")
+        await transport.close(Outcome.COMPLETED, "")  # once only
         return channel.sent
 
     sent = asyncio.run(scenario())
