@@ -37,6 +37,7 @@ from synth.api import (
     MAX_SEGMENT_TEXT_TOKENS,
     EngineConfig,
     EngineError,
+    EngineFull,
     EngineLike,
     EngineOutput,
     EventKind,
@@ -148,7 +149,10 @@ class Engine(EngineLike):
         self.voices = VoiceRegistry()
         # keyed by Voice.key (a content hash), never by id(): a freed voice's address is reused at once
         self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
+        # bounded at submit (EngineFull past max_inbox_items): cancels and voice preparations always get in, so a
+        # full inbox never blocks the event loop's cancel nor the engine thread's own put
         self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
+        self.max_inbox_items = config.max_slots + config.max_waiting
         self._live: dict[str, SegmentState] = {}  # request_id -> state while T3 owns it, engine thread only
         self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
         self._outlets: dict[str, Outlet] = {}  # request_id -> outlet until its terminal event
@@ -166,6 +170,8 @@ class Engine(EngineLike):
     def submit(self, request: SegmentRequest) -> None:
         if self._dead.is_set() or self._stop.is_set():
             raise EngineError("engine is not running")
+        if self._inbox.qsize() >= self.max_inbox_items:
+            raise EngineFull(f"the engine's inbox is full ({self.max_inbox_items} items): try again later")
         outlet = Outlet(request.request_id, request.sink, self._emit_lock, self._outlets)
         state = self._new_state(request, outlet)
         with self._emit_lock:

@@ -82,6 +82,7 @@ from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
     AudioChunk,
     EngineError,
+    EngineFull,
     EngineOutput,
     EventKind,
     ListenerClock,
@@ -378,6 +379,9 @@ class SpeechStream:
             self.times.first_submit_s = now_s
         try:
             self._engine.submit(request)
+        except EngineFull as exc:  # the engine's inbox is full: busy, as when it has no free slot
+            seg.status = StreamSegmentStatus.DROPPED
+            self._terminate(StreamStatus.BUSY, str(exc))
         except Exception as exc:  # EngineError (unknown voice, stopped), or a bug: fail the stream, not the socket
             seg.status = StreamSegmentStatus.DROPPED
             if not isinstance(exc, EngineError):

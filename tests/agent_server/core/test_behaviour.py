@@ -1,11 +1,11 @@
 """The behaviour table of docs/operations.md ("Every protocol, the same behaviour"): each row, asserted
 for every protocol, in-process over fake ASGI channels (tests/agent_server/fake_asgi.py). Riva's column
-(gRPC, which fake ASGI channels cannot carry) is asserted over a real server in compat/test_riva.py.
+(gRPC, which fake ASGI channels cannot carry) is asserted over a real server in protocols/test_riva.py.
 
 Rows: refused when full; refused while not serving; the key's session limit across replicas and with the
 shared state down (a real redis-server, tests/services.py); a text piece over the limit; a context over its
-limit; a message with no text; the key's text budget spent, or not checkable; the engine busy; a client that
-stops reading; the drain; metrics; logs.
+limit; a message with no text; the key's text budget spent, or not checkable; the engine busy (no free slot,
+or its inbox full); a client that stops reading; the drain; metrics; logs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from agent_server.core.observers import (
 from agent_server.core.session import DRAIN_IDLE_S
 from agent_server.protocols import routes
 from agent_server.settings import Settings
+from synth.api import EngineFull, SegmentRequest
 
 from tests.agent_server.fake_asgi import FakeHttpRequest, FakeWebSocket, running
 from tests.agent_server.fake_engine import FakeEngine
@@ -360,6 +361,40 @@ def test_engine_busy(tmp_path: Path, driver: Driver) -> None:
                 await ws.finished()
             holder.disconnect()
             await holder.finished()
+            assert not hub.sessions
+
+    run(scenario())
+    assert "context" in [e.scope for e in of(events, BusyRejected, driver.name)]
+
+
+class FullInboxEngine(FakeEngine):
+    """An engine whose inbox is full: every submit is refused as synth.engine.Engine refuses it then."""
+
+    def submit(self, request: SegmentRequest) -> None:
+        raise EngineFull("the engine's inbox is full (3 items): try again later")
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=str)
+def test_engine_inbox_full(tmp_path: Path, driver: Driver) -> None:
+    """The engine's inbox full (its thread behind): the turn's first segment gets the protocol's busy, as when
+    every slot is taken (HTTP: 429 `busy`), counted as a busy refusal."""
+    app, events = make_app(tmp_path, FullInboxEngine())
+
+    async def scenario() -> None:
+        async with running(app) as hub:
+            if driver.http:
+                request = driver.request(app, TEXT)
+                await request.done()
+                assert request.status == 429 and driver.http_error(request)[0] == "busy"
+                await request.finished()
+            else:
+                ws = await driver.connect(app)
+                for message in driver.turn("b", TEXT):
+                    ws.send_json(message)
+                got = await until(driver, ws, driver.is_busy)
+                assert driver.is_busy(got[-1]), got
+                ws.disconnect()
+                await ws.finished()
             assert not hub.sessions
 
     run(scenario())

@@ -36,6 +36,7 @@ from synth.api import (
     SAMPLES_PER_SPEECH_TOKEN,
     AudioChunk,
     EngineError,
+    EngineFull,
     EngineLike,
     EventKind,
     SamplingParams,
@@ -59,12 +60,15 @@ class ManualEngine(EngineLike):
     random_weights: bool = True
     max_slots: int = 4
     refuse: bool = False
+    full: bool = False  # its inbox is full (synth.engine.Engine.max_inbox_items)
     submitted: list[SegmentRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
 
     def submit(self, request: SegmentRequest) -> None:
         if self.refuse:
             raise EngineError("unknown voice 'x'")
+        if self.full:
+            raise EngineFull("the engine's inbox is full (3 items): try again later")
         self.submitted.append(request)
 
     def cancel(self, request_id: str) -> None:
@@ -221,6 +225,16 @@ def test_busy_and_failures_end_the_stream() -> None:
     stream.flush(0.0)
     engine.event(0, EventKind.FAILED, "cuda oom")
     assert rec.events[-1] == StreamDone(StreamStatus.FAILED, "cuda oom")
+
+
+def test_an_engine_whose_inbox_is_full_makes_the_context_busy() -> None:
+    """The submit refused because the engine's inbox is full (its thread behind): the context ends busy, as when
+    the engine has no free slot (each protocol then says busy in its own form), not failed."""
+    stream, rec = make_stream(ManualEngine(full=True))
+    stream.push_text("Hello there, friend. ", 0.0)
+    stream.flush(0.0)
+    assert stream.status == StreamStatus.BUSY
+    assert rec.events[-1] == StreamDone(StreamStatus.BUSY, "the engine's inbox is full (3 items): try again later")
 
 
 def test_text_after_end_is_refused_and_empty_context_completes() -> None:
