@@ -6,7 +6,7 @@
 
 /healthz answers from the first moment; /readyz turns 200 once the model is loaded, warmed up and the
 stored voices are back. With `Settings.grpc_port`, the lifespan also serves NVIDIA Riva's TTS gRPC API
-(agent_server/grpc_server.py): its calls are sessions of the same hub.
+(agent_server/core/grpc_server.py): its calls are sessions of the same hub.
 """
 
 from __future__ import annotations

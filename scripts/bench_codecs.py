@@ -1,4 +1,4 @@
-"""Streaming encoder costs, per output format (agent_server/codecs.py).
+"""Streaming encoder costs, per output format (agent_server/audio/codecs.py).
 
 For each format:
 - first_bytes_ms: from handing the first PCM chunk (10 speech tokens, 400 ms at 24 kHz: the engine's

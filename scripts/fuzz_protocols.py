@@ -9,7 +9,7 @@ endpoint answers for a body that is not JSON); anything else raised is a bug and
 
 Both end with a line `inputs=N parsed=P errors=E` (atheris: also libFuzzer's own `Done N runs`).
 The first input byte picks the parser (TARGETS, in order) and the variant; the rest is the message.
-`tests/agent_server/test_parsers_property.py` runs the same targets under hypothesis in the test suite.
+`tests/agent_server/protocols/test_parsers_property.py` runs the same targets under hypothesis in the test suite.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ class StreamSpec:
     max_audio_ahead_s: float = 20.0  # unsent audio beyond which the next segment is not submitted yet
     cache: bool = True  # False: the phrase cache neither serves nor stores this stream's segments
     speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
-    markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/markup.py); none: text
-    normalize: bool = True  # numbers, money, times ... said as words (agent_server/normalize.py); False: as written
+    markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/text/markup.py); none: text
+    normalize: bool = True  # numbers, money, times ... said as words (agent_server/text/normalize/); False: as written
 
     def __post_init__(self) -> None:
         parse_speed("speed", self.speed)

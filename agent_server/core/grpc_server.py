@@ -1,5 +1,5 @@
 """gRPC under the session core: a grpc.aio server on `Settings.grpc_port`, started and stopped in the app's
-lifespan, whose calls are sessions like any WebSocket or HTTP request (agent_server/session.py).
+lifespan, whose calls are sessions like any WebSocket or HTTP request (agent_server/core/session.py).
 
 - `GrpcTransport`: one call as a session transport. Messages are serialized protobuf bytes both ways (the
   method handlers are registered without (de)serializers, so the core moves bytes and the protocol owns the

@@ -6,7 +6,7 @@ registry of open sessions of every protocol, the ticker (segmenter polls and the
 the shutdown drain; and, for running beside other replicas, the shared state (shared_state.py), the phrase
 cache and its pre-warm list (phrase_cache.py) and the HAProxy agent check (agent_check.py).
 
-Sessions (agent_server/session.py, one per WebSocket or HTTP request of any protocol) come in through
+Sessions (agent_server/core/session.py, one per WebSocket or HTTP request of any protocol) come in through
 `await admit(session)` and leave through `remove(session)`; every context's stream comes from
 `await open_stream(...)`. Admission and text charging are awaitable: the per-key limits they consult
 live in the shared state (Redis with --redis-url).

@@ -1,4 +1,4 @@
-"""Transports: the thin I/O under a session (agent_server/session.py). Each is a reader (`receive`) and a
+"""Transports: the thin I/O under a session (agent_server/core/session.py). Each is a reader (`receive`) and a
 writer (`send`, `close`) over one ASGI connection, plus what flow control needs (`unsent_bytes`,
 `abort`). They know nothing of protocols, contexts or the engine.
 

@@ -6,7 +6,7 @@ used where only a key will do) before any route runs, so a refused WebSocket is 
 
 - keys: `Settings.api_keys` (env AGENT_SERVER_API_KEYS, comma list) and `Settings.api_keys_file` (one
   key per line, `#` comments), plus keys added at run time to the shared state (`python -m
-  agent_server.keys`). Only their SHA-256 is kept in memory (and in Redis). A key is never logged: logs,
+  agent_server.fleet.keys`). Only their SHA-256 is kept in memory (and in Redis). A key is never logged: logs,
   metrics and /v1/status name it by its fingerprint (`k_` + 12 hex digits of its SHA-256). A key revoked in
   the shared state is refused by every replica (with its tokens).
 - where a credential is read, first found wins: `Authorization: Bearer K` (or `Token K`, Deepgram's
@@ -19,7 +19,7 @@ used where only a key will do) before any route runs, so a refused WebSocket is 
   each other's tokens) or a random one per process.
 - mode: `on`, `off` or `auto`: on when keys are configured or a keys file is named (an empty file refuses
   to start rather than leave the port open), and from the moment a key is added to the shared state (`python
-  -m agent_server.keys add`; revoking every key later does not turn it off), else off. Off is logged loudly
+  -m agent_server.fleet.keys add`; revoking every key later does not turn it off), else off. Off is logged loudly
   (`auth_off`, level warning) and shown in /v1/status (`auth.enabled: false` and a warning). A replica that
   starts while its shared state (Redis) is unreachable cannot know whether the fleet has keys: it fails
   closed (`auth_pending`): a configured key is served, anything else is a 503 `auth_unavailable` (a key the
@@ -176,7 +176,7 @@ class Auth:
                                   "anyone (add keys, or --auth off to run without them)")
         self.mode = mode
         # auto: on once any key is known (configured, a keys file named, or added to the shared state at run
-        # time with `python -m agent_server.keys`), and never back off (revoking every key must not open it)
+        # time with `python -m agent_server.fleet.keys`), and never back off (revoking every key must not open it)
         self._auto_on = mode == "auto" and (bool(self._key_hashes) or keys_file is not None)
         self._pending_announced = False  # `auth_pending` was logged: `auth_off` is logged when it ends so
         self._secret = token_secret or secrets.token_bytes(TOKEN_SECRET_BYTES)
@@ -441,7 +441,7 @@ def principal_of(scope: Scope) -> Principal | None:
 class AuthMiddleware:
     """Checks every HTTP request and WebSocket handshake (but PUBLIC_PATHS, and METRICS_PATHS unless
     metrics_auth) and answers a refusal itself, with 401 or 403: `refusal(scope, status, code, message)`'s
-    response (the app passes the vendors' shapes, compat.refusal_response), else JSON `{"error": {"code",
+    response (the app passes the vendors' shapes, protocols.refusal_response), else JSON `{"error": {"code",
     "message"}}`; for a WebSocket, as the HTTP response to the handshake (no upgrade), or a close before accept
     (uvicorn turns that into 403) where the server lacks the denial-response extension."""
 

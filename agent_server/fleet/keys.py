@@ -1,9 +1,9 @@
 """API keys in the shared state, for a fleet whose replicas read keys from Redis (`--redis-url`):
 
-    python -m agent_server.keys --redis-url redis://host:6379/0 add        # prints a new key, once
-    python -m agent_server.keys --redis-url ... add --key "$EXISTING_KEY"  # or registers one you made
-    python -m agent_server.keys --redis-url ... revoke k_0123456789ab      # a fingerprint (or the key)
-    python -m agent_server.keys --redis-url ... list
+    python -m agent_server.fleet.keys --redis-url redis://host:6379/0 add        # prints a new key, once
+    python -m agent_server.fleet.keys --redis-url ... add --key "$EXISTING_KEY"  # or registers one you made
+    python -m agent_server.fleet.keys --redis-url ... revoke k_0123456789ab      # a fingerprint (or the key)
+    python -m agent_server.fleet.keys --redis-url ... list
 
 `revoke` takes `k_` and 12 hex digits (what `add` and `list` print), or the key; a fingerprint of no key added
 here is revoked all the same (the servers may have that key from their environment or a file), with a warning:
@@ -36,7 +36,7 @@ FINGERPRINT = re.compile(rf"k_[0-9a-f]{{{FINGERPRINT_HEX}}}")  # what auth.finge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m agent_server.keys", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m agent_server.fleet.keys", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default=os.environ.get("AGENT_SERVER_REDIS_URL"),
                         help="the fleet's Redis (env AGENT_SERVER_REDIS_URL)")

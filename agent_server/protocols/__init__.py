@@ -1,11 +1,13 @@
-"""Drop-in endpoints for the clients voice agents and telephony platforms already use: ElevenLabs,
-Cartesia, Deepgram and OpenAI (WebSocket and HTTP), jambonz (HTTP and WebSocket) and, on the gRPC port,
-NVIDIA Riva (compat/riva_service.py).
+"""The wire protocols (floor 4 of docs/architecture.md): the native one (native.py, its messages native_wire.py,
+its Twilio Media Streams mode twilio.py) and drop-in endpoints for the clients voice agents and telephony
+platforms already use: ElevenLabs, Cartesia, Deepgram and OpenAI (WebSocket and HTTP), jambonz (HTTP and
+WebSocket) and, on the gRPC port, NVIDIA Riva (riva.py, riva_service.py).
 
-Each module is its vendor's wire format only: a `WireProtocol` on the session core
-(agent_server/session.py), which every protocol shares with the native one (the HTTP ones through
-compat/http_speech.py); compat/catalog.py lists, clones and deletes voices and lists models in each
-vendor's shape. `docs/compatibility.md` lists every field and the base-URL settings.
+Each module is its wire format only: a `WireProtocol` on the session core (core/session.py), the HTTP ones on
+their one base (http_speech.py); what they share is common.py (models, voices, seeds, specs) and
+vendor_formats.py (each vendor's names for its audio formats); catalog.py lists, clones and deletes voices and
+lists models in each vendor's shape. A protocol sees the session's verbs and `session.port` (core/port.py),
+never the hub. `docs/compatibility.md` lists every field and the base-URL settings.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - in: generation requests {"context_id", "model_id", "transcript", "voice": {"mode": "id", "id"} | {"id"} | "id",
   "output_format": {"container": "raw" | "wav" | "mp3", "encoding", "sample_rate", "bit_rate"}
-  (compat/formats.cartesia_format; raw PCM16 at 24 kHz when absent), "continue", "flush", "add_timestamps",
+  (protocols/vendor_formats.cartesia_format; raw PCM16 at 24 kHz when absent), "continue", "flush", "add_timestamps",
   "language", "seed" (our extension), ...}; {"context_id", "cancel": true}.
   The first request of a context opens it (its voice, format, language and seed hold for the context);
   "continue": false ends its input; "flush": true speaks what it has and answers "flush_done".

@@ -1,5 +1,5 @@
 """Cartesia text to speech over HTTP: `POST /tts/bytes` and `POST /tts/sse`, on the HTTP speech base
-(compat/http_speech.py).
+(protocols/http_speech.py).
 
 - `/tts/bytes` (`client.tts.generate`, `tts.bytes`): the audio in `output_format`, streamed as it is made.
 - `/tts/sse` (`tts.generate_sse`, `tts.sse`): server-sent events, each `event: <type>` + `data: <json>`:
@@ -8,7 +8,7 @@
   the request's audio, with `add_timestamps`), `done` `{"type", "done": true, "status_code": 200}`,
   `error` `{"type", "title", "message", "error_code", "status_code", "done": true, "request_id"}`.
 
-Body fields: the WebSocket's generation-request fields (`compat.cartesia.REQUEST_FIELDS`, one field set)
+Body fields: the WebSocket's generation-request fields (`protocols.cartesia.REQUEST_FIELDS`, one field set)
 less the streaming-only ones (`continue`, `flush`, `cancel`, `max_buffer_delay_ms`), plus the HTTP-only
 `locale`, `normalization` and `save`; `/tts/bytes` takes no timestamp fields. `output_format` is required
 (`formats.cartesia_format`: raw, wav or mp3), as is `transcript`; `language` and `locale` are one field

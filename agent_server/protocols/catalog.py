@@ -1,5 +1,5 @@
 """The vendors' catalog endpoints: voices listed, read, cloned and deleted, and models listed, in the shapes
-each vendor's SDK parses, over the one voice store (agent_server/voices.py: the native `/v1/voices` routes
+each vendor's SDK parses, over the one voice store (agent_server/core/voices.py: the native `/v1/voices` routes
 act on the same voices).
 
 | vendor     | route                                       | SDK call                                   |
@@ -20,7 +20,7 @@ SDK sends `xi-api-key`, Deepgram's `Authorization: Token`; anything else gets Op
 OpenAI-compatible tools probe for).
 
 A model is the variant this server runs (one per server), `chatterbox-<variant>`; the speech endpoints also take
-any vendor's model name and mean it (compat/common.py). Deepgram's model names its voice (`aura-2-thalia-en`),
+any vendor's model name and mean it (protocols/common.py). Deepgram's model names its voice (`aura-2-thalia-en`),
 so its list has one TTS model per voice, as Deepgram's own does; `canonical_name` is the voice id, which
 `/v1/speak?model=` selects.
 

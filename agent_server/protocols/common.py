@@ -112,7 +112,7 @@ ELEVENLABS_NORMALIZATION = ("auto", "on", "off")
 
 def elevenlabs_normalization(value: object) -> bool:
     """ElevenLabs' `apply_text_normalization` (absent: "auto"): whether numbers, money, dates ... are said as
-    words (agent_server/normalize.py). "auto" is on: what ElevenLabs' own "auto" does for the text a voice
+    words (agent_server/text/normalize/). "auto" is on: what ElevenLabs' own "auto" does for the text a voice
     agent sends (it leaves normalisation to the model only for its larger models)."""
     if value is None or value == "":
         return True

@@ -1,7 +1,7 @@
 """Deepgram `/v1/speak` WebSocket (Aura): the wire format, on the session core.
 
 - query: model (aura-*), encoding (linear16 | mulaw | alaw), sample_rate, container (none)
-  (compat/formats.deepgram_format), seed (our extension), mip_opt_out / bit_rate / speed / tag (accepted,
+  (protocols/vendor_formats.deepgram_format), seed (our extension), mip_opt_out / bit_rate / speed / tag (accepted,
   ignored); auth `Authorization: Token ...` (or Bearer), checked by auth.AuthMiddleware when auth is on.
 - in: {"type": "Speak", "text"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Close"}.
 - a Speak without text gets a `Warning` (`INVALID_MESSAGE`), as does any message it cannot read.

@@ -1,5 +1,5 @@
 """Deepgram text to speech over HTTP: `POST /v1/speak` (`speak.v1.audio.generate`), on the HTTP speech base
-(compat/http_speech.py). The same path serves Deepgram's WebSocket (compat/deepgram.py): Starlette routes
+(protocols/http_speech.py). The same path serves Deepgram's WebSocket (protocols/deepgram.py): Starlette routes
 a WebSocket handshake and a POST to each by the request's type.
 
 Body `{"text"}` (held to the server's text limit, `max_text_piece_chars`). Query: `model` (also the voice, as on the
@@ -8,7 +8,7 @@ linear16 in a WAV container at 24 kHz), `seed` (our extension), `mip_opt_out`, `
 ignored). `callback` / `callback_method` are refused: this server answers in the response, it does not
 call out. The response streams the audio as it is encoded; headers `content-type`, `dg-request-id`,
 `dg-model-name`, `dg-char-count`. Errors: `{"err_code", "err_msg", "request_id"}` with the status
-compat/http_speech.py chooses (400 for a bad request).
+protocols/http_speech.py chooses (400 for a bad request).
 """
 
 from __future__ import annotations

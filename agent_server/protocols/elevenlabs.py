@@ -2,7 +2,7 @@
 `multi-stream-input` (many contexts per socket): the wire format, on the session core.
 
 Wire (what the SDKs, Pipecat and LiveKit send and expect):
-- query: model_id, output_format (compat/formats.elevenlabs_format: every name of the SDK, mp3_44100_128 by
+- query: model_id, output_format (protocols/vendor_formats.elevenlabs_format: every name of the SDK, mp3_44100_128 by
   default, as the vendor's; MP3 and Opus encoded off the event loop), language_code,
   inactivity_timeout (s, default 20, at most 180), seed, sync_alignment, auto_mode, ... (see
   docs/compatibility.md for every field);
@@ -22,7 +22,7 @@ Alignment: after each segment's audio comes an audio-less message whose alignmen
   included (`timestamps.ContextAlignment.chained`);
 - `normalizedAlignment`: the same characters with times from the start of the context's audio (LiveKit
   reads this one by default and takes the times as they come). Both carry the characters the client sent,
-  not their spoken form ("$4.50" has the times of "four dollars and fifty cents": agent_server/normalize.py),
+  not their spoken form ("$4.50" has the times of "four dollars and fifty cents": agent_server/text/normalize/),
   so a client's transcript is its own text.
 Both include MP3's encoder delay (`codecs.StreamFormat.lead_ms`).
 """

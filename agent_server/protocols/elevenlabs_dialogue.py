@@ -13,7 +13,7 @@ Body: `inputs` (required: 1..MAX_INPUTS objects `{"text", "voice_id"}`, at most 
 `model_id`, `language_code`, `seed`, `apply_text_normalization` (served as in text to speech);
 `settings` (an object: stability, similarity, clone_strength), `previous_text`, `future_text`,
 `pronunciation_dictionary_locators`, `use_pvc_as_ivc`, `previous_request_ids`, `next_request_ids`,
-`audio_effects` (type-checked, ignored). Errors as text to speech's (compat/elevenlabs_http.py): 422 with
+`audio_effects` (type-checked, ignored). Errors as text to speech's (protocols/elevenlabs_http.py): 422 with
 `{"detail": [{"loc", "msg", "type"}]}` for a bad request. A `voice_segments` entry: `{"voice_id"` (as the
 client named it), `"start_time_seconds", "end_time_seconds", "character_start_index", "character_end_index"`
 (into that body's or line's `alignment.characters`), `"dialogue_input_index"}`.

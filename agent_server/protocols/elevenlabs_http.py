@@ -1,4 +1,4 @@
-"""ElevenLabs text to speech over HTTP: the wire format, on the HTTP speech base (compat/http_speech.py).
+"""ElevenLabs text to speech over HTTP: the wire format, on the HTTP speech base (protocols/http_speech.py).
 
 Routes (`POST`, JSON body), as the `elevenlabs` SDK calls them:
 - `/v1/text-to-speech/{voice_id}` (`text_to_speech.convert`): the audio, streamed as it is made;
@@ -13,7 +13,7 @@ Query: `output_format` (`formats.elevenlabs_format`, default `mp3_44100_128`), `
 `seed` (served); `voice_settings`, `pronunciation_dictionary_locators`, `previous_text`, `next_text`,
 `previous_request_ids`, `next_request_ids`, `use_pvc_as_ivc`, `apply_language_text_normalization`,
 `audio_effects` (type-checked, ignored); `apply_text_normalization` (`auto`, `on`: numbers, money, times ...
-said as words, agent_server/normalize.py; `off`: as written); anything else is refused.
+said as words, agent_server/text/normalize/; `off`: as written); anything else is refused.
 
 Bodies: `/v1/text-to-speech/{voice_id}` and `/stream`: the audio bytes in `output_format`, as they are
 encoded. `/with-timestamps`: one JSON object, written as the audio comes (`{"audio_base64": "` first, the
@@ -175,7 +175,7 @@ def with_timestamps_close(chars: Sequence[str], start_ms: Sequence[int], end_ms:
                           voice_segments: list[dict[str, Any]] | None = None) -> bytes:
     """`/with-timestamps`: what ends the object after the audio's base64 text: the whole request's
     alignment (`normalized_alignment` is the same: the request's own characters); a dialogue's
-    `voice_segments` (compat/elevenlabs_dialogue.py)."""
+    `voice_segments` (protocols/elevenlabs_dialogue.py)."""
     aligned = orjson.dumps(alignment(chars, start_ms, end_ms))
     tail = b"" if voice_segments is None else b',"voice_segments":' + orjson.dumps(voice_segments)
     return b'","alignment":' + aligned + b',"normalized_alignment":' + aligned + tail + b"}"
@@ -205,7 +205,7 @@ def voice_segment(voice_id: str, start_ms: float, end_ms: float, first_char: int
 
 @dataclass(slots=True)
 class LineTrack:
-    """A dialogue's lines (compat/elevenlabs_dialogue.py), each pushed as a turn of its own (line i is turn
+    """A dialogue's lines (protocols/elevenlabs_dialogue.py), each pushed as a turn of its own (line i is turn
     i + 1: `SpeechStream.start_turn`): their voices as the client named them, and each placed segment's line."""
 
     voice_ids: list[str]

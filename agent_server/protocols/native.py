@@ -1,5 +1,5 @@
 """The native protocol (docs/protocol.md) on the session core: JSON control messages in (parsed by
-agent_server/protocol.py), JSON events and binary audio frames out.
+agent_server/protocols/native_wire.py), JSON events and binary audio frames out.
 
 Twilio output mode (a context opened with `"twilio": {"stream_sid"}`): its audio goes out as Twilio Media
 Streams messages a bridge forwards to Twilio untouched (`media`: base64 mu-law 8 kHz in 20 ms frames, with

@@ -4,7 +4,7 @@ Client -> server: JSON text messages, one dataclass each (`Open`, `Text`, `Flush
 `parse(raw)` returns one of them, or a `FieldError` naming the offending field; it never raises. Text
 limits are not the parser's: the session core applies one set for every protocol. A message with an
 `event` and no `type` is a Twilio Media Streams message a bridge forwards (`TwilioMessage`: the Twilio
-output mode, docs/protocol.md; compat/twilio.py parses it).
+output mode, docs/protocol.md; protocols/twilio.py parses it).
 
 Server -> client: JSON text events (`encode(event)`) and binary audio frames
 (`encode_frame(header, payload)`): a 12-byte little-endian header, then the audio bytes.
@@ -85,8 +85,8 @@ class Open:
     text: str = ""  # optional first text piece
     cache: bool = True  # False: never served from, nor stored in, the phrase cache
     speed: float = 1.0  # the audio played this much faster (0.25-4), its pitch kept
-    breaks: bool = False  # `<break time="..."/>` in the text is a pause (agent_server/markup.py)
-    normalize: bool = True  # numbers, money, times ... said as words (agent_server/normalize.py)
+    breaks: bool = False  # `<break time="..."/>` in the text is a pause (agent_server/text/markup.py)
+    normalize: bool = True  # numbers, money, times ... said as words (agent_server/text/normalize/)
     twilio_stream_sid: str | None = None  # the Twilio output mode: the call's streamSid
 
 

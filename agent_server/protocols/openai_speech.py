@@ -1,15 +1,15 @@
-"""OpenAI `POST /v1/audio/speech`: the wire format, on the HTTP speech base (compat/http_speech.py).
+"""OpenAI `POST /v1/audio/speech`: the wire format, on the HTTP speech base (protocols/http_speech.py).
 
 - body: {"model", "input", "voice": "alloy" | {"id"}, "response_format": "mp3" (default) | "opus" | "aac" |
   "flac" | "wav" | "pcm", "speed", "instructions", "stream_format": "audio" | "sse", "seed" (our
   extension)}; `input` is held to the server's text limit like every protocol's text
   (`max_text_piece_chars`, 4096 by default: OpenAI's own).
-- formats (compat/formats.openai_format), all 24 kHz mono: mp3 (64 kbit/s), opus (Ogg), aac (ADTS), flac,
+- formats (protocols/vendor_formats.openai_format), all 24 kHz mono: mp3 (64 kbit/s), opus (Ogg), aac (ADTS), flac,
   wav (a streaming header: sizes "unknown"), pcm (PCM16 LE, no header). Compressed formats are encoded
   off the event loop, their first bytes out with the first audio.
 - `stream_format: "audio"`: the audio is sent chunked as the engine produces it. `"sse"`: `data:
   {"type": "speech.audio.delta", "audio": base64}` events, then `{"type": "speech.audio.done", "usage"}`.
-- errors: {"error": {"message", "type", "param", "code"}} with the status compat/http_speech.py chooses.
+- errors: {"error": {"message", "type", "param", "code"}} with the status protocols/http_speech.py chooses.
 """
 
 from __future__ import annotations

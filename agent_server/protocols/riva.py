@@ -1,5 +1,5 @@
 """NVIDIA Riva TTS (`nvidia.riva.tts.RivaSpeechSynthesis`) on the session core: the request mapping and the
-`RivaProtocol` of a call (compat/riva_service.py registers the methods on agent_server/grpc_server.py).
+`RivaProtocol` of a call (protocols/riva_service.py registers the methods on agent_server/core/grpc_server.py).
 
 One call is one session with one context: `Synthesize` (one request, one response with all the audio and
 the word offsets) and `SynthesizeOnline` (a stream of requests: the first one's settings hold and each one's

@@ -1,5 +1,5 @@
 """NVIDIA Riva's TTS service (`nvidia.riva.tts.RivaSpeechSynthesis`) on the app's gRPC server
-(agent_server/grpc_server.py): each call runs one session of `compat/riva.RivaProtocol` on the core, with
+(agent_server/core/grpc_server.py): each call runs one session of `protocols/riva.RivaProtocol` on the core, with
 the same auth (the `authorization: Bearer <key>` metadata that nvidia-riva-client and Pipecat send), the same
 admission, per-key limits, text limits and metrics (protocol `riva`) as every WebSocket and HTTP endpoint.
 

@@ -10,7 +10,7 @@ stream's `streamSid`), `mark` (a name) and `clear` (drop all buffered audio: bar
 per 20 ms mu-law frame (the encoder is `StreamFormat("raw", "mulaw", 8000, frame_ms=20)`), a `mark` after
 each segment (`<context>:<segment>`), and tracks which marks Twilio has echoed, i.e. which segments the
 caller has heard. A `clear` from the bridge is a barge-in: the context is cancelled and a `clear` goes to
-Twilio so that it drops what it buffered. The native protocol's Twilio output mode (agent_server/native.py,
+Twilio so that it drops what it buffered. The native protocol's Twilio output mode (agent_server/protocols/native.py,
 docs/protocol.md) puts these on the session core.
 """
 

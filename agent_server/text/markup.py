@@ -43,7 +43,7 @@ ELEVENLABS_TAGS = frozenset({BREAK, "phoneme"})
 ELEVENLABS_V3_TAGS = ELEVENLABS_TAGS | {AUDIO_TAG}
 V3_MODEL_PREFIXES = ("eleven_v3", "eleven_v4")  # the ElevenLabs models that read audio tags
 CARTESIA_TAGS = frozenset({BREAK, "speed", "volume", "emotion", "spell"})
-SSML_TAGS = frozenset({BREAK})  # jambonz's SSML, once compat/jambonz.ssml_text has kept only its breaks
+SSML_TAGS = frozenset({BREAK})  # jambonz's SSML, once protocols/jambonz.ssml_text has kept only its breaks
 
 _TAG = re.compile(r"<\s*(/?)\s*([A-Za-z][A-Za-z0-9_-]*)\b([^<>]*?)(/?)\s*>")
 _TAG_PREFIX = re.compile(r"<\s*/?\s*[A-Za-z][A-Za-z0-9_-]*")  # what must follow `<` for it to open a tag

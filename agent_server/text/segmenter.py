@@ -78,7 +78,7 @@ LOOKAHEAD_WS_CHARS = 16
 
 CJK_CHAR_WEIGHT = 3  # ideographs and kana: about 3 Latin characters of speech each
 HANGUL_CHAR_WEIGHT = 2
-DIGIT_CHAR_WEIGHT = 4  # a digit is said as a word or more ("1999", "$4.50": agent_server/normalize.py)
+DIGIT_CHAR_WEIGHT = 4  # a digit is said as a word or more ("1999", "$4.50": agent_server/text/normalize/)
 CJK_CHARS_PER_WORD = 2
 MS_PER_S = 1000.0
 

@@ -16,7 +16,7 @@ Vendors differ in the time base they put on the wire: Cartesia word timestamps, 
 ElevenLabs WebSocket alignment counts from the start of the message that carries it
 (`ContextAlignment.chained`: the clients add up the messages' spans). The two WebSocket consumers in the
 wild disagree: Pipecat adds the spans up (message-relative times), LiveKit takes the times as they come
-(context-relative); `tests/agent_server/test_timestamps.py` runs both on their own functions.
+(context-relative); `tests/agent_server/text/test_timestamps.py` runs both on their own functions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streaming encoders (agent_server/codecs.py), checked by decoding their output with PyAV.
+"""Streaming encoders (agent_server/audio/codecs.py), checked by decoding their output with PyAV.
 
 Durations: Ogg/WebM Opus, FLAC and WAV decode to exactly the samples the encoder says it put in the
 stream (`samples_out`: pushed audio + drain padding). MP3 and ADTS AAC carry no gapless metadata, so a

@@ -1,4 +1,4 @@
-"""agent_server/encode_lane.py: per-context order, parallelism across contexts, bounds, cancel, failure.
+"""agent_server/audio/encode_lane.py: per-context order, parallelism across contexts, bounds, cancel, failure.
 
 Each test runs a real event loop (results come back through loop.call_soon_threadsafe) and waits on
 events, never on sleeps; a negative ("never ran", "never delivered") is proved by counts once a marker

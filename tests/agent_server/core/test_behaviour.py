@@ -542,7 +542,7 @@ def test_a_client_leaving_mid_turn_cancels_it_not_a_shutdown(tmp_path: Path, dri
 
 @pytest.mark.parametrize("driver", [d for d in DRIVERS if d.name != "jambonz"], ids=str)
 def test_metrics_and_logs_of_one_turn(tmp_path: Path, driver: Driver) -> None:
-    """(jambonz has no end of a turn: its metrics row is compat/test_telephony.py's)"""
+    """(jambonz has no end of a turn: its metrics row is protocols/test_telephony.py's)"""
     app, events = make_app(tmp_path)
 
     async def scenario() -> None:

@@ -1,4 +1,4 @@
-"""The session core (agent_server/session.py), driven in-process over fake ASGI channels
+"""The session core (agent_server/core/session.py), driven in-process over fake ASGI channels
 (tests/agent_server/fake_asgi.py): a failure at every protocol hook of every protocol, the outbox's
 skip-on-cancel and what a cancelled context reports, and the slow-client watchdog's measure (DrainWatch).
 """

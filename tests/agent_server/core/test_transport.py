@@ -1,4 +1,4 @@
-"""The thin transports (agent_server/transport.py): the kernel measure the slow-client watchdog reads, and
+"""The thin transports (agent_server/core/transport.py): the kernel measure the slow-client watchdog reads, and
 the HTTP transport's one-message reader and its last-resort error response."""
 
 from __future__ import annotations

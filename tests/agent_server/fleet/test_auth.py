@@ -1,4 +1,4 @@
-"""Auth (agent_server/auth.py): keys, tokens, origins, per-key limits; units, then a real server on 127.0.0.1."""
+"""Auth (agent_server/fleet/auth.py): keys, tokens, origins, per-key limits; units, then a real server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def test_keys_are_kept_hashed_and_shared_keys_and_revocations_apply() -> None:
 
 def test_auto_turns_on_with_the_first_shared_key_and_stays_on() -> None:
     """auto with no configured key: open, until a key is added to the shared state (`python -m
-    agent_server.keys add` on a fleet); revoking that key later must not open the server again."""
+    agent_server.fleet.keys add` on a fleet); revoking that key later must not open the server again."""
     auth = Auth(mode="auto")
     assert not auth.enabled and auth.check(scope()) is None
     key = "k-fleet-added-1"

@@ -1,4 +1,4 @@
-"""agent_server.keys: keys added and revoked in the shared state, seen by a replica's Auth (real redis-server)."""
+"""agent_server.fleet.keys: keys added and revoked in the shared state, seen by a replica's Auth (real redis-server)."""
 
 from __future__ import annotations
 

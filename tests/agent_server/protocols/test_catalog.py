@@ -1,4 +1,4 @@
-"""compat/catalog.py through each vendor's own SDK against a real server (the FakeEngine behind it): voices
+"""protocols/catalog.py through each vendor's own SDK against a real server (the FakeEngine behind it): voices
 cloned, listed page by page, read and deleted; models listed; refusals in each vendor's error shape."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""compat/common.py's text-piece joiner and compat/http_speech.py's piecewise base64."""
+"""protocols/common.py's text-piece joiner and protocols/http_speech.py's piecewise base64."""
 
 from __future__ import annotations
 

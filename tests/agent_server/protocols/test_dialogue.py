@@ -1,4 +1,4 @@
-"""ElevenLabs text to dialogue (compat/elevenlabs_dialogue.py): the `elevenlabs` SDK's four HTTP calls and
+"""ElevenLabs text to dialogue (protocols/elevenlabs_dialogue.py): the `elevenlabs` SDK's four HTTP calls and
 the documented WebSocket messages (LiveKit's `model="eleven_v3"` client is in test_livekit.py and
 test_word_timings.py), against a real server whose FakeEngine records which voice said each segment."""
 

@@ -245,7 +245,7 @@ def test_stream_input_inactivity_timeout(served: Served) -> None:
 
 
 def test_output_format_is_the_vendors_with_its_default() -> None:
-    """compat/formats.elevenlabs_format (tests/agent_server/compat/test_formats.py has every name)."""
+    """protocols/vendor_formats.elevenlabs_format (protocols/test_vendor_formats.py has every name)."""
     assert el.parse_query({}, "english").output_format == StreamFormat("mp3", "mp3", 44_100, 128_000)
     ulaw = el.parse_query({"output_format": "ulaw_8000"}, "english").output_format
     assert ulaw == StreamFormat("raw", "mulaw", 8_000)

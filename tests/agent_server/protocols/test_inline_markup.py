@@ -1,4 +1,4 @@
-"""Inline tags through the vendors that define them (agent_server/markup.py): ElevenLabs' and Cartesia's
+"""Inline tags through the vendors that define them (agent_server/text/markup.py): ElevenLabs' and Cartesia's
 `<break time=.../>` is silence of that length between the segments around it, their other tags are never
 handed to the engine, and a break that cannot be played is the protocol's error."""
 

@@ -24,7 +24,7 @@ PIECES = ["Sure, I ", "can help ", "with that. ", "Your flight ", "leaves at ", 
 PLUGINS: dict[str, tuple[Callable[[Served, aiohttp.ClientSession], Any], int]] = {
     "elevenlabs": (lambda s, h: elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", encoding="pcm_16000",
                                                http_session=h), 16_000),
-    # eleven_v3 (and v4): the plugin speaks text-to-dialogue multi-stream-input (compat/elevenlabs_dialogue.py)
+    # eleven_v3 (and v4): the plugin speaks text-to-dialogue multi-stream-input (protocols/elevenlabs_dialogue.py)
     "elevenlabs_v3": (lambda s, h: elevenlabs.TTS(api_key="sk", base_url=s.http + "/v1", model="eleven_v3",
                                                   encoding="pcm_16000", http_session=h), 16_000),
     "cartesia": (lambda s, h: cartesia.TTS(api_key="sk", base_url=s.http, sample_rate=16_000, http_session=h), 16_000),

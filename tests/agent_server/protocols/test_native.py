@@ -1,4 +1,4 @@
-"""The native protocol (agent_server/native.py) over a real socket: greeting, flow, errors, close codes.
+"""The native protocol (agent_server/protocols/native.py) over a real socket: greeting, flow, errors, close codes.
 
 More end-to-end cases (formats, concurrency, cancel, shutdown, voices) are in test_e2e.py.
 """

@@ -1,4 +1,4 @@
-"""Text normalisation through the protocols (agent_server/normalize.py): every vendor's client gets numbers,
+"""Text normalisation through the protocols (agent_server/text/normalize/): every vendor's client gets numbers,
 money and times said as words by default, as from the hosted APIs; ElevenLabs' `apply_text_normalization: "off"`
 and the native `normalize: false` give the engine the text as written; the alignment a client gets is on the
 characters it sent either way."""

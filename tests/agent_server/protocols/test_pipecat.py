@@ -44,7 +44,7 @@ SERVICES: dict[str, tuple[Factory, int]] = {
     "elevenlabs": (lambda s, _: ElevenLabsTTSService(
         api_key="sk", url=s.ws,
         settings=ElevenLabsTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_flash_v2_5")), 16_000),
-    # eleven_v3: text to dialogue's multi-stream-input (compat/elevenlabs_dialogue.py)
+    # eleven_v3: text to dialogue's multi-stream-input (protocols/elevenlabs_dialogue.py)
     "elevenlabs_dialogue": (lambda s, _: ElevenLabsDialogueTTSService(
         api_key="sk", url=s.ws,
         settings=ElevenLabsDialogueTTSService.Settings(voice="JBFqnCBsd6RMkjVDRZzb", model="eleven_v3")), 16_000),

@@ -1,4 +1,4 @@
-"""NVIDIA Riva TTS on --grpc-port (compat/riva.py, riva_service.py, agent_server/grpc_server.py), driven by
+"""NVIDIA Riva TTS on --grpc-port (protocols/riva.py, riva_service.py, agent_server/core/grpc_server.py), driven by
 the unmodified `nvidia-riva-client` (`riva.client.SpeechSynthesisService`, a sync gRPC client) against a real
 server with auth on and the FakeEngine behind it: batch and streaming, word offsets, Ogg Opus and FLAC,
 refusals with their gRPC status, a cancelled call, per-key limits and metrics shared with every protocol."""

@@ -20,7 +20,7 @@ from tests.agent_server.protocols.conftest import Served
 pytestmark = pytest.mark.timeout(60)
 
 TEXT = "Sure, I can help with that. Your flight leaves at nine fifteen tomorrow morning."
-# atempo's edges (tests/agent_server/test_codecs.py) per run of the filter (one per drain and the finish),
+# atempo's edges (tests/agent_server/audio/test_codecs.py) per run of the filter (one per drain and the finish),
 # plus the drain's padding and the resampler's tail per segment
 EDGE_PER_SEGMENT_S = 0.035 + 0.06
 

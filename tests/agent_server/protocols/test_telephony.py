@@ -1,5 +1,5 @@
-"""Telephony: jambonz's custom TTS API (compat/jambonz.py, HTTP and WebSocket) and Twilio Media Streams
-(compat/twilio.py, the native protocol's Twilio output mode). The tests play the other side with the
+"""Telephony: jambonz's custom TTS API (protocols/jambonz.py, HTTP and WebSocket) and Twilio Media Streams
+(protocols/twilio.py, the native protocol's Twilio output mode). The tests play the other side with the
 messages those platforms document, against a real server where it matters."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""agent_server/compat/formats.py: every vendor format name the SDKs offer maps onto a StreamFormat that an
+"""agent_server/protocols/vendor_formats.py: every vendor format name the SDKs offer maps onto a StreamFormat that an
 encoder can produce; defaults are the vendors'; refusals name the field."""
 
 from __future__ import annotations

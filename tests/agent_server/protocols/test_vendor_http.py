@@ -1,4 +1,4 @@
-"""The vendor HTTP parsers and response shapes (compat/elevenlabs_http.py, cartesia_http.py,
+"""The vendor HTTP parsers and response shapes (protocols/elevenlabs_http.py, cartesia_http.py,
 deepgram_http.py), driven by the vendors' own SDKs with their defaults unchanged, through an in-process
 httpx transport: the SDK's real request goes through our parser, our body goes back through the SDK's
 own response parsing. Audio is made by our encoders and decoded with PyAV.

@@ -2,7 +2,7 @@
 segment's audio really is in the stream that client received (found by cross-correlating the received
 audio with the FakeEngine's own audio of that segment).
 
-The ElevenLabs WebSocket carries both time bases (compat/elevenlabs.py): LiveKit's plugin reads
+The ElevenLabs WebSocket carries both time bases (protocols/elevenlabs.py): LiveKit's plugin reads
 `normalizedAlignment` (times from the context's start), Pipecat's service reads `alignment` (times from
 each message's start, which it adds up). Both must put every segment's first word where its audio starts,
 never restarting at a segment; so must the Cartesia WebSocket's `timestamps` (LiveKit's Cartesia plugin)."""

@@ -1,4 +1,4 @@
-"""agent_server/markup.py: vendors' inline tags cut out of streamed text, breaks as pauses, wherever the pieces
+"""agent_server/text/markup.py: vendors' inline tags cut out of streamed text, breaks as pauses, wherever the pieces
 split; and through the speech stream: a pause is silence in the audio between segments."""
 
 from __future__ import annotations

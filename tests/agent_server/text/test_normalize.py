@@ -1,4 +1,4 @@
-"""agent_server/normalize.py: numbers, money, times and dates said as words, in the languages num2words speaks,
+"""agent_server/text/normalize/: numbers, money, times and dates said as words, in the languages num2words speaks,
 with the spans that put the times measured on the spoken text back on the written characters; and through the
 speech stream: the engine is given the spoken form, the client's alignment is on what it sent."""
 

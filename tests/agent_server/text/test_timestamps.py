@@ -1,4 +1,4 @@
-"""agent_server/timestamps.py, checked with the clients' own word-timing functions.
+"""agent_server/text/timestamps.py, checked with the clients' own word-timing functions.
 
 Three segments with silence between them (drain padding) and a codec lead; the truth is computed here
 from the segments' offsets. Each consumer must give every word its start on the context's timeline,
