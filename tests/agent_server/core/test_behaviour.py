@@ -334,6 +334,23 @@ def test_text_budget_per_key(tmp_path: Path, driver: Driver) -> None:
     assert status == (429 if driver.http else None)
 
 
+async def assert_turn_busy(driver: Driver, app: Starlette) -> None:
+    """A new turn of `driver` gets the protocol's busy for its first segment (HTTP: 429 `busy`), and ends."""
+    if driver.http:
+        request = driver.request(app, TEXT)
+        await request.done()
+        assert request.status == 429 and driver.http_error(request)[0] == "busy"
+        await request.finished()
+        return
+    ws = await driver.connect(app)
+    for message in driver.turn("b", TEXT):
+        ws.send_json(message)
+    got = await until(driver, ws, driver.is_busy)
+    assert driver.is_busy(got[-1]), got
+    ws.disconnect()
+    await ws.finished()
+
+
 @pytest.mark.parametrize("driver", DRIVERS, ids=str)
 def test_engine_busy(tmp_path: Path, driver: Driver) -> None:
     """Every slot taken (and no queueing): the first segment of a new turn gets the protocol's busy."""
@@ -347,18 +364,7 @@ def test_engine_busy(tmp_path: Path, driver: Driver) -> None:
             holder.send_json({"type": "end", "context_id": "hold"})
             while not engine.status()["slots_in_use"]:
                 await asyncio.sleep(0.005)
-            if driver.http:
-                request = driver.request(app, TEXT)
-                await request.done()
-                assert request.status == 429 and driver.http_error(request)[0] == "busy"
-            else:
-                ws = await driver.connect(app)
-                for message in driver.turn("b", TEXT):
-                    ws.send_json(message)
-                got = await until(driver, ws, driver.is_busy)
-                assert driver.is_busy(got[-1]), got
-                ws.disconnect()
-                await ws.finished()
+            await assert_turn_busy(driver, app)
             holder.disconnect()
             await holder.finished()
             assert not hub.sessions
@@ -377,24 +383,12 @@ class FullInboxEngine(FakeEngine):
 @pytest.mark.parametrize("driver", DRIVERS, ids=str)
 def test_engine_inbox_full(tmp_path: Path, driver: Driver) -> None:
     """The engine's inbox full (its thread behind): the turn's first segment gets the protocol's busy, as when
-    every slot is taken (HTTP: 429 `busy`), counted as a busy refusal."""
+    every slot is taken, counted as a busy refusal."""
     app, events = make_app(tmp_path, FullInboxEngine())
 
     async def scenario() -> None:
         async with running(app) as hub:
-            if driver.http:
-                request = driver.request(app, TEXT)
-                await request.done()
-                assert request.status == 429 and driver.http_error(request)[0] == "busy"
-                await request.finished()
-            else:
-                ws = await driver.connect(app)
-                for message in driver.turn("b", TEXT):
-                    ws.send_json(message)
-                got = await until(driver, ws, driver.is_busy)
-                assert driver.is_busy(got[-1]), got
-                ws.disconnect()
-                await ws.finished()
+            await assert_turn_busy(driver, app)
             assert not hub.sessions
 
     run(scenario())
