@@ -80,7 +80,7 @@ __all__ = ["Span", "Spoken", "spoken_form", "unchanged"]
 
 # a language's own readings, put after markdown and before the rules it shares (others.RULES)
 OWN_RULES: dict[str, tuple[tuple[str, str], ...]] = {
-    "de": de.RULES, "fr": fr.RULES, "es": es.RULES, **dict.fromkeys(others.RANGES_ONLY, (others.PLAIN_RANGE_RULE,)),
+    "de": de.RULES, "fr": fr.RULES, "es": es.RULES, **dict.fromkeys(others.RANGES_ONLY, (numbers.PLAIN_RANGE_RULE,)),
 }
 READERS: dict[str, Reader] = {**core.READERS, **numbers.READERS, **en.READERS, **others.READERS, **de.READERS,
                               **fr.READERS, **es.READERS}

@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 from agent_server.text.normalize.core import LanguageRules, Reader
-from agent_server.text.normalize.numbers import words
-from agent_server.text.normalize.others import PLAIN_RANGE_RULE
+from agent_server.text.normalize.numbers import PLAIN_RANGE_RULE, words
 
 _DE_MONTHS = (r"Januar|Februar|März|April|Mai|Juni|Juli|August|September|Oktober|November|Dezember"
               r"|Jan|Feb|Mär|Apr|Jun|Jul|Aug|Sept?|Okt|Nov|Dez")

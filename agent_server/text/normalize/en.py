@@ -87,6 +87,7 @@ _PER_UNITS = {"mo": "month", "month": "month", "day": "day", "night": "night", "
               "seat": "seat", "mile": "mile", "mi": "mile", "km": "kilometer", "min": "minute", "minute": "minute",
               "sq ft": "square foot", "gallon": "gallon", "gal": "gallon", "head": "head", "unit": "unit",
               "item": "item", "ticket": "ticket", "visit": "visit", "session": "session", "class": "class"}
+SHARED = dict(numbers.RULES)  # the rules every language reads alike, put here in English's order
 RULES: tuple[tuple[str, str], ...] = (
     ("times", r"(?<=\d)[ \t]?[*×][ \t]?(?=\d)"),
     ("star", r"(?<![\w*])\*(?=\d)"),  # "Dial *67": star sixty-seven
@@ -137,16 +138,15 @@ RULES: tuple[tuple[str, str], ...] = (
     ("number_sign", r"(?:(?<!\S)|(?<=\())(?:#|No\.[ \t]?)(?=\d|[A-Z]{1,4}-?\d)"),
     ("abbreviation", r"(?<![\w.])(?:e\.g\.|i\.e\.|etc\.|vs\.?|approx\.)(?!\w)"),
     ("title", r"\b(?P<ti>Dr|Mr|Mrs|Ms|Prof)\.(?=[ \t](?:[A-Z]|and[ \t]+(?:Dr|Mr|Mrs|Ms|Prof)\.))"),
-    ("money", rf"(?P<m_neg>(?<![\w-])-)?(?P<m_sym>[{SYMBOLS}])\s?(?P<m_num>{AMOUNT})"
-              r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
-    ("money_after", rf"{NOT_IN_NUMBER}(?P<ma_num>{AMOUNT})\s?(?P<ma_sym>€)"),
-    ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
+    ("money", SHARED["money"]),
+    ("money_after", SHARED["money_after"]),
+    ("date", SHARED["date"]),
     ("phone_area", r"(?<![\w+])(?P<pa_cc>\+\d{1,3}[ .-]?)?\((?P<pa_area>\d{2,4})\)[ .-]?"
                    r"(?P<pa_rest>\d{2,4}(?:[ .-]\d{2,4}){1,2})(?!\w|[.,]\d)"),  # (415) 555-0100, (02) 9876 5432
     ("vanity", r"(?<![\w+])1[ -](?P<va_code>8[0-8]{2})[ -](?P<va_word>[A-Z]{4,})\b"),  # 1-800-FLOWERS
     ("emergency", r"(?<![\w.,-])911(?![\w]|[.,]\d)"),
     ("phone_intl", r"(?<![\w+])(?P<pi>(?:\+\d{1,3}|0\d{1,4})(?:[ .-]\d{2,6}){1,4})(?![\w]|[.,]\d)"),  # 07700 900123
-    ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
+    ("phone", SHARED["phone"]),
     ("decade", r"(?:(?<![\w.,'])(?P<de_year>1[1-9]\d0|20\d0)|(?:'|(?:(?<=\bthe )|(?<=\bThe )|(?<=\bearly )|(?<=\blate )"
                r"|(?<=\bmid-)|(?<=\bmid )|(?<=\btheir )|(?<=\bher )|(?<=\bhis )|(?<=\bmy )|(?<=\byour )"
                r"|(?<=\bour ))(?<![\w.,]))(?P<de_short>[1-9]0))'?s\b"),  # the 1990s, the '80s, in her 20s
@@ -157,11 +157,11 @@ RULES: tuple[tuple[str, str], ...] = (
     ("version", r"(?<![\d.,])(?P<v>\d+(?:\.\d+){2,})(?![\w]|[.,]\d)"),
     ("range", rf"{NOT_IN_NUMBER}(?<![\w-])(?P<r_a>\d{{1,4}})\s?[-–]\s?(?P<r_b>\d{{1,4}})(?![\d.,]\d|[\w%])"
               rf"(?:[ \t]?(?P<r_u>{_UNIT_NAMES})(?![\w/]))?"),
-    ("percent", rf"{NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{AMOUNT})\s?%"),
+    ("percent", SHARED["percent"]),
     ("measure", rf"{NOT_IN_NUMBER}(?P<u_neg>(?<![\w-])-)?(?P<u_num>{AMOUNT})\s?"
                 rf"(?P<u>{_UNIT_NAMES})(?![\w/])(?:\.(?=[ \t]+[a-z]))?"),  # "15 min. early": the dot is no end
     ("ordinal", r"(?<![\d.,])(?P<o>\d+)(?P<o_suf>st|nd|rd|th)\b"),
-    ("number", rf"{NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{AMOUNT})(?![\d])"),
+    ("number", SHARED["number"]),
     ("amp", r"(?<=\w\s)&(?=\s\w)"),
 )
 

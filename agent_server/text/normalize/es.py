@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 from agent_server.text.normalize.core import LanguageRules, Reader
-from agent_server.text.normalize.numbers import words
-from agent_server.text.normalize.others import PLAIN_RANGE_RULE
+from agent_server.text.normalize.numbers import PLAIN_RANGE_RULE, words
 
 RULES: tuple[tuple[str, str], ...] = (
     ("es_ordinal", r"(?<![\d.,\w])(?P<eo>\d{1,2})\.?(?P<eo_suf>º|ª|°|er)(?![\w])"),  # 1.º, 2.ª, 3.er

@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 from agent_server.text.normalize.core import LanguageRules, Reader
-from agent_server.text.normalize.numbers import words
-from agent_server.text.normalize.others import PLAIN_RANGE_RULE
+from agent_server.text.normalize.numbers import PLAIN_RANGE_RULE, words
 
 RULES: tuple[tuple[str, str], ...] = (
     ("fr_ordinal", r"(?<![\d.,\w])(?P<fo>\d{1,3})(?P<fo_suf>ères?|ers?|res?|èmes?|es?)(?![\w])"),  # 1er, 2e

@@ -187,8 +187,35 @@ def read_phone(match: re.Match[str], lang: str, rules: LanguageRules) -> str | N
     return say_digit_groups(groups, lang, plus=written.startswith("+"))
 
 
-# the readers of the rules every language shares (their patterns stand among English's: en.RULES)
+# the rules every language reads alike, in the order they stand among English's (en.RULES); other languages
+# take them with thousands grouped by a space too (others.RULES)
+RULES: tuple[tuple[str, str], ...] = (
+    ("money", rf"(?P<m_neg>(?<![\w-])-)?(?P<m_sym>[{SYMBOLS}])\s?(?P<m_num>{AMOUNT})"
+              r"(?:\s?(?P<m_mag>thousand|million|billion|trillion|bn|mn|[kKmMbB])\b)?"),
+    ("money_after", rf"{NOT_IN_NUMBER}(?P<ma_num>{AMOUNT})\s?(?P<ma_sym>€)"),
+    ("date", r"(?<!\d)(?P<d_y>\d{4})-(?P<d_m>\d{2})-(?P<d_d>\d{2})(?!\d)"),
+    ("phone", r"(?<![\w+])(?P<ph>\+?\d{1,4}(?:[ .-]\d{2,4}){1,5})(?![\w]|[.,]\d)"),
+    ("percent", rf"{NOT_IN_NUMBER}(?P<pc_neg>-)?(?P<pc>{AMOUNT})\s?%"),
+    ("number", rf"{NOT_IN_NUMBER}(?P<n_neg>(?<![\w-])-)?(?P<n>{AMOUNT})(?![\d])"),
+)
+# number ranges outside English ("3-5 Werktage": drei bis fünf), said with the language's word for "to"; a
+# language's own rules put it among theirs (de.py, fr.py, es.py, others.RANGES_ONLY)
+PLAIN_RANGE_RULE = ("plain_range", r"(?<![\d.,\w-])(?P<pr_lo>\d{1,4})[ \t]?[-–][ \t]?(?P<pr_hi>\d{1,4})"
+                                   r"(?![\d.,]\d|[\w%°:-])")
+_RANGE_WORDS = {"de": "bis", "fr": "à", "es": "a", "it": "a", "pt": "a", "nl": "tot", "pl": "do", "sv": "till",
+                "da": "til", "no": "til"}
+
+
+def read_plain_range(match: re.Match[str], lang: str, rules: LanguageRules) -> str | None:
+    word = _RANGE_WORDS.get(lang)
+    low, high = number(match["pr_lo"], lang, rules), number(match["pr_hi"], lang, rules)
+    if word is None or low is None or high is None or int(match["pr_lo"]) >= int(match["pr_hi"]):
+        return None
+    return f"{low} {word} {high}"
+
+
 READERS: dict[str, Reader] = {
+    "plain_range": read_plain_range,
     "money": read_money,
     "money_after": read_money,
     "date": read_date,
