@@ -6,7 +6,7 @@
 
 /healthz answers from the first moment; /readyz turns 200 once the model is loaded, warmed up and the
 stored voices are back. With `Settings.grpc_port`, the lifespan also serves NVIDIA Riva's TTS gRPC API
-(agent_server/grpc_server.py): its calls are sessions of the same hub.
+(agent_server/core/grpc_server.py): its calls are sessions of the same hub.
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 from starlette.websockets import WebSocket
 
-from agent_server import compat, metrics, voices
-from agent_server.auth import REVOKE_PATH, TOKEN_PATH, AuthMiddleware, issue_token, revoke_token
-from agent_server.hub import EngineFactory, Hub, SegmenterFactory
-from agent_server.native import NativeProtocol
-from agent_server.session import websocket_route
+from agent_server import metrics, protocols
+from agent_server.core import voices
+from agent_server.core.hub import EngineFactory, Hub, SegmenterFactory
+from agent_server.core.session import websocket_route
+from agent_server.core.transport import SocketControlMiddleware
+from agent_server.fleet.auth import REVOKE_PATH, TOKEN_PATH, AuthMiddleware, issue_token, revoke_token
+from agent_server.protocols.native import NativeProtocol
 from agent_server.settings import Settings
-from agent_server.transport import SocketControlMiddleware
 from synth.api import EngineLike
 
 if TYPE_CHECKING:
-    from agent_server.grpc_server import GrpcServer
+    from agent_server.core.grpc_server import GrpcServer
 
 NATIVE_PATH = "/v1/stream"
 
@@ -74,14 +75,15 @@ def create_app(
         Route(REVOKE_PATH, revoke_token, methods=["POST"]),
         websocket_route(NATIVE_PATH, NativeProtocol),
         *voices.routes,
-        *compat.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
+        *protocols.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
     ]
     # every route but the probes and static pages; a refusal in the shape of the vendor whose path was asked for
-    middleware = [Middleware(AuthMiddleware, auth=hub.auth, refusal=compat.refusal_response)]
+    middleware = [Middleware(AuthMiddleware, auth=hub.auth, refusal=protocols.refusal_response)]
     app = App(routes=routes, lifespan=lifespan, middleware=middleware)
     app.send_buffer_bytes = settings.socket_send_buffer_bytes
     app.state.hub = hub
+    app.state.port = hub.port  # what the protocols' plain HTTP routes may use (core/port.py)
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
     metrics.install(app)
     return app
@@ -98,10 +100,10 @@ class App(Starlette):
 
 async def start_grpc(hub: Hub, settings: Settings) -> GrpcServer:
     """The gRPC server (imported only when a port is set: it loads grpcio and the Riva protos)."""
-    from agent_server.compat import riva_service
-    from agent_server.grpc_server import GrpcServer
+    from agent_server.core.grpc_server import GrpcCalls, GrpcServer
+    from agent_server.protocols import riva_service
 
-    server = GrpcServer(settings, lambda grpc_server: riva_service.add_to_server(grpc_server, hub))
+    server = GrpcServer(settings, lambda grpc_server: riva_service.add_to_server(grpc_server, GrpcCalls(hub)))
     await server.start()
     return server
 

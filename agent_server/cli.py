@@ -31,7 +31,7 @@ import uvicorn
 
 from agent_server import metrics
 from agent_server.app import create_app
-from agent_server.hub import Hub
+from agent_server.core.hub import Hub
 from agent_server.logging import configure_logging
 from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, Settings
 from synth.api import VARIANTS

@@ -5,7 +5,8 @@ Our loggers bind `session_id`, `protocol` and `context_id` (session.py); anythin
 
 Credentials never reach the log: every line, uvicorn's access and WebSocket lines included, passes
 `redact_credentials`, which blanks the value of every query parameter a credential can travel in (the
-names auth.py reads, however they are percent-encoded) and of `Bearer` / `Token` authorizations.
+names fleet/auth.py reads, and more, however they are percent-encoded) and of `Bearer` / `Token`
+authorizations.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from urllib.parse import unquote_plus
 import orjson
 import structlog
 
-from agent_server.auth import QUERY_NAMES
-
 LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
           "info": logging.INFO, "debug": logging.DEBUG}
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -36,7 +35,10 @@ LIBRARY_NOTICES: tuple[tuple[str, type[Warning]], ...] = (
     (r"`LoRACompatibleLinear` is deprecated", FutureWarning),
     (r"`torch\.backends\.cuda\.sdp_kernel\(\)` is deprecated", FutureWarning),
 )
-CREDENTIAL_QUERY_NAMES = frozenset({*QUERY_NAMES, "xi-api-key", "authorization", "key"})
+# every query parameter a credential can travel in: the names fleet/auth.py reads (its QUERY_NAMES, held to this
+# by tests/agent_server/test_logging.py) and those other clients use
+CREDENTIAL_QUERY_NAMES = frozenset({"token", "access_token", "api_key", "xi_api_key", "xi-api-key", "authorization",
+                                    "key"})
 _QUERY_PAIR = re.compile(r"(?P<lead>[?&;])(?P<name>[^=&;\s\"'#]+)=(?P<value>[^&;\s\"'#]*)")
 # the schemes as clients write them (`Authorization: Bearer K`, Deepgram's `Token K`) before a credential
 _AUTH_SCHEME = re.compile(r"\b(?P<scheme>Bearer|bearer|Token|Basic)(?P<gap>\s+)[A-Za-z0-9._~+/=-]{8,}")

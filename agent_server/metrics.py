@@ -44,8 +44,8 @@ from starlette.responses import FileResponse, RedirectResponse, Response, Stream
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agent_server.hub import Hub, ServerStatus
-from agent_server.observers import (
+from agent_server.core.hub import Hub, ServerStatus
+from agent_server.core.observers import (
     BusyRejected,
     ContextFinished,
     FirstAudio,
@@ -54,7 +54,7 @@ from agent_server.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.replica_metrics import ReplicaCollector
+from agent_server.fleet.replica_metrics import ReplicaCollector
 from synth.api import EngineLike, StepStats
 
 log = structlog.get_logger("agent_server.metrics")
@@ -336,13 +336,12 @@ class DashboardFeed:
 
     def hello(self) -> dict[str, Any]:
         self.sample_if_due()
-        hub = self.metrics.hub
-        engine = hub.engine
+        model = self.metrics.hub.model
         with self._lock:
             history = list(self.history)
         return {
-            "variant": engine.variant if engine is not None else hub.settings.variant,
-            "random_weights": bool(engine.random_weights) if engine is not None else None,
+            "variant": model.variant,
+            "random_weights": model.random_weights,
             "sample_period_s": self.sample_period_s,
             "ttfa_window_s": self.window_s,
             "ttfa_buckets_ms": [round(b * 1000, 3) for b in TTFA_BUCKETS_S],

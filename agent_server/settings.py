@@ -71,7 +71,7 @@ class Settings:
     grpc_port: int = 0
     shutdown_grace_s: float = 20.0  # SIGTERM: in-flight speech may finish for this long, then close 1001
     # Threads that encode compressed output formats (MP3, Opus, AAC, FLAC) for every context, off the event
-    # loop (agent_server/encode_lane.py). PCM, G.711 and WAV are encoded inline and need none.
+    # loop (agent_server/audio/encode_lane.py). PCM, G.711 and WAV are encoded inline and need none.
     encoder_threads: int = 2
 
     # ---- protocol limits ----
@@ -104,7 +104,7 @@ class Settings:
     # it opens, or it is dropped (cli.HandshakeDeadlineProtocol; uvicorn itself has no such deadline).
     handshake_timeout_s: float = 10.0
 
-    # ---- access (agent_server/auth.py, docs/operations.md) ----
+    # ---- access (agent_server/fleet/auth.py, docs/operations.md) ----
     # on | off | auto: on when API keys are configured, else off with a loud warning ("auth_off").
     auth: str = "auto"
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never logged

@@ -53,7 +53,7 @@ from websockets.asyncio.client import connect
 # the client side always runs from this checkout (the servers from --repo)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_server.protocol import FRAME_HEADER_BYTES
+from agent_server.protocols.native_wire import FRAME_HEADER_BYTES
 
 from tests.agent_server.native_client import llm_pieces
 

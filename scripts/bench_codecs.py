@@ -1,4 +1,4 @@
-"""Streaming encoder costs, per output format (agent_server/codecs.py).
+"""Streaming encoder costs, per output format (agent_server/audio/codecs.py).
 
 For each format:
 - first_bytes_ms: from handing the first PCM chunk (10 speech tokens, 400 ms at 24 kHz: the engine's
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import orjson
 
-from agent_server.codecs import StreamFormat, make_encoder
-from agent_server.encode_lane import EncoderPool
+from agent_server.audio.codecs import StreamFormat, make_encoder
+from agent_server.audio.encode_lane import EncoderPool
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, SAMPLES_PER_SPEECH_TOKEN
 
 FORMATS: dict[str, StreamFormat] = {

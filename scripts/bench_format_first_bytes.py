@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent_server.observers import FirstAudio, ObservedEvent
+from agent_server.core.observers import FirstAudio, ObservedEvent
 from agent_server.settings import Settings
 
 from tests.agent_server.fake_engine import FakeEngine

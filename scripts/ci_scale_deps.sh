@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the multi-replica tests (tests/deploy/test_cluster.py, tests/agent_server/test_shared_state.py, ...) need:
+# What the multi-replica tests (tests/deploy/test_cluster.py, tests/agent_server/fleet/test_shared_state.py, ...) need:
 # Debian's redis-server and haproxy, run by the tests themselves on free loopback ports (never as services).
 # Idempotent, and quick when both are there. Needs root for apt-get (CI runs as root); without them those
 # tests skip, or fail under CI=true.

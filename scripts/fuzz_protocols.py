@@ -9,7 +9,7 @@ endpoint answers for a body that is not JSON); anything else raised is a bug and
 
 Both end with a line `inputs=N parsed=P errors=E` (atheris: also libFuzzer's own `Done N runs`).
 The first input byte picks the parser (TARGETS, in order) and the variant; the rest is the message.
-`tests/agent_server/test_parsers_property.py` runs the same targets under hypothesis in the test suite.
+`tests/agent_server/protocols/test_parsers_property.py` runs the same targets under hypothesis in the test suite.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ try:
 except ImportError:
     atheris = None
 
-from agent_server import protocol as wire
-from agent_server.compat import (
+from agent_server.errors import FieldError
+from agent_server.protocols import (
     cartesia,
     cartesia_http,
     deepgram,
@@ -43,7 +43,7 @@ from agent_server.compat import (
     openai_speech,
     twilio,
 )
-from agent_server.errors import FieldError
+from agent_server.protocols import native_wire as wire
 
 VARIANTS = ("english", "turbo", "multilingual")
 PARSED, ERROR = "parsed", "error"
@@ -212,7 +212,7 @@ def run_hypothesis(examples: int, seed: int) -> None:
     from hypothesis import strategies as st
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.agent_server.test_parsers_property import targeted_inputs  # one strategy for both
+    from tests.agent_server.protocols.test_parsers_property import targeted_inputs  # one strategy for both
 
     @hypothesis_seed(seed)
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,

@@ -233,6 +233,11 @@ class EngineError(RuntimeError):
     """Raised to callers for requests the engine cannot take (unknown voice, bad params, stopped)."""
 
 
+class EngineFull(EngineError):
+    """A submit refused because the engine's inbox is full (its thread is behind): try again later. Nothing of
+    the request was taken."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     """One engine iteration, recorded once per step (for metrics and dashboards)."""
@@ -260,7 +265,8 @@ class EngineLike:
     max_slots: int
 
     def submit(self, request: SegmentRequest) -> None:
-        """Queue a segment. Raises EngineError (unknown voice, bad params, engine stopped)."""
+        """Queue a segment. Raises EngineError (unknown voice, bad params, engine stopped), EngineFull when the
+        inbox holds as many items as it may."""
         raise NotImplementedError
 
     def cancel(self, request_id: str) -> None:

@@ -44,6 +44,7 @@ from synth.api import (
     MAX_SEGMENT_TEXT_TOKENS,
     EngineConfig,
     EngineError,
+    EngineFull,
     EngineLike,
     EngineOutput,
     EventKind,
@@ -197,7 +198,10 @@ class Engine(EngineLike):
         if self.vocoder is not None:
             self.vocoder_worker = self._build_worker()
         self.voices = VoiceRegistry()
+        # bounded at submit (EngineFull past max_inbox_items): cancels and voice preparations always get in, so a
+        # full inbox never blocks the event loop's cancel nor the engine thread's own put
         self._inbox: queue.Queue[SegmentState | _Cancel | _PrepareVoice] = queue.Queue()
+        self.max_inbox_items = self.max_slots + config.max_waiting
         self._live: dict[str, SegmentState] = {}  # request_id -> state while T3 owns it, engine thread only
         self._in_flight: StepOutput | None = None  # a launched step whose ids are not read yet (overlap_steps)
         self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
@@ -216,6 +220,8 @@ class Engine(EngineLike):
     def submit(self, request: SegmentRequest) -> None:
         if self._dead.is_set() or self._stop.is_set():
             raise EngineError("engine is not running")
+        if self._inbox.qsize() >= self.max_inbox_items:
+            raise EngineFull(f"the engine's inbox is full ({self.max_inbox_items} items): try again later")
         outlet = Outlet(request.request_id, request.sink, self._emit_lock, self._outlets)
         state = self._new_state(request, outlet)
         with self._emit_lock:

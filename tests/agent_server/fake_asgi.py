@@ -24,8 +24,8 @@ import orjson
 from starlette.applications import Starlette
 from starlette.types import Message, Scope
 
-from agent_server.hub import Hub
-from agent_server.transport import TRANSPORT_ABORT_KEY, TRANSPORT_UNSENT_KEY
+from agent_server.core.hub import Hub
+from agent_server.core.transport import TRANSPORT_ABORT_KEY, TRANSPORT_UNSENT_KEY
 
 READY_TIMEOUT_S = 10.0
 RECV_TIMEOUT_S = 10.0

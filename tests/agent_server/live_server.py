@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute
 
 from agent_server.app import create_app
 from agent_server.cli import GracefulServer, build_server
-from agent_server.hub import Hub
+from agent_server.core.hub import Hub
 from agent_server.settings import Settings
 from synth.api import EngineLike
 

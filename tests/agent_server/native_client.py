@@ -16,7 +16,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from agent_server import protocol as wire
+from agent_server.protocols import native_wire as wire
 
 
 @dataclass

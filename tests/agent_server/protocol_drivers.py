@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 
-from agent_server.session import Session
-from agent_server.speech import SpeechStream
+from agent_server.core.session import Session
+from agent_server.core.stream import SpeechStream
 
 from tests.agent_server.fake_asgi import RECV_TIMEOUT_S, FakeHttpRequest, FakeWebSocket
 

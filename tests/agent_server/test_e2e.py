@@ -28,9 +28,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from agent_server.cli import settings_from
-from agent_server.observers import BusyRejected, ObservedEvent, SessionClosed, SlowClientDropped
+from agent_server.core.observers import BusyRejected, ObservedEvent, SessionClosed, SlowClientDropped
+from agent_server.core.voices import encode_wav_pcm16
 from agent_server.settings import Settings
-from agent_server.voices import encode_wav_pcm16
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
 
 from tests.agent_server.fake_engine import FakeEngine

@@ -22,8 +22,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from agent_server.native import NativeProtocol
-from agent_server.observers import ObservedEvent, SlowClientDropped
+from agent_server.core.observers import ObservedEvent, SlowClientDropped
+from agent_server.protocols.native import NativeProtocol
 from agent_server.settings import Settings
 
 from tests.agent_server.fake_engine import FakeEngine

@@ -11,7 +11,8 @@ import orjson
 import pytest
 import structlog
 
-from agent_server.logging import configure_logging
+from agent_server.fleet.auth import QUERY_NAMES
+from agent_server.logging import CREDENTIAL_QUERY_NAMES, configure_logging, redact
 
 
 @pytest.fixture
@@ -59,3 +60,9 @@ def test_a_probe_that_passed_is_not_logged_a_failed_one_is(log_stream: io.String
         access.info(line, "10.0.0.1:5000", "GET", path, "1.1", status)
     logged = [orjson.loads(raw)["event"] for raw in log_stream.getvalue().splitlines()]
     assert logged == ['10.0.0.1:5000 - "GET /readyz HTTP/1.1" 503', '10.0.0.1:5000 - "GET /v1/status HTTP/1.1" 200']
+
+
+def test_every_query_name_auth_reads_a_credential_from_is_redacted() -> None:
+    assert set(QUERY_NAMES) <= CREDENTIAL_QUERY_NAMES
+    for name in QUERY_NAMES:
+        assert redact(f"GET /v1/stream?{name}=sk-secret-value&x=1") == f"GET /v1/stream?{name}=[redacted]&x=1"

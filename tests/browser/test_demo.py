@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent_server.voices import encode_wav_pcm16
+from agent_server.core.voices import encode_wav_pcm16
 
 from tests.browser.support import Tab, screenshot, set_range
 

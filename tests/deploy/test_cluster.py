@@ -21,8 +21,8 @@ import numpy as np
 import orjson
 import pytest
 
-from agent_server.protocol import FrameHeader
-from agent_server.voices import encode_wav_pcm16
+from agent_server.core.voices import encode_wav_pcm16
+from agent_server.protocols.native_wire import FrameHeader
 
 from tests.agent_server.native_client import ContextLog, NativeClient
 from tests.deploy.cluster import Cluster, Replica, cluster

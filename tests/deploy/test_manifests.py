@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from agent_server.app import create_app
-from agent_server.phrase_cache import parse_prewarm
+from agent_server.fleet.phrase_cache import parse_prewarm
 from agent_server.settings import ENV_VARS, Settings
 
 from tests.agent_server.fake_engine import FakeEngine
