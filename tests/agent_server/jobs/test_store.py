@@ -26,7 +26,7 @@ from agent_server.jobs.store import (
     SegmentWrite,
 )
 
-from tests.agent_server.jobs.conftest import fresh_prefix, make_job, make_plan, redis_client
+from tests.agent_server.jobs.conftest import fresh_prefix, make_job, make_plan, redis_client, run
 from tests.services import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,10 +36,6 @@ NOW_S = 1_796_000_000.0  # 2026-11-30T00:53:20Z, a fixed clock for records and q
 TTL_S = 3600.0
 
 Stores = Callable[[str], Any]  # worker id -> an async context manager yielding a started JobStore
-
-
-def run(coro: Awaitable[Any]) -> Any:
-    return asyncio.run(coro)  # type: ignore[arg-type]
 
 
 @pytest.fixture(params=["sqlite", "redis"])
