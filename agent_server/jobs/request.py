@@ -106,7 +106,7 @@ def _open_fields(obj: Mapping[str, Any], variant: str) -> wire.Open:
     """voice, seed, sampling, language through the native parser (one set of rules for live and jobs)."""
     message: dict[str, Any] = {"type": "open", "context_id": "job"}
     message.update({name: obj[name] for name in OPEN_FIELDS if obj.get(name) is not None})
-    parsed = wire.parse(orjson.dumps(message))
+    parsed = wire.parse(orjson.dumps(message).decode())
     if isinstance(parsed, FieldError):
         raise _unprocessable(parsed.field, parsed.message, parsed.code)
     if not isinstance(parsed, wire.Open):  # (an `open` parses to Open or an error)
