@@ -46,20 +46,30 @@ def voice_of(seed: int, segment: JobSegment) -> npt.NDArray[np.float32]:
 
 
 class Engine:
-    """A render collaborator that records what it was asked; `gate` (when set) holds renders until released."""
+    """A render collaborator that records what it rendered, and what was cancelled while it rendered."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.rendered: list[int] = []
         self.delay_s = delay_s
         self.fail_at: int | None = None
         self.interrupt_at: int | None = None
+        self.hang_from: int | None = None
+        self.hanging = 0
+        self.cancelled = 0
 
     async def render(self, job: Job, segment: JobSegment) -> npt.NDArray[np.float32]:
         if segment.index == self.fail_at:
             raise RuntimeError(f"engine failed on segment {segment.index}")
         if segment.index == self.interrupt_at:
             raise JobInterrupted("shutting down")
-        await asyncio.sleep(self.delay_s)
+        try:
+            if self.hang_from is not None and segment.index >= self.hang_from:
+                self.hanging += 1
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         self.rendered.append(segment.index)
         return voice_of(job.seed, segment)
 
@@ -254,7 +264,7 @@ def test_a_zombie_that_lost_its_claim_stores_nothing_twice(redis: RedisServer) -
     run(scenario())
 
 
-def test_a_cancelled_job_stops_rendering_and_sends_no_webhook(tmp_path: Path) -> None:
+def test_a_cancelled_job_stops_rendering_at_once_and_sends_no_webhook(tmp_path: Path) -> None:
     receiver = Receiver([(200, {})])
 
     async def scenario() -> None:
@@ -262,22 +272,22 @@ def test_a_cancelled_job_stops_rendering_and_sends_no_webhook(tmp_path: Path) ->
         async with sqlite_store(tmp_path / "jobs") as store:
             job = make_job(1_796_000_000.0, webhook_url=receiver.url)
             await store.submit(job, make_plan(40), KeyLimits(), job.created_at_s)
-            engine = Engine(delay_s=0.02)
+            engine = Engine()
+            engine.hang_from = 2  # the third render takes for ever (a long segment on a busy engine)
             runner = JobRunner(store, engine.render, webhooks=sender(receiver), renew_s=RENEW_S, poll_s=0.02)
             await runner.start()
             try:
-                await until(lambda: len(engine.rendered) >= 2)
+                await until(lambda: engine.hanging == 1)
                 await store.finish(job.id, JobStatus.CANCELLED, None, job.created_at_s + 1)
-                await until(lambda: runner.running == [])
-                rendered = len(engine.rendered)
-                await asyncio.sleep(10 * 0.02)
-                assert len(engine.rendered) == rendered  # nothing more after the stop
-                assert rendered < 40
+                await until(lambda: runner.running == [], timeout_s=10 * RENEW_S)  # at the next renewal
+                assert engine.cancelled == 1  # the render in flight was stopped: its engine rows are free
+                assert engine.rendered == [0, 1]
                 assert runner.stats.jobs_stopped == 1
             finally:
                 await runner.stop()
                 await receiver.stop()
             assert receiver.received == []
+            assert await store.stored_segments(job.id) == {0, 1}
 
     run(scenario())
 
