@@ -209,8 +209,10 @@ class JobsApi:
         if job.status in (JobStatus.FAILED, JobStatus.CANCELLED):
             raise JobError(STATUS_CONFLICT, "id", f"job {job.id} is {job.status.wire}: it has no audio", JOB_NOT_READY)
         if job.status != JobStatus.DONE:
-            return StreamingResponse(self._growing(job, fmt_name), media_type=fmt.mime_type,
-                                     headers={"Cache-Control": "no-store", "X-Job-Status": job.status.wire})
+            headers = {"Cache-Control": "no-store", "X-Job-Status": job.status.wire}
+            if request.method == "HEAD":  # (not a stream that would run until the job ends)
+                return Response(b"", media_type=fmt.mime_type, headers=headers)
+            return StreamingResponse(self._growing(job, fmt_name), media_type=fmt.mime_type, headers=headers)
         try:
             path = await self.files.file(self.store, job, fmt_name, fmt)
         except JobAudioAborted as exc:

@@ -22,7 +22,7 @@ import os
 import shutil
 import sqlite3
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -369,7 +369,7 @@ class SqliteJobStore(JobStore):
 
 
 @contextlib.contextmanager
-def _transaction(db: sqlite3.Connection) -> Any:
+def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on an exception): the writes in it are atomic, and no other
     connection writes in between."""
     db.execute("BEGIN IMMEDIATE")

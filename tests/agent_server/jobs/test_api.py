@@ -210,6 +210,9 @@ def test_the_audio_grows_while_the_job_runs_and_is_the_finished_file(tmp_path: P
     async def body(served: Served, client: httpx.AsyncClient) -> None:
         served.gate.clear()
         job_id = (await client.post("/v1/jobs", json={"text": TEXT, "seed": 3, "output_format": "mp3"})).json()["id"]
+        head = await client.head(f"/v1/jobs/{job_id}/audio")  # answered at once, not when the job ends
+        assert (head.status_code, head.content) == (200, b"")
+        assert head.headers["x-job-status"] in ("queued", "running")
         received = bytearray()
         statuses_at_first_bytes: list[str] = []
         async with client.stream("GET", f"/v1/jobs/{job_id}/audio") as response:
