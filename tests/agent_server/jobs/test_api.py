@@ -57,7 +57,10 @@ class Served:
     store: SqliteJobStore
     runner: JobRunner
     clock: list[float]  # [now]: the API's and the runner's clock, turned by hand
-    gate: asyncio.Event  # renders wait on it (set: they run)
+    allowed: list[int]  # [n]: segments with an index below n may render (the others wait)
+
+    def allow(self, segments: int = 1 << 30) -> None:
+        self.allowed[0] = segments
 
 
 @asynccontextmanager
@@ -66,11 +69,11 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
     store = SqliteJobStore(tmp_path / "jobs", job_ttl_s=TTL_S)
     await store.start()
     clock = [1_796_000_000.0]
-    gate = asyncio.Event()
-    gate.set()
+    allowed = [1 << 30]
 
     async def render(job: Job, segment: JobSegment) -> npt.NDArray[np.float32]:
-        await gate.wait()
+        while segment.index >= allowed[0]:
+            await asyncio.sleep(0.005)
         return engine_audio(job, segment)
 
     runner = JobRunner(store, render, poll_s=0.02, clock=lambda: clock[0])
@@ -86,7 +89,7 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
         await asyncio.sleep(0.01)
     await runner.start()
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", store, runner, clock, gate)
+        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", store, runner, clock, allowed)
     finally:
         await runner.stop()
         server.should_exit = True
@@ -161,7 +164,7 @@ def test_bad_requests_name_the_field_in_the_native_error_shape(tmp_path: Path) -
 
 def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
     async def body(served: Served, client: httpx.AsyncClient) -> None:
-        served.gate.clear()  # hold the renders: the job is seen queued or running first
+        served.allow(0)  # hold the renders: the job is seen queued or running first
         response = await client.post("/v1/jobs", json={"text": TEXT, "seed": 11, "output_format": "wav"})
         assert response.status_code == 202
         accepted = response.json()
@@ -172,7 +175,7 @@ def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
         status = (await client.get(f"/v1/jobs/{job_id}")).json()
         assert status["status"] in ("queued", "running")
         assert status["segments_total"] == len(plan_segments(TEXT))
-        served.gate.set()
+        served.allow()
         done = await wait_done(client, job_id)
         assert done["status"] == "done"
         assert done["segments_done"] == done["segments_total"]
@@ -189,7 +192,7 @@ def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
 
 def test_quotas_answer_429_with_retry_after(tmp_path: Path) -> None:
     async def body(served: Served, client: httpx.AsyncClient) -> None:
-        served.gate.clear()
+        served.allow(0)
         assert (await client.post("/v1/jobs", json={"text": "One short job."})).status_code == 202
         refused = await client.post("/v1/jobs", json={"text": "A second one."})
         assert_error(refused, 429, "", "quota_running_jobs")
@@ -198,7 +201,7 @@ def test_quotas_answer_429_with_retry_after(tmp_path: Path) -> None:
         assert other_key.status_code == 202
         assert_error(await client.post("/v1/jobs", json={"text": "x" * 501}, headers={KEY_HEADER: "k_carol"}), 422,
                      "text", "quota_daily_chars")  # bigger than a whole day's quota: no retry will do
-        served.gate.set()
+        served.allow()
 
     scenario(tmp_path, body, limits=KeyLimits(max_running_jobs=1, daily_chars=500))
 
@@ -208,7 +211,7 @@ def test_quotas_answer_429_with_retry_after(tmp_path: Path) -> None:
 
 def test_the_audio_grows_while_the_job_runs_and_is_the_finished_file(tmp_path: Path) -> None:
     async def body(served: Served, client: httpx.AsyncClient) -> None:
-        served.gate.clear()
+        served.allow(0)
         job_id = (await client.post("/v1/jobs", json={"text": TEXT, "seed": 3, "output_format": "mp3"})).json()["id"]
         head = await client.head(f"/v1/jobs/{job_id}/audio")  # answered at once, not when the job ends
         assert (head.status_code, head.content) == (200, b"")
@@ -219,12 +222,13 @@ def test_the_audio_grows_while_the_job_runs_and_is_the_finished_file(tmp_path: P
             assert response.status_code == 200
             assert response.headers["content-type"] == "audio/mpeg"
             assert "content-length" not in response.headers
-            served.gate.set()
+            served.allow(1)  # the first segment only, for now
             async for chunk in response.aiter_raw():
                 if not received:
                     job = await served.store.get(job_id)
                     assert job is not None
                     statuses_at_first_bytes.append(job.status.wire)
+                    served.allow()
                 received += chunk
         assert statuses_at_first_bytes == ["running"]  # audio came before the job was done
         job = await served.store.get(job_id)
@@ -293,7 +297,7 @@ def test_ranges_of_the_finished_file_are_its_bytes(tmp_path: Path) -> None:
 
 def test_cancel_ownership_and_expiry(tmp_path: Path) -> None:
     async def body(served: Served, client: httpx.AsyncClient) -> None:
-        served.gate.clear()
+        served.allow(0)
         job_id = (await client.post("/v1/jobs", json={"text": TEXT})).json()["id"]
         assert_error(await client.get(f"/v1/jobs/{job_id}", headers={KEY_HEADER: "k_bob"}), 404, "id",
                      "job_not_found")
@@ -302,7 +306,7 @@ def test_cancel_ownership_and_expiry(tmp_path: Path) -> None:
         assert cancelled.status_code == 200
         assert cancelled.json()["status"] == "cancelled"
         assert (await client.delete(f"/v1/jobs/{job_id}")).json()["status"] == "cancelled"  # idempotent
-        served.gate.set()
+        served.allow()
         assert_error(await client.get(f"/v1/jobs/{job_id}/audio"), 409, "id", "job_not_ready")
         served.clock[0] += TTL_S + 1  # its results expired
         error = assert_error(await client.get(f"/v1/jobs/{job_id}"), 404, "id", "job_expired")
