@@ -142,6 +142,8 @@ class JobRunner:
             self.stats.jobs_failed += 1
             self._notify(job)
         for claim in claimed.claims:
+            log.info("job_claimed", job_id=claim.job.id, claims=claim.job.claims, segments_done=claim.job.segments_done,
+                     segments_total=claim.job.segments_total)
             task = asyncio.create_task(self.run_claim(claim), name=f"job-{claim.job.id}")
             self._jobs[claim.job.id] = task
             task.add_done_callback(partial(self._forget, claim.job.id))
