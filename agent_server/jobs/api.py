@@ -12,9 +12,9 @@
 Errors: the native HTTP shape `{"error": {"field", "message", "code"}}` with 400/404/409/413/422/429/503, a 429 with
 Retry-After. A job belongs to the key that made it: another key gets 404, as for a job that never was.
 
-`JobsApi` takes its collaborators (the store, the file cache, the key of a request, the key's limits, a clock, a
-hook that wakes the local runner) so the app wires it (the second phase: auth's principal, settings, metrics);
-nothing here reads settings or globals.
+`JobsApi` takes its collaborators (the store, the file cache, the key of a request, the key's limits, a clock,
+hooks to the local runner: wake it for a new job, stop a cancelled one now), so the app wires it (the second phase:
+auth's principal, settings, metrics); nothing here reads settings or globals.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class JobsApi:
                  limits_for: Callable[[str], KeyLimits], webhook_allow: AllowList,
                  max_job_chars: int = DEFAULT_MAX_JOB_CHARS, resolve: Resolver = system_resolver,
                  clock: Callable[[], float] = time.time, on_submitted: Callable[[], None] | None = None,
-                 poll_s: float = DEFAULT_POLL_S, offload: Offload = asyncio.to_thread) -> None:
+                 on_cancelled: Callable[[str], None] | None = None, poll_s: float = DEFAULT_POLL_S,
+                 offload: Offload = asyncio.to_thread) -> None:
         self.store = store
         self.files = files
         self.variant = variant
@@ -90,6 +91,7 @@ class JobsApi:
         self._resolve = resolve
         self._clock = clock
         self._on_submitted = on_submitted
+        self._on_cancelled = on_cancelled
         self._poll_s = poll_s
         self._offload = offload
 
@@ -189,6 +191,8 @@ class JobsApi:
                 job = after
             if changed:
                 log.info("job_cancelled", job_id=job.id, segments_done=job.segments_done)
+                if self._on_cancelled is not None:
+                    self._on_cancelled(job.id)
         return JSONResponse(job.status_json())
 
     async def _job(self, request: Request) -> Job:

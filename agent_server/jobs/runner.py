@@ -117,6 +117,14 @@ class JobRunner:
     def running(self) -> list[str]:
         return list(self._jobs)
 
+    def cancelled(self, job_id: str) -> None:
+        """The job was cancelled (here, through the API): stop its work now rather than at the next renewal, so
+        its renders free their engine rows at the next step. A job running on another replica stops there at
+        that replica's next renewal."""
+        task = self._jobs.get(job_id)
+        if task is not None:
+            task.cancel()
+
     async def _loop(self) -> None:
         while not self._stopping:
             try:
@@ -162,9 +170,10 @@ class JobRunner:
             complete = await work
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if current is not None and current.cancelling():
+            if self._stopping and current is not None and current.cancelling():
                 raise  # this replica is stopping (the work is cancelled with it)
-            return  # the keeper stopped the work: the claim is lost, or the job finished elsewhere
+            self.stats.jobs_stopped += int(not keeper.done())  # (`cancelled`; the keeper counts its own stops)
+            return  # the claim is lost, or the job finished (cancelled here or elsewhere)
         except JobInterrupted:
             log.info("job_interrupted", job_id=job.id)
             await self.store.release(claim)

@@ -79,7 +79,7 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
     runner = JobRunner(store, render, poll_s=0.02, clock=lambda: clock[0])
     api = JobsApi(store, AudioFiles(tmp_path / "files"), variant="english", key_of=lambda r: r.headers[KEY_HEADER],
                   limits_for=lambda key_id: limits, webhook_allow=allow, max_job_chars=max_job_chars,
-                  clock=lambda: clock[0], on_submitted=runner.wake, poll_s=0.01)
+                  clock=lambda: clock[0], on_submitted=runner.wake, on_cancelled=runner.cancelled, poll_s=0.01)
     app = Starlette(routes=api.routes())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -293,6 +293,28 @@ def test_ranges_of_the_finished_file_are_its_bytes(tmp_path: Path) -> None:
 
 
 # ---- cancel, ownership, expiry, a store that is down ---------------------------------------------------------
+
+
+def test_a_cancel_stops_the_local_render_at_once(tmp_path: Path) -> None:
+    async def body(served: Served, client: httpx.AsyncClient) -> None:
+        assert served.runner.renew_s >= 10.0  # a renewal would take long to notice: the API tells the runner
+        served.allow(1)
+        job_id = (await client.post("/v1/jobs", json={"text": TEXT})).json()["id"]
+        for _ in range(500):
+            if (await client.get(f"/v1/jobs/{job_id}")).json()["segments_done"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert served.runner.running == [job_id]  # rendering (waiting in the engine for) segment 1
+        assert (await client.delete(f"/v1/jobs/{job_id}")).json()["status"] == "cancelled"
+        for _ in range(100):
+            if not served.runner.running:
+                break
+            await asyncio.sleep(0.01)
+        assert served.runner.running == []
+        assert served.runner.stats.jobs_stopped == 1
+        assert await served.store.stored_segments(job_id) == {0}
+
+    scenario(tmp_path, body)
 
 
 def test_cancel_ownership_and_expiry(tmp_path: Path) -> None:
