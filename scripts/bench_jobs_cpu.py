@@ -20,6 +20,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -82,14 +83,15 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
         "chars": args.chars, "segments": n_segments, "plan_s": plan_s, "audio_s": audio_s,
         "stored_bytes_per_audio_s": stored_bytes / audio_s,
-        "encode_x_realtime": audio_s / encode_s, "decode_x_realtime": audio_s / decode_s, "assemble_x_realtime": assembled,
+        "encode_x_realtime": audio_s / encode_s, "decode_x_realtime": audio_s / decode_s,
+        "assemble_x_realtime": assembled,
     }
     rows.append(("store: Opus encode", f"{audio_s:.0f} s audio", f"{audio_s / encode_s:.0f}x real time",
                  f"{stored_bytes / audio_s / 1000:.1f} kB per audio s"))
     rows.append(("store: Opus decode", f"{audio_s:.0f} s audio", f"{audio_s / decode_s:.0f}x real time", ""))
     for name in JOB_FORMATS:
         fmt = job_format(name)
-        seconds = best_of(args.repeats, lambda fmt=fmt: encode_whole(decoded, fmt))
+        seconds = best_of(args.repeats, partial(encode_whole, decoded, fmt))
         assembled[name] = audio_s / seconds
         rows.append((f"assemble: {name}", f"{audio_s:.0f} s audio", f"{audio_s / seconds:.0f}x real time", ""))
 
