@@ -1,0 +1,291 @@
+"""The worker side of jobs: claim jobs, render the segments not stored yet, store each once, finish, notify.
+
+    runner = JobRunner(store, render, webhooks=sender)   # render(job, segment) -> PCM: the engine, at job priority
+    await runner.start() ... await runner.stop()
+
+One `JobRunner` per replica. It claims up to `max_jobs` jobs (`store.claim`: jobs abandoned by dead replicas
+first), and for each renders the segments its store does not hold yet, in order, up to `segments_in_flight` at a
+time: a job claimed again resumes from the first segment missing, and a segment stored meanwhile by someone else
+is not stored again (`SegmentWrite.ALREADY_STORED`). Each segment is encoded for storage (segment_audio.py) off the
+event loop. While it works it renews its claims every `renew_s`; a claim found LOST (another replica took the job:
+this one was presumed dead) or FINISHED (cancelled) stops that job's work at once: its renders are cancelled, which
+in the engine frees their rows at the next step.
+
+A segment is rendered by `render`, the collaborator the app provides: in the second phase, a segment submitted to
+the engine at job priority (live segments always admitted first), through the phrase cache. Its seed is
+`job.seed + segment.index` (as a live context's segments are seeded), so a segment rendered again after a crash
+is the same audio. `render` raising `JobInterrupted` (the engine shutting down, a replica draining) hands the job
+back to the queue at once (`store.release`); any other exception fails the job with that segment's error.
+
+When every segment is stored the job is DONE; the one `finish` call that changed it (on whichever replica) sends
+the webhook (done or failed), in the background. A replica that stops while a webhook is being retried drops it
+(the receiver can poll the job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import structlog
+
+from agent_server.jobs.assembly import Offload
+from agent_server.jobs.model import Job, JobSegment, JobStatus
+from agent_server.jobs.segment_audio import encode_segment
+from agent_server.jobs.store import Claim, ClaimState, JobStore, SegmentWrite
+from agent_server.jobs.webhooks import WebhookSender
+
+log = structlog.get_logger("agent_server.jobs.runner")
+
+Pcm = npt.NDArray[np.float32]
+Render = Callable[[Job, JobSegment], Awaitable[Pcm]]
+DEFAULT_MAX_JOBS = 4
+DEFAULT_POLL_S = 1.0
+RECANCEL_S = 0.1
+WEBHOOK_EVENTS = {JobStatus.DONE: "job.done", JobStatus.FAILED: "job.failed"}
+
+
+class JobInterrupted(Exception):
+    """Raised by `render` when this replica cannot render now (shutting down): the job goes back to the queue."""
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """Counters for the metrics (`tts_jobs_*` in the second phase)."""
+
+    segments_rendered: int = 0
+    segments_already_stored: int = 0  # rendered, but someone stored that index first
+    audio_samples: int = 0
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    claims_lost: int = 0  # jobs this replica stopped because another took them
+    jobs_stopped: int = 0  # jobs stopped because they finished elsewhere (cancelled)
+    webhooks_delivered: int = 0
+    webhooks_failed: int = 0
+
+
+class JobRunner:
+    def __init__(self, store: JobStore, render: Render, *, webhooks: WebhookSender | None = None,
+                 max_jobs: int = DEFAULT_MAX_JOBS, segments_in_flight: int = 1, poll_s: float = DEFAULT_POLL_S,
+                 renew_s: float | None = None, clock: Callable[[], float] = time.time,
+                 offload: Offload = asyncio.to_thread) -> None:
+        if max_jobs < 1 or segments_in_flight < 1:
+            raise ValueError("max_jobs and segments_in_flight must be >= 1")
+        self.store = store
+        self.stats = RunnerStats()
+        self._render = render
+        self._webhooks = webhooks
+        self.max_jobs = max_jobs
+        self.segments_in_flight = segments_in_flight
+        self.poll_s = poll_s
+        self.renew_s = renew_s if renew_s is not None else store.visibility_s / 3
+        self._clock = clock
+        self._offload = offload
+        self._jobs: dict[str, asyncio.Task[None]] = {}
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._loop(), name="job-runner")
+
+    def wake(self) -> None:
+        """Look for work now (a job was just submitted here)."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Stop claiming; cancel the jobs running here (their claims come back after the visibility timeout, or at
+        once through the renders' JobInterrupted) and any webhook still being retried."""
+        self._stopping = True
+        self._wake.set()
+        if self._loop_task is not None:
+            await _cancel_until_done([self._loop_task])
+            self._loop_task = None
+        await _cancel_until_done([*self._jobs.values(), *self._deliveries])
+
+    @property
+    def running(self) -> list[str]:
+        return list(self._jobs)
+
+    def cancelled(self, job_id: str) -> None:
+        """The job was cancelled (here, through the API): stop its work now rather than at the next renewal, so
+        its renders free their engine rows at the next step. A job running on another replica stops there at
+        that replica's next renewal."""
+        task = self._jobs.get(job_id)
+        if task is not None:
+            task.cancel()
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self.claim_more()
+            except Exception as exc:  # the store unreachable: try again next period
+                log.warning("job_claim_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+            self._wake.clear()
+            try:
+                # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that lands as it times out,
+                # and stop() then waits for ever)
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def claim_more(self) -> int:
+        """Claim jobs up to `max_jobs` running here and start them; the number claimed."""
+        room = self.max_jobs - len(self._jobs)
+        if room <= 0:
+            return 0
+        claimed = await self.store.claim(room, self._clock())
+        for job in claimed.failed:
+            self.stats.jobs_failed += 1
+            self._notify(job)
+        for claim in claimed.claims:
+            log.info("job_claimed", job_id=claim.job.id, claims=claim.job.claims, segments_done=claim.job.segments_done,
+                     segments_total=claim.job.segments_total)
+            task = asyncio.create_task(self.run_claim(claim), name=f"job-{claim.job.id}")
+            self._jobs[claim.job.id] = task
+            task.add_done_callback(partial(self._forget, claim.job.id))
+        return len(claimed.claims)
+
+    def _forget(self, job_id: str, _task: asyncio.Task[None]) -> None:
+        self._jobs.pop(job_id, None)
+
+    # ---- one job ------------------------------------------------------------------------------------
+
+    async def run_claim(self, claim: Claim) -> None:
+        job = claim.job
+        work = asyncio.create_task(self._render_missing(claim))
+        keeper = asyncio.create_task(self._keep(claim, work))
+        try:
+            complete = await work
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._stopping and current is not None and current.cancelling():
+                raise  # this replica is stopping (the work is cancelled with it)
+            self.stats.jobs_stopped += int(not keeper.done())  # (`cancelled`; the keeper counts its own stops)
+            return  # the claim is lost, or the job finished (cancelled here or elsewhere)
+        except JobInterrupted:
+            log.info("job_interrupted", job_id=job.id)
+            await self.store.release(claim)
+            return
+        except Exception as exc:
+            log.error("job_segment_failed", job_id=job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+            await self._finish(job.id, JobStatus.FAILED, f"{type(exc).__name__}: {exc}"[:500])
+            return
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+        if complete:
+            await self._finish(job.id, JobStatus.DONE, None)
+
+    async def _render_missing(self, claim: Claim) -> bool:
+        """Render and store every segment not stored yet. False: the job finished elsewhere (nothing more stored)."""
+        job = claim.job
+        plan = await self.store.plan(job.id)
+        if plan is None:
+            return False
+        stored = await self.store.stored_segments(job.id)
+        pending = collections.deque(seg for seg in plan if seg.index not in stored)
+        if stored:
+            log.info("job_resumed", job_id=job.id, first_missing=pending[0].index if pending else None,
+                     stored=len(stored), total=len(plan))
+        in_flight: set[asyncio.Task[SegmentWrite]] = set()
+        try:
+            while pending or in_flight:
+                while pending and len(in_flight) < self.segments_in_flight:
+                    in_flight.add(asyncio.create_task(self._segment(job, pending.popleft())))
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.result() in (SegmentWrite.JOB_FINISHED, SegmentWrite.JOB_GONE):
+                        self.stats.jobs_stopped += 1
+                        return False
+            return True
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _segment(self, job: Job, segment: JobSegment) -> SegmentWrite:
+        pcm = await self._render(job, segment)
+        blob = await self._offload(encode_segment, pcm)
+        outcome = await self.store.put_segment(job.id, segment.index, blob, int(pcm.size))
+        if outcome == SegmentWrite.STORED:
+            self.stats.segments_rendered += 1
+            self.stats.audio_samples += int(pcm.size)
+        elif outcome == SegmentWrite.ALREADY_STORED:
+            self.stats.segments_already_stored += 1
+        return outcome
+
+    async def _keep(self, claim: Claim, work: asyncio.Task[bool]) -> None:
+        """Renew the claim every `renew_s`; stop the work when the claim is no longer this replica's."""
+        while True:
+            await asyncio.sleep(self.renew_s)
+            try:
+                state = await self.store.renew(claim, self._clock())
+            except Exception as exc:  # the store unreachable: keep working, try again
+                log.warning("job_renew_failed", job_id=claim.job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            if state != ClaimState.HELD:
+                if state == ClaimState.LOST:
+                    self.stats.claims_lost += 1
+                else:
+                    self.stats.jobs_stopped += 1
+                log.info("job_claim_ended", job_id=claim.job.id, state=state.name.lower())
+                work.cancel()
+                return
+
+    async def _finish(self, job_id: str, status: JobStatus, error: str | None) -> None:
+        job, changed = await self.store.finish(job_id, status, error, self._clock())
+        if job is None or not changed:
+            return
+        if status == JobStatus.DONE:
+            self.stats.jobs_done += 1
+        else:
+            self.stats.jobs_failed += 1
+        log.info("job_finished", job_id=job_id, status=job.status.wire, segments=job.segments_done,
+                 audio_s=round(job.audio_seconds, 2), error=error)
+        self._notify(job)
+
+    def _notify(self, job: Job) -> None:
+        """The webhook of a job this replica finished, in the background."""
+        event = WEBHOOK_EVENTS.get(job.status)
+        if self._webhooks is None or job.webhook_url is None or event is None:
+            return
+        task = asyncio.create_task(self._deliver(self._webhooks, job, event))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, webhooks: WebhookSender, job: Job, event: str) -> None:
+        if job.webhook_url is None:
+            return
+        delivery = await webhooks.deliver(job.webhook_url, orjson.dumps(job.status_json()), job.key_id, event)
+        if delivery.delivered:
+            self.stats.webhooks_delivered += 1
+        else:
+            self.stats.webhooks_failed += 1
+
+    async def drain_webhooks(self) -> None:
+        """Wait for the webhooks in flight (tests, and a graceful shutdown that can afford it)."""
+        while self._deliveries:
+            await asyncio.gather(*list(self._deliveries), return_exceptions=True)
+
+
+async def _cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the tasks and wait for them, cancelling again every `RECANCEL_S` while any is left: a cancel can be
+    swallowed by a library the task is in (redis-py's asyncio client does, now and then, in a command's
+    clean-up), and a task that carries on after that would be waited for for ever."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)

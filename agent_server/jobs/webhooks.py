@@ -1,0 +1,335 @@
+"""Webhooks: when a job is done or failed, its status JSON is POSTed to the job's `webhook_url`, signed.
+
+Signature (what a receiver checks): the header
+
+    X-Agent-Server-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256>
+
+where the HMAC is keyed with the API key's webhook secret and taken over `<t>.` followed by the raw body bytes.
+A receiver recomputes it over the body exactly as received (before any JSON parsing), compares in constant
+time, and refuses a `t` more than a few minutes old (a replayed delivery):
+
+    expected = hmac.new(secret, f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    ok = hmac.compare_digest(expected, v1) and abs(time.time() - t) <= 300
+
+(`verify_signature` below is that receiver, for tests and for Python receivers.) The secret per key is
+`webhook_secret(root, key_id)`: an HMAC of the key's fingerprint under the server's root secret, so every replica
+derives the same one and no table is kept; the key's owner reads it from the server (docs/jobs.md, the second
+phase's `GET /v1/jobs/webhook-secret`). `X-Agent-Server-Event` says `job.done` or `job.failed`; the body's `id`
+identifies the job (a receiver may see a delivery more than once: retries, a replica dying mid-delivery).
+
+Where a delivery may go: only http(s) URLs, and only to addresses inside the operator's `--webhook-allow` CIDR
+list (default: none, so no webhook is sent and a job asking for one is refused at submission). The host is
+resolved, every address it resolves to must be allowed (one address outside refuses the URL: no DNS trick picks
+the bad one), and the connection goes to one of the addresses checked, never to a second lookup. A redirect is
+followed only for 307/308 (which keep the POST), only to a URL that passes the same check, at most
+`MAX_REDIRECTS` times; any other redirect ends the delivery.
+
+Retries: a connection error, a timeout, 408, 429 or a 5xx is tried again after `first_delay_s`, doubling up to
+`max_delay_s`, `attempts` times in all; any other status ends it (2xx: delivered; 4xx: the receiver refuses).
+
+The client is a minimal HTTP/1.1 POST over asyncio streams (TLS with the system's trust store for https): the
+runtime has no HTTP client library, and the connection must go to the checked address while TLS verifies the
+URL's host name, which a general client does not offer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urljoin, urlsplit
+
+import structlog
+
+log = structlog.get_logger("agent_server.jobs.webhooks")
+
+SIGNATURE_HEADER = "X-Agent-Server-Signature"
+EVENT_HEADER = "X-Agent-Server-Event"
+SIGNATURE_VERSION = "v1"
+DEFAULT_TOLERANCE_S = 300.0  # a receiver refuses a signature older than this
+USER_AGENT = "agent-server-webhooks/1"
+MAX_REDIRECTS = 3
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+DEFAULT_ATTEMPTS = 8
+DEFAULT_FIRST_DELAY_S = 1.0
+DEFAULT_MAX_DELAY_S = 300.0
+DEFAULT_TIMEOUT_S = 10.0
+RETRY_STATUSES = frozenset({408, 429})
+FOLLOWED_REDIRECTS = frozenset({307, 308})
+SCHEME_PORTS = {"http": 80, "https": 443}
+SECRET_PREFIX = "whsec_"
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]  # (host, port) -> addresses
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class WebhookRefused(Exception):
+    """The URL may not be called (scheme, or an address outside --webhook-allow): no retry helps."""
+
+
+# ---- signing ----------------------------------------------------------------------------------------------
+
+
+def webhook_secret(root: bytes, key_id: str) -> str:
+    """The webhook secret of an API key (by its fingerprint): the same on every replica with the same root."""
+    return SECRET_PREFIX + hmac.new(root, b"webhook-secret:" + key_id.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(secret: str, body: bytes, timestamp_s: int) -> str:
+    """The signature header's value for `body` sent at `timestamp_s`."""
+    mac = hmac.new(secret.encode(), f"{timestamp_s}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp_s},{SIGNATURE_VERSION}={mac}"
+
+
+def verify_signature(secret: str, body: bytes, header: str | None, now_s: float,
+                     tolerance_s: float = DEFAULT_TOLERANCE_S) -> bool:
+    """What a receiver does: True when `header` signs `body` with `secret`, no older than `tolerance_s`."""
+    if not header:
+        return False
+    parts = dict(item.split("=", 1) for item in header.split(",") if "=" in item)
+    stamp, mac = parts.get("t", ""), parts.get(SIGNATURE_VERSION, "")
+    if not stamp.isdigit() or not mac:
+        return False
+    expected = hmac.new(secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, mac) and abs(now_s - int(stamp)) <= tolerance_s
+
+
+# ---- where a delivery may go ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AllowList:
+    """--webhook-allow: the CIDR networks webhook deliveries may reach (empty: none)."""
+
+    networks: tuple[Network, ...] = ()
+
+    @classmethod
+    def parse(cls, cidrs: Iterable[str]) -> AllowList:
+        """Raises ValueError naming a bad entry."""
+        networks: list[Network] = []
+        for cidr in cidrs:
+            text = cidr.strip()
+            if not text:
+                continue
+            try:
+                networks.append(ipaddress.ip_network(text, strict=False))
+            except ValueError as exc:
+                raise ValueError(f"--webhook-allow: {text!r} is not a CIDR network ({exc})") from None
+        return cls(tuple(networks))
+
+    def allows(self, address: str) -> bool:
+        try:
+            ip: Address = ipaddress.ip_address(address.split("%", 1)[0])  # (an IPv6 zone index is dropped)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip.version == net.version and ip in net for net in self.networks)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A URL checked for a delivery: where to connect (an allowed address) and what to say."""
+
+    url: str
+    scheme: str
+    host: str  # for the Host header and TLS verification
+    port: int
+    path: str  # path and query
+    addresses: tuple[str, ...]  # every address the host resolved to, all allowed
+
+
+async def system_resolver(host: str, port: int) -> Sequence[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+async def check_url(url: str, allow: AllowList, resolve: Resolver = system_resolver) -> Target:
+    """The URL's target if every address its host resolves to is allowed. Raises WebhookRefused."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise WebhookRefused(f"not a URL: {exc}") from None
+    if parts.scheme not in SCHEME_PORTS or not parts.hostname:
+        raise WebhookRefused(f"only http(s) URLs with a host (got {url[:100]!r})")
+    if not allow.networks:
+        raise WebhookRefused("webhooks are off on this server (no --webhook-allow networks)")
+    host = parts.hostname
+    port = port or SCHEME_PORTS[parts.scheme]
+    try:
+        addresses = tuple(await resolve(host, port))
+    except (OSError, UnicodeError) as exc:
+        raise WebhookRefused(f"{host} does not resolve: {exc}") from None
+    if not addresses:
+        raise WebhookRefused(f"{host} resolves to no address")
+    refused = [a for a in addresses if not allow.allows(a)]
+    if refused:
+        raise WebhookRefused(f"{host} resolves to {', '.join(refused)}, outside --webhook-allow")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return Target(url, parts.scheme, host, port, path, addresses)
+
+
+# ---- delivery ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    status: int | None  # the HTTP status, None when no answer came
+    error: str | None  # what went wrong (no answer, a refused redirect), None for an answer
+
+
+@dataclass(slots=True)
+class Delivery:
+    """How one webhook went: every attempt, and whether it got a 2xx."""
+
+    url: str
+    attempts: list[Attempt] = field(default_factory=list)
+    delivered: bool = False
+    refused: str | None = None  # why it was not (or no longer) tried: an address outside the allow list ...
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    attempts: int = DEFAULT_ATTEMPTS
+    first_delay_s: float = DEFAULT_FIRST_DELAY_S
+    max_delay_s: float = DEFAULT_MAX_DELAY_S
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per attempt: connect, send, and the response's head
+
+    def delay_s(self, retry: int) -> float:
+        """The wait before retry number `retry` (1, 2, ...)."""
+        return min(self.max_delay_s, self.first_delay_s * 2.0 ** (retry - 1))
+
+
+class WebhookSender:
+    """Signs and delivers webhooks. `secret_for(key_id)` gives the key's secret (`webhook_secret`)."""
+
+    def __init__(self, allow: AllowList, secret_for: Callable[[str], str], *, policy: RetryPolicy | None = None,
+                 resolve: Resolver = system_resolver, sleep: Sleep = asyncio.sleep,
+                 clock: Callable[[], float] = time.time, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.allow = allow
+        self.policy = policy or RetryPolicy()
+        self._secret_for = secret_for
+        self._resolve = resolve
+        self._sleep = sleep
+        self._clock = clock
+        self._ssl = ssl_context
+
+    async def deliver(self, url: str, body: bytes, key_id: str, event: str) -> Delivery:
+        """POST `body` to `url`, retrying as the policy says. Never raises for the receiver's faults."""
+        delivery = Delivery(url)
+        headers = {"Content-Type": "application/json", EVENT_HEADER: event,
+                   SIGNATURE_HEADER: sign(self._secret_for(key_id), body, int(self._clock()))}
+        for number in range(1, self.policy.attempts + 1):
+            if number > 1:
+                await self._sleep(self.policy.delay_s(number - 1))
+                headers[SIGNATURE_HEADER] = sign(self._secret_for(key_id), body, int(self._clock()))
+            try:
+                attempt = await self._attempt(url, body, headers)
+            except WebhookRefused as refused:
+                delivery.refused = str(refused)
+                break
+            delivery.attempts.append(attempt)
+            if attempt.status is not None and 200 <= attempt.status < 300:
+                delivery.delivered = True
+                break
+            if attempt.status is not None and not _retryable(attempt.status):
+                break
+        log.info("webhook", url=_loggable(url), webhook_event=event, delivered=delivery.delivered,
+                 attempts=len(delivery.attempts), refused=delivery.refused,
+                 last_status=delivery.attempts[-1].status if delivery.attempts else None)
+        return delivery
+
+    async def _attempt(self, url: str, body: bytes, headers: dict[str, str]) -> Attempt:
+        """One POST, following allowed 307/308 redirects. Raises WebhookRefused for a URL not allowed."""
+        for _ in range(MAX_REDIRECTS + 1):
+            target = await check_url(url, self.allow, self._resolve)
+            try:
+                async with asyncio.timeout(self.policy.timeout_s):
+                    status, location = await self._post(target, body, headers)
+            except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
+                return Attempt(None, f"{type(exc).__name__}: {exc}"[:200])
+            if status in FOLLOWED_REDIRECTS and location:
+                url = urljoin(url, location)
+                continue
+            if 300 <= status < 400:
+                raise WebhookRefused(f"redirect {status} not followed (only 307/308 to an allowed address)")
+            return Attempt(status, None)
+        raise WebhookRefused(f"more than {MAX_REDIRECTS} redirects")
+
+    async def _post(self, target: Target, body: bytes, headers: dict[str, str]) -> tuple[int, str | None]:
+        context = None
+        if target.scheme == "https":
+            context = self._ssl or ssl.create_default_context()
+        reader, writer = await _connect_any(target, context)
+        try:
+            host = f"[{target.host}]" if ":" in target.host else target.host
+            if target.port != SCHEME_PORTS[target.scheme]:
+                host += f":{target.port}"
+            lines = [f"POST {target.path} HTTP/1.1", f"Host: {host}", f"User-Agent: {USER_AGENT}",
+                     f"Content-Length: {len(body)}", "Connection: close",
+                     *(f"{name}: {value}" for name, value in headers.items())]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise ValueError("response head too long") from None
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("the receiver closed the connection before answering") from None
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (OSError, ssl.SSLError):
+                pass
+        return _parse_head(head)
+
+
+async def _connect_any(target: Target, context: ssl.SSLContext | None) -> tuple[asyncio.StreamReader,
+                                                                                asyncio.StreamWriter]:
+    """A connection to the first checked address that answers (TLS verifies the URL's host name)."""
+    last: OSError | None = None
+    for address in target.addresses:
+        try:
+            return await asyncio.open_connection(
+                address, target.port, ssl=context, server_hostname=target.host if context is not None else None,
+                limit=MAX_RESPONSE_HEAD_BYTES)
+        except OSError as exc:
+            last = exc
+    raise last if last is not None else OSError("no address to connect to")
+
+
+def _parse_head(head: bytes) -> tuple[int, str | None]:
+    """(status, Location) of a response head. Raises ValueError for one that is not HTTP/1.x."""
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+    location = None
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "location":
+            location = value.strip()
+    return int(code), location
+
+
+def _retryable(status: int) -> bool:
+    return status >= 500 or status in RETRY_STATUSES
+
+
+def _loggable(url: str) -> str:
+    """The URL without its query (which may carry a receiver's token)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+

@@ -1,0 +1,359 @@
+"""agent_server.jobs.runner against real stores: a job rendered and assembled; a replica killed mid-job and another
+resuming from the first segment not stored, with the same final bytes as an uninterrupted run; a zombie that
+lost its claim storing nothing twice; a cancel stopping the work; failures and their webhooks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import pytest
+
+from agent_server.jobs.assembly import encode_whole, job_audio
+from agent_server.jobs.model import Job, JobSegment, JobStatus
+from agent_server.jobs.redis_store import RedisJobStore
+from agent_server.jobs.request import job_format
+from agent_server.jobs.runner import JobInterrupted, JobRunner
+from agent_server.jobs.segment_audio import decode_segment, encode_segment
+from agent_server.jobs.sqlite_store import SqliteJobStore
+from agent_server.jobs.store import Claimed, JobStore, KeyLimits
+from agent_server.jobs.webhooks import SIGNATURE_HEADER, AllowList, WebhookSender, verify_signature, webhook_secret
+
+from tests.agent_server.jobs.conftest import fresh_prefix, make_job, make_plan, redis_client, run
+from tests.agent_server.jobs.webhook_receiver import Receiver
+from tests.services import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+VISIBILITY_S = 0.4
+RENEW_S = 0.1
+ROOT = b"fleet root"
+SEGMENTS = 6
+
+
+def voice_of(seed: int, segment: JobSegment) -> npt.NDArray[np.float32]:
+    """What a seeded engine makes of a segment: a pure function of (seed + index, text)."""
+    rng = np.random.default_rng(seed + segment.index)
+    samples = 2_400 + 240 * len(segment.text) + int(rng.integers(0, 480))
+    t = np.arange(samples) / 24_000
+    wave = 0.2 * np.sin(2 * np.pi * (150 + 10 * segment.index) * t) + 0.01 * rng.standard_normal(samples)
+    return np.asarray(wave, dtype=np.float32)
+
+
+class Engine:
+    """A render collaborator that records what it rendered, and what was cancelled while it rendered."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.rendered: list[int] = []
+        self.delay_s = delay_s
+        self.fail_at: int | None = None
+        self.interrupt_at: int | None = None
+        self.hang_from: int | None = None
+        self.hanging = 0
+        self.cancelled = 0
+
+    async def render(self, job: Job, segment: JobSegment) -> npt.NDArray[np.float32]:
+        if segment.index == self.fail_at:
+            raise RuntimeError(f"engine failed on segment {segment.index}")
+        if segment.index == self.interrupt_at:
+            raise JobInterrupted("shutting down")
+        try:
+            if self.hang_from is not None and segment.index >= self.hang_from:
+                self.hanging += 1
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.rendered.append(segment.index)
+        return voice_of(job.seed, segment)
+
+
+def expected_file(job: Job, fmt_name: str, segments: int = SEGMENTS) -> bytes:
+    pcm = [decode_segment(encode_segment(voice_of(job.seed, seg))) for seg in make_plan(segments)]
+    return encode_whole(pcm, job_format(fmt_name))
+
+
+async def file_of(store: JobStore, job_id: str, fmt_name: str) -> bytes:
+    return b"".join([piece async for piece in job_audio(store, job_id, job_format(fmt_name), wait=False)])
+
+
+async def until(predicate: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def redis_store(server: RedisServer, prefix: str, worker: str) -> AsyncIterator[JobStore]:
+    client = redis_client(server)
+    store = RedisJobStore(client, prefix=prefix, worker_id=worker, visibility_s=VISIBILITY_S)
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.stop()
+        await client.aclose()
+
+
+@asynccontextmanager
+async def sqlite_store(directory: Path) -> AsyncIterator[JobStore]:
+    store = SqliteJobStore(directory, visibility_s=VISIBILITY_S)
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.stop()
+
+
+def sender(receiver: Receiver) -> WebhookSender:
+    return WebhookSender(AllowList.parse(["127.0.0.0/8"]), lambda key_id: webhook_secret(ROOT, key_id))
+
+
+async def killed(runner: JobRunner) -> None:
+    """What kill -9 leaves: the replica's tasks gone mid-work, no release, no more renewals."""
+    await runner.stop()
+
+
+def test_a_job_runs_to_done_and_its_webhook_arrives_signed(tmp_path: Path) -> None:
+    receiver = Receiver([(200, {})])
+
+    async def scenario() -> None:
+        await receiver.start()
+        async with sqlite_store(tmp_path / "jobs") as store:
+            job = make_job(1_796_000_000.0, webhook_url=receiver.url + "/done")
+            await store.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+            engine = Engine()
+            runner = JobRunner(store, engine.render, webhooks=sender(receiver), renew_s=RENEW_S, poll_s=0.02)
+            await runner.start()
+            try:
+                await until(lambda: runner.stats.jobs_done == 1)
+                await runner.drain_webhooks()
+            finally:
+                await runner.stop()
+                await receiver.stop()
+            done = await store.get(job.id)
+            assert done is not None and done.status == JobStatus.DONE
+            assert done.segments_done == SEGMENTS
+            assert done.audio_samples == sum(voice_of(job.seed, s).size for s in make_plan(SEGMENTS))
+            assert engine.rendered == list(range(SEGMENTS))
+            assert await file_of(store, job.id, "mp3") == expected_file(job, "mp3")
+            (hook,) = receiver.received
+            assert orjson.loads(hook.body) == done.status_json()
+            assert verify_signature(webhook_secret(ROOT, job.key_id), hook.body,
+                                    hook.headers.get(SIGNATURE_HEADER.lower()), done.finished_at_s or 0)
+
+    run(scenario())
+
+
+def test_a_killed_replicas_job_is_resumed_elsewhere_from_the_first_missing_segment(redis: RedisServer) -> None:
+    prefix = fresh_prefix()
+
+    async def scenario() -> None:
+        async with redis_store(redis, prefix, "replica-a") as store_a, redis_store(redis, prefix, "replica-b") as b:
+            job = make_job(1_796_000_000.0, seed=42)
+            await store_a.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+            engine_a = Engine(delay_s=0.05)
+            runner_a = JobRunner(store_a, engine_a.render, renew_s=RENEW_S, poll_s=0.02)
+            await runner_a.start()
+
+            async def two_stored() -> bool:
+                return len(await b.stored_segments(job.id)) >= 2
+
+            await until(two_stored)
+            await killed(runner_a)
+            stored = await b.stored_segments(job.id)
+            assert 2 <= len(stored) < SEGMENTS and stored == set(range(len(stored)))
+
+            engine_b = Engine()
+            runner_b = JobRunner(b, engine_b.render, renew_s=RENEW_S, poll_s=0.02)
+            await runner_b.start()
+            try:
+                await until(lambda: runner_b.stats.jobs_done == 1)
+            finally:
+                await runner_b.stop()
+            assert engine_b.rendered == list(range(len(stored), SEGMENTS))  # from the first missing, no repeat
+            done = await b.get(job.id)
+            assert done is not None and (done.status, done.segments_done, done.claims) == (JobStatus.DONE, SEGMENTS, 2)
+            assert await file_of(b, job.id, "wav") == expected_file(job, "wav")  # as an uninterrupted run's
+
+    run(scenario())
+
+
+def test_the_embedded_store_resumes_a_job_after_a_restart(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        job = make_job(1_796_000_000.0, seed=5)
+        async with sqlite_store(tmp_path / "jobs") as store:
+            await store.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+            engine = Engine(delay_s=0.05)
+            runner = JobRunner(store, engine.render, renew_s=RENEW_S, poll_s=0.02)
+            await runner.start()
+
+            async def three_stored() -> bool:
+                return len(await store.stored_segments(job.id)) >= 3
+
+            await until(three_stored)
+            await killed(runner)
+        async with sqlite_store(tmp_path / "jobs") as restarted:
+            first_missing = len(await restarted.stored_segments(job.id))
+            assert 3 <= first_missing < SEGMENTS
+            engine = Engine()
+            runner = JobRunner(restarted, engine.render, renew_s=RENEW_S, poll_s=0.02)
+            await runner.start()
+            try:
+                await until(lambda: runner.stats.jobs_done == 1)
+            finally:
+                await runner.stop()
+            assert engine.rendered == list(range(first_missing, SEGMENTS))
+            assert await file_of(restarted, job.id, "flac") == expected_file(job, "flac")
+
+    run(scenario())
+
+
+def test_a_zombie_that_lost_its_claim_stores_nothing_twice(redis: RedisServer) -> None:
+    prefix = fresh_prefix()
+
+    async def scenario() -> None:
+        async with redis_store(redis, prefix, "zombie") as store_z, redis_store(redis, prefix, "healthy") as store_h:
+            job = make_job(1_796_000_000.0, seed=9)
+            await store_z.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+            # the zombie renders every segment at once, slowly, and never renews in time (a long pause: GC, a
+            # partition); the healthy replica takes the job over and renders it again, one segment at a time:
+            # while it does, the zombie's renders land and are stored, so both store segments of one job (and
+            # whichever stores the last one finishes it)
+            zombie_engine = Engine(delay_s=VISIBILITY_S * 3)
+            zombie = JobRunner(store_z, zombie_engine.render, renew_s=60.0, poll_s=60.0,
+                               segments_in_flight=SEGMENTS)
+            assert await zombie.claim_more() == 1
+            await asyncio.sleep(VISIBILITY_S * 1.2)
+            healthy_engine = Engine(delay_s=VISIBILITY_S / 2)
+            healthy = JobRunner(store_h, healthy_engine.render, renew_s=RENEW_S, poll_s=0.02)
+            await healthy.start()
+
+            async def finished() -> bool:
+                got = await store_h.get(job.id)
+                return got is not None and got.status.finished and not zombie.running and not healthy.running
+
+            try:
+                await until(finished)
+            finally:
+                await healthy.stop()
+                await zombie.stop()
+            assert zombie.stats.segments_rendered >= 1  # the zombie stored some ...
+            assert healthy.stats.segments_rendered >= 1  # ... and so did the healthy one
+            assert zombie.stats.segments_already_stored + healthy.stats.segments_already_stored >= 1
+            assert zombie.stats.segments_rendered + healthy.stats.segments_rendered == SEGMENTS
+            assert zombie.stats.jobs_done + healthy.stats.jobs_done == 1
+            done = await store_h.get(job.id)
+            assert done is not None and done.status == JobStatus.DONE
+            assert done.segments_done == SEGMENTS
+            assert done.audio_samples == sum(voice_of(job.seed, s).size for s in make_plan(SEGMENTS))
+            assert await file_of(store_h, job.id, "wav") == expected_file(job, "wav")
+
+    run(scenario())
+
+
+def test_a_cancelled_job_stops_rendering_at_once_and_sends_no_webhook(tmp_path: Path) -> None:
+    receiver = Receiver([(200, {})])
+
+    async def scenario() -> None:
+        await receiver.start()
+        async with sqlite_store(tmp_path / "jobs") as store:
+            job = make_job(1_796_000_000.0, webhook_url=receiver.url)
+            await store.submit(job, make_plan(40), KeyLimits(), job.created_at_s)
+            engine = Engine()
+            engine.hang_from = 2  # the third render takes for ever (a long segment on a busy engine)
+            runner = JobRunner(store, engine.render, webhooks=sender(receiver), renew_s=RENEW_S, poll_s=0.02)
+            await runner.start()
+            try:
+                await until(lambda: engine.hanging == 1)
+                await store.finish(job.id, JobStatus.CANCELLED, None, job.created_at_s + 1)
+                await until(lambda: runner.running == [], timeout_s=10 * RENEW_S)  # at the next renewal
+                assert engine.cancelled == 1  # the render in flight was stopped: its engine rows are free
+                assert engine.rendered == [0, 1]
+                assert runner.stats.jobs_stopped == 1
+            finally:
+                await runner.stop()
+                await receiver.stop()
+            assert receiver.received == []
+            assert await store.stored_segments(job.id) == {0, 1}
+
+    run(scenario())
+
+
+def test_a_failing_segment_fails_the_job_and_an_interrupted_one_hands_it_back(tmp_path: Path) -> None:
+    receiver = Receiver([(200, {})])
+
+    async def scenario() -> None:
+        await receiver.start()
+        async with sqlite_store(tmp_path / "jobs") as store:
+            failing = make_job(1_796_000_000.0, webhook_url=receiver.url)
+            await store.submit(failing, make_plan(3), KeyLimits(), failing.created_at_s)
+            engine = Engine()
+            engine.fail_at = 1
+            runner = JobRunner(store, engine.render, webhooks=sender(receiver), renew_s=RENEW_S, poll_s=0.02)
+            await runner.start()
+            try:
+                await until(lambda: runner.stats.jobs_failed == 1)
+                await runner.drain_webhooks()
+            finally:
+                await runner.stop()
+            failed = await store.get(failing.id)
+            assert failed is not None and failed.status == JobStatus.FAILED
+            assert failed.error == "RuntimeError: engine failed on segment 1"
+            (hook,) = receiver.received
+            assert orjson.loads(hook.body)["status"] == "failed"
+            assert hook.headers["x-agent-server-event"] == "job.failed"
+
+            interrupted = make_job(1_796_000_001.0)
+            await store.submit(interrupted, make_plan(3), KeyLimits(), interrupted.created_at_s)
+            engine.fail_at, engine.interrupt_at = None, 2
+            draining = JobRunner(store, engine.render, renew_s=RENEW_S, poll_s=60.0)
+            assert await draining.claim_more() == 1
+            await until(lambda: draining.running == [])
+            back = await store.get(interrupted.id)
+            assert back is not None and (back.status, back.segments_done, back.claims) == (JobStatus.QUEUED, 2, 0)
+            (again,) = (await store.claim(1, interrupted.created_at_s + 1)).claims  # at once, elsewhere
+            assert again.job.id == interrupted.id
+        await receiver.stop()
+
+    run(scenario())
+
+
+def test_stop_ends_even_when_a_library_swallows_the_cancel(tmp_path: Path) -> None:
+    """redis-py's asyncio client sometimes eats a task's cancel inside a command; stop() must still return."""
+
+    class SwallowingStore(SqliteJobStore):
+        swallowed = 0
+
+        async def claim(self, max_jobs: int, now_s: float) -> Claimed:
+            try:
+                await asyncio.sleep(5.0)
+            except asyncio.CancelledError:
+                self.swallowed += 1  # ... and carries on as if nothing happened
+            return Claimed([], [])
+
+    async def scenario() -> None:
+        store = SwallowingStore(tmp_path / "jobs")
+        await store.start()
+        try:
+            runner = JobRunner(store, Engine().render, poll_s=0.01)
+            await runner.start()
+            await asyncio.sleep(0.05)
+            await runner.stop()
+            assert store.swallowed == 1
+        finally:
+            await store.stop()
+
+    run(scenario(), timeout_s=10.0)
