@@ -18,9 +18,10 @@ FORBIDDEN_IN_SYNTH = {"agent_server", "asyncio", "starlette", "uvicorn", "websoc
 AGENT_SERVER = ROOT / "agent_server"
 # room (a subpackage, or a module of agent_server/ itself) -> its floor; a room imports only from lower floors
 FLOORS = {
-    "cli": 7,  # the command: flags, logging, the server
-    "app": 6,  # the Starlette app: routes, lifespan
-    "metrics": 5,  # Prometheus, the dashboard and demo pages: an observer of the hub
+    "cli": 8,  # the command: flags, logging, the server
+    "app": 7,  # the Starlette app: routes, lifespan
+    "metrics": 6,  # Prometheus, the dashboard and demo pages: an observer of the hub
+    "jobs": 5,  # long texts behind 202 Accepted: records, stores, the runner, their HTTP API (native request shape)
     "protocols": 4,  # native and every vendor's wire format, HTTP on its one base, gRPC's Riva
     "core": 3,  # session, transports, hub, stream, events, outcomes, port, voices
     "fleet": 2,  # shared state, auth, keys, agent check, phrase cache, replica metrics

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from agent_server.codecs import StreamEncoder, StreamFormat, make_encoder
+from agent_server.audio.codecs import StreamEncoder, StreamFormat, make_encoder
 from agent_server.jobs.model import Job, JobStatus
 from agent_server.jobs.segment_audio import decode_segment
 

@@ -23,12 +23,12 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from agent_server import protocol as wire
-from agent_server.codecs import StreamFormat
-from agent_server.compat.formats import OPENAI_FORMATS, openai_format
+from agent_server.audio.codecs import StreamFormat
+from agent_server.core.events import build_params
 from agent_server.errors import BAD_REQUEST, EMPTY_MESSAGE, TEXT_TOO_LONG, FieldError
 from agent_server.jobs.model import JobError
-from agent_server.speech import build_params
+from agent_server.protocols import native_wire as wire
+from agent_server.protocols.vendor_formats import OPENAI_FORMATS, openai_format
 
 STATUS_BAD_REQUEST = 400
 STATUS_UNPROCESSABLE = 422

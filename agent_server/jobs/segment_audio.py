@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
-from agent_server.audio import ENGINE_SAMPLE_RATE_HZ, RESAMPLER_QUALITY
-from agent_server.codecs import StreamFormat, make_encoder
+from agent_server.audio.codecs import StreamFormat, make_encoder
+from agent_server.audio.formats import ENGINE_SAMPLE_RATE_HZ, RESAMPLER_QUALITY
 
 Pcm = npt.NDArray[np.float32]
 

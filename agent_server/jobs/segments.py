@@ -21,8 +21,8 @@ rows no live segment waits for).
 from __future__ import annotations
 
 from agent_server.jobs.model import JobSegment
-from agent_server.normalize import spoken_form
-from agent_server.segmenter import Segmenter
+from agent_server.text.normalize import spoken_form
+from agent_server.text.segmenter import Segmenter
 from synth.api import max_tokens_for_text
 
 JOB_MAX_CHARS = 120  # weighted (segmenter.weighted_len): ~7 s of speech; a live context's segments go to 250

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from agent_server.codecs import make_encoder
+from agent_server.audio.codecs import make_encoder
 from agent_server.jobs.assembly import AudioFiles, JobAudioAborted, encode_whole, job_audio
 from agent_server.jobs.byte_range import ByteRange, Unsatisfiable, parse_range
 from agent_server.jobs.model import Job, JobStatus

@@ -8,7 +8,7 @@ import pytest
 from agent_server.jobs.model import Job, JobError, JobStatus, iso, new_job_id, valid_job_id
 from agent_server.jobs.request import JOB_FORMATS, JobRequest, job_format, parse_job_request
 from agent_server.jobs.segments import JOB_MAX_CHARS, JOB_MAX_NEW_TOKENS, plan_segments
-from agent_server.segmenter import weighted_len
+from agent_server.text.segmenter import weighted_len
 from synth.api import max_tokens_for_text
 
 
