@@ -143,7 +143,7 @@ def test_a_voice_created_on_one_replica_is_served_by_the_others_without_recomput
             await shared.start()
             engine = CountingEngine()
             store = VoiceStore(tmp_path / name, shared=shared)
-            await store.attach(engine, weights_id)
+            await store.attach(engine, {"english": weights_id})
             replicas.append((store, engine, shared))
         (a, engine_a, _), (b, engine_b, shared_b), (c, engine_c, _) = replicas
         created = await a.create(clip, name="Ann", voice_id="ann")
