@@ -9,8 +9,9 @@ The table maps vendor names (patterns, `*` for any run of characters, first matc
 in order. The first loaded model in that order that speaks the request's language serves it. The built-in table
 (`DEFAULT_ROUTES`): low-latency names prefer Turbo, quality names English, and both end with Multilingual, so a
 language Turbo and English cannot speak goes to Multilingual when it is loaded. A name no rule matches, and a
-request that names none, prefer the loaded models in their order (`--variant`'s: the default model first). Our own
-names always mean exactly that model: a table cannot send `turbo` elsewhere.
+request that names none, prefer the table's `default` order, and without one the loaded models in their order
+(`--variant`'s: the default model first). Our own names always mean exactly that model: a table cannot send `turbo`
+elsewhere.
 
 A request the loaded models cannot serve is refused (`FieldError`, rendered by each protocol in its own shape),
 never given another language: the language names a model none of the loaded ones is, or no loaded model in the
@@ -176,7 +177,7 @@ class Router:
                                  MODEL_NOT_SERVED)
             order: tuple[Variant, ...] = (own,)
         else:
-            order = tuple(m for m in (self.table.order_for(name) if name else ()) or self.loaded if m in self.loaded)
+            order = tuple(m for m in self.table.order_for(name) or self.loaded if m in self.loaded)
             if not order:
                 raise FieldError(model_field, f"{model!r} is served by {', '.join(self.table.order_for(name))}, none "
                                               f"of which this server runs (it runs {self._runs()})", MODEL_NOT_SERVED)
