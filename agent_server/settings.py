@@ -347,6 +347,12 @@ class Settings:
         "first met: auto (on with CUDA, eager if the start-up check fails), on, off (off until measured on a GPU)", E,
         text, flag="--vocoder-graphs", env=("AGENT_SERVER_VOCODER_GRAPHS",), choices=CUDA_GRAPHS,
         engine="vocoder_graphs")
+    # Launch decode step k+1 before reading step k's sampled ids, so the host's work overlaps the device's:
+    # "auto" (on with decode graphs), "on", "off". Off always with the alignment analyzer (it reads each step).
+    overlap_steps: str = setting(
+        "auto", "launch decode step k+1 before reading step k's ids, so host work overlaps the device's: auto (on "
+        "with decode graphs), on, off", E, text, flag="--overlap-steps", env=("AGENT_SERVER_OVERLAP_STEPS",),
+        choices=CUDA_GRAPHS, engine="overlap_steps")
     # CPU threads of the engine's decode thread and its vocoder worker: "auto" (split the cores between them),
     # "N" (split N), or "D,V". Their sum must not exceed the cores, or OpenMP collapses (synth/cpu_threads.py).
     threads: str = setting("auto", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "

@@ -180,11 +180,14 @@ def test_the_engine_config_is_generated_from_the_engine_rows() -> None:
     config = settings.engine_config()
     engine_rows = {name for name, row in table() if row.engine is not None}
     assert engine_rows == {"models", "weights", "device", "dtype", "cpu_weights", "cpu_vocoder", "cuda_graphs",
-                           "vocoder_graphs", "threads", "lend_threads", "max_slots", "alignment_analyzer"}
+                           "vocoder_graphs", "overlap_steps", "threads", "lend_threads", "max_slots",
+                           "alignment_analyzer"}
     assert config == EngineConfig(models=("english",))
     changed = settings.replace(device="cpu", dtype="bfloat16", threads="2,1", lend_threads="off").engine_config()
     assert (changed.device, changed.dtype, changed.decode_threads, changed.vocoder_threads) == ("cpu", "bfloat16", 2, 1)
     assert (changed.lend_threads, changed.decode_borrows_threads) == (False, False)
+    assert settings.replace(overlap_steps="off").engine_config().overlap_steps == "off"
+    assert settings_from(["--overlap-steps", "on"], {}).engine_config().overlap_steps == "on"
 
 
 # ---- values per model -------------------------------------------------------------------------------------------
