@@ -11,8 +11,9 @@ It runs its own thread like the real engine, so the server's thread hops are exe
 - every submit and cancel is recorded (`submits`, `cancels`);
 - several models (models-contract.md): `loaded=("turbo", "multilingual")` loads those (the first the default), each
   with `max_slots` slots (or its own in `slots_of`); a segment's `SegmentRequest.model` picks one (None: the
-  default); another model speaks other tokens for the same text and seed (`expected_tokens(..., model=...)`; the
-  default model's are as with one model), and a voice's conditioning differs per model.
+  default). A model's tokens are a pure function of (model, text, seed), whatever else is loaded, so a model beside
+  another speaks what it speaks alone (`expected_tokens(..., model=...)`; English's are the historical ones), and a
+  voice's conditioning differs per model.
 """
 
 from __future__ import annotations
@@ -146,10 +147,10 @@ class FakeEngine(EngineLike):
         return max(1, round(tokens_per_char * len(text)))
 
     @classmethod
-    def expected_tokens(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "") -> list[int]:
-        """`model`: a model other than the default ("" for the default)."""
+    def expected_tokens(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "english") -> list[int]:
+        """The tokens `model` speaks for `text` with `seed` (the same loaded alone or beside others)."""
         n_tokens = cls.token_count(text, tokens_per_char)
-        digest = hashlib.blake2b(f"{model}{seed}\x00{text}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{_mix(model)}{seed}\x00{text}".encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         return [int(t) for t in rng.integers(0, SPEECH_VOCAB, size=n_tokens)]
 
@@ -160,7 +161,7 @@ class FakeEngine(EngineLike):
         return pcm
 
     @classmethod
-    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "") -> NDArray[Any]:
+    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "english") -> NDArray[Any]:
         tokens = cls.expected_tokens(text, seed, tokens_per_char, model)
         return np.concatenate([cls.token_pcm(t) for t in tokens])
 
@@ -184,9 +185,8 @@ class FakeEngine(EngineLike):
         return chosen
 
     def _other_model(self, model: Variant | None) -> str:
-        """What the fake mixes into a model's tokens and conditioning ("" for the default model)."""
-        chosen = self._model_of(model)
-        return "" if chosen == self.variant else chosen
+        """What the fake mixes into a loaded model's tokens and conditioning."""
+        return _mix(self._model_of(model))
 
     def submit(self, request: SegmentRequest) -> None:
         if not self.alive:
@@ -342,7 +342,7 @@ class FakeEngine(EngineLike):
             self._seed_counter += 1
             seed = self._seed_counter
         model = self._model_of(request.model)
-        tokens = self.expected_tokens(request.text, seed, self.tokens_per_char, self._other_model(model))
+        tokens = self.expected_tokens(request.text, seed, self.tokens_per_char, model)
         seg = FakeSegment(request, seed, tokens, model)
         with self._lock:
             self._segments[request.request_id] = seg
@@ -431,6 +431,11 @@ class FakeEngine(EngineLike):
         event = SegmentEvent(seg.request.request_id, kind, time.monotonic(), speech_tokens=tokens, reason=reason)
         with self._lock:
             seg.request.sink(event)
+
+
+def _mix(model: str) -> str:
+    """What the fake mixes into a model's tokens and conditioning: English's are the historical ones (nothing)."""
+    return "" if model == "english" else model
 
 
 def make_engine(settings: object, engine_class: type[FakeEngine] = FakeEngine) -> FakeEngine:

@@ -159,7 +159,7 @@ def test_the_listing_names_the_routes_to_each_model() -> None:
 def test_an_unusable_routes_file_is_refused_naming_the_place(tmp_path: Path, content: bytes, reason: str) -> None:
     path = tmp_path / "routes.json"
     path.write_bytes(content)
-    with pytest.raises(ValueError, match="routes.json") as raised:
+    with pytest.raises(ValueError, match=r"routes\.json") as raised:
         load_routes(path)
     assert reason in str(raised.value)
     with pytest.raises(ValueError, match="No such file"):
