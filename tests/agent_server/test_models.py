@@ -226,6 +226,7 @@ def test_status_and_models_show_the_loaded_models_and_the_table(tmp_path: Path) 
         listing = httpx.get(live.http_url + "/v1/models", headers={"authorization": "Bearer x"}).json()
         speech = httpx.post(live.http_url + "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy",
                                                                        "input": "Hello.", "response_format": "pcm"})
+        scrape = httpx.get(live.http_url + "/metrics").text.splitlines()
     assert list(status["models"]) == ["turbo", "multilingual"] and status["variant"] == "turbo"
     assert (status["models"]["turbo"]["max_slots"], status["models"]["multilingual"]["max_slots"]) == (6, 2)
     assert status["routes"]["source"] == str(path)
@@ -233,6 +234,11 @@ def test_status_and_models_show_the_loaded_models_and_the_table(tmp_path: Path) 
     assert [m["id"] for m in listing["data"]] == ["chatterbox-turbo", "chatterbox-multilingual"]
     assert "tts-1" in listing["data"][1]["routes"] and listing["routes"]["source"] == str(path)
     assert speech.headers[SERVED_MODEL_HEADER] == "multilingual"  # the file's table, not the built-in one
+    # the metrics, per model: each model's slots, and the context counted under the model that spoke it
+    assert 'tts_engine_max_slots{model="turbo"} 6.0' in scrape and 'tts_engine_max_slots{model="multilingual"} 2.0' \
+        in scrape
+    assert 'tts_contexts_finished_total{model="multilingual",protocol="openai",reason="completed"} 1.0' in scrape
+    assert 'tts_contexts_finished_total{model="turbo",protocol="openai",reason="completed"} 0.0' in scrape
 
 
 def agent_server(tmp_path: Path, options: Json, *args: str) -> subprocess.CompletedProcess[str]:
@@ -255,3 +261,19 @@ def test_slots_the_memory_does_not_hold_exit_2_with_the_numbers(tmp_path: Path) 
     bad.write_text('{"routes": [{"names": ["tts-1"], "models": ["huge"]}]}')
     refused = agent_server(tmp_path, {}, "--model-routes", str(bad))
     assert refused.returncode == 2 and "'huge' is not a model" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_the_phrase_cache_keys_on_the_serving_model(tmp_path: Path) -> None:
+    """One text, seed and voice asked of each model: each model's own audio (another model's cached segment is
+    never served), and each model's second answer comes from the cache."""
+    def speak(url: str, model: str) -> bytes:
+        response = httpx.post(f"{url}/v1/audio/speech", json={"model": model, "voice": "alloy", "input": "Hello.",
+                                                                "response_format": "wav", "seed": 7})
+        assert response.status_code == 200 and response.headers[SERVED_MODEL_HEADER] == model, response.text
+        return response.content[44:]
+
+    with serving(tmp_path, loaded=TWO) as served:
+        for model in (*TWO, *TWO):
+            expected = float_to_pcm16(FakeEngine.expected_pcm("Hello.", 7, model=model)).astype("<i2").tobytes()
+            assert speak(served.http, model) == expected, model
+        assert [r.model for r in served.engine.submits] == list(TWO)  # the repeats: from the cache
