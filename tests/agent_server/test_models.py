@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -227,6 +228,15 @@ def test_status_and_models_show_the_loaded_models_and_the_table(tmp_path: Path) 
         speech = httpx.post(live.http_url + "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy",
                                                                        "input": "Hello.", "response_format": "pcm"})
         scrape = httpx.get(live.http_url + "/metrics").text.splitlines()
+        feed = live.app.state.metrics.feed  # the dashboard's: a row per model, keyed on the serving model
+        deadline_s = time.monotonic() + 10
+        while not (rows := feed.since(0)[-1]["models"] if feed.since(0) else {}).get("multilingual", {}).get("ttfa_n"):
+            assert time.monotonic() < deadline_s, rows
+            feed.sample_if_due()
+            time.sleep(0.05)
+    assert set(rows) == {"turbo", "multilingual"}
+    assert (rows["multilingual"]["ttfa_n"], rows["turbo"]["ttfa_n"]) == (1, 0)
+    assert (rows["turbo"]["max_slots"], rows["multilingual"]["max_slots"]) == (6, 2)
     assert list(status["models"]) == ["turbo", "multilingual"] and status["variant"] == "turbo"
     assert (status["models"]["turbo"]["max_slots"], status["models"]["multilingual"]["max_slots"]) == (6, 2)
     assert status["routes"]["source"] == str(path)
