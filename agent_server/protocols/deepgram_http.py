@@ -21,7 +21,7 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import parse_speed
-from agent_server.core.routing import Routed, Router
+from agent_server.core.routing import LANGUAGE_NOT_SERVED, MODEL_NOT_SERVED, Routed, Router
 from agent_server.core.session import Context
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
@@ -68,6 +68,8 @@ def parse_request(query: Mapping[str, str], body: object, router: Router) -> Spe
 
 def error_body(exc: FieldError, request_id: str) -> tuple[int, dict[str, Any]]:
     """A refused request (400): a parameter at fault is named in the message."""
+    if exc.code in (MODEL_NOT_SERVED, LANGUAGE_NOT_SERVED):  # the model names the language too: say which field
+        return STATUS_BAD_REQUEST, status_body(exc.code.upper(), f"{exc.field}: {exc.message}", request_id)
     if exc.code != BAD_REQUEST:
         return STATUS_BAD_REQUEST, status_body(exc.code.upper(), exc.message, request_id)
     code = "INVALID_QUERY_PARAMETER" if exc.field in QUERY_FIELDS else "INVALID_REQUEST_BODY"
