@@ -37,6 +37,7 @@ from synth.api import Variant
 from tests.agent_server.fake_asgi import running
 from tests.agent_server.fake_engine import FakeEngine
 from tests.agent_server.live_server import REPO, live_server
+from tests.agent_server.native_client import NativeClient
 from tests.agent_server.protocol_drivers import DRIVERS, Driver, until, until_turn_done
 from tests.agent_server.protocols.conftest import Served, serving
 from tests.services import free_port
@@ -274,16 +275,27 @@ def test_slots_the_memory_does_not_hold_exit_2_with_the_numbers(tmp_path: Path) 
 
 
 def test_the_phrase_cache_keys_on_the_serving_model(tmp_path: Path) -> None:
-    """One text, seed and voice asked of each model: each model's own audio (another model's cached segment is
-    never served), and each model's second answer comes from the cache."""
-    def speak(url: str, model: str) -> bytes:
-        response = httpx.post(f"{url}/v1/audio/speech", json={"model": model, "voice": "alloy", "input": "Hello.",
-                                                                "response_format": "wav", "seed": 7})
-        assert response.status_code == 200 and response.headers[SERVED_MODEL_HEADER] == model, response.text
-        return response.content[44:]
+    """One text, seed, voice and sampling asked of each model: each model's own audio (another model's cached
+    segment is never served, even where every sampling parameter is the same), and each model's repeat comes from
+    the cache."""
+    every: tuple[Variant, ...] = ("english", "turbo", "multilingual")
+    sampling = {"temperature": 0.8, "top_p": 1.0, "min_p": 0.05, "top_k": 1000, "repetition_penalty": 1.2,
+                "cfg_weight": 0.5, "exaggeration": 0.5, "max_new_tokens": 200}  # every one, the same for each model
 
-    with serving(tmp_path, loaded=TWO) as served:
-        for model in (*TWO, *TWO):
+    async def speak(url: str, model: str, number: int) -> tuple[str, bytes]:
+        client = await NativeClient.connect(url)
+        try:
+            log = await client.open(f"c{number}", model=model, seed=7, sampling=sampling, text="Hello.")
+            await client.end(f"c{number}")
+            await asyncio.wait_for(log.finished.wait(), 10)
+        finally:
+            await client.close()
+        assert log.started is not None and log.done is not None and log.done["reason"] == "completed", log
+        return log.started["variant"], log.audio
+
+    with serving(tmp_path, loaded=every) as served:
+        for number, model in enumerate((*every, *every)):
             expected = float_to_pcm16(FakeEngine.expected_pcm("Hello.", 7, model=model)).astype("<i2").tobytes()
-            assert speak(served.http, model) == expected, model
-        assert [r.model for r in served.engine.submits] == list(TWO)  # the repeats: from the cache
+            variant, audio = asyncio.run(speak(served.live.ws_url, model, number))
+            assert variant == model and audio[:len(expected)] == expected, model
+        assert [r.model for r in served.engine.submits] == list(every)  # the repeats: from the cache
