@@ -36,7 +36,7 @@ from synth.api import Variant
 
 from tests.agent_server.fake_asgi import running
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.live_server import REPO, live_server
+from tests.agent_server.live_server import REPO, cli_server, live_server
 from tests.agent_server.native_client import NativeClient
 from tests.agent_server.protocol_drivers import DRIVERS, Driver, until, until_turn_done
 from tests.agent_server.protocols.conftest import Served, serving
@@ -299,3 +299,16 @@ def test_the_phrase_cache_keys_on_the_serving_model(tmp_path: Path) -> None:
             variant, audio = asyncio.run(speak(served.live.ws_url, model, number))
             assert variant == model and audio[:len(expected)] == expected, model
         assert [r.model for r in served.engine.submits] == list(every)  # the repeats: from the cache
+
+
+def test_the_cli_serves_the_models_of_variant_with_their_own_slots(tmp_path: Path) -> None:
+    """`agent-server --variant turbo,multilingual --max-slots turbo=3,multilingual=2` (the env var the same):
+    both models loaded, the first the default, each with its slots; a Spanish request goes to Multilingual."""
+    env = {"AGENT_SERVER_LOG_LEVEL": "warning", "AGENT_SERVER_MAX_SLOTS": "turbo=3,multilingual=2"}
+    with cli_server(tmp_path, env, "--variant", "turbo,multilingual") as (_, port, _):
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/status").json()
+        speech = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json={
+            "model": "aura-2-celeste-es", "voice": "alloy", "input": "Hola.", "response_format": "pcm"})
+    assert status["variant"] == "turbo" and list(status["models"]) == ["turbo", "multilingual"]
+    assert {m: v["max_slots"] for m, v in status["models"].items()} == {"turbo": 3, "multilingual": 2}
+    assert speech.status_code == 200 and speech.headers[SERVED_MODEL_HEADER] == "multilingual"
