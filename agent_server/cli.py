@@ -29,12 +29,14 @@ import uvicorn
 from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.core.hub import Hub
+from agent_server.core.routing import load_routes
 from agent_server.logging import configure_logging
 from agent_server.settings import Group, Setting, Settings, SettingsError, number, optional_path, path, table, whole
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
 EXIT_DRAIN_CUT = 75  # EX_TEMPFAIL: shut down, but the grace period ran out with sessions still speaking
+EXIT_CONFIG_REFUSED = 2  # as argparse: settings no restart can fix (a bad flag; slots the memory does not hold)
 # uvicorn's WebSocket implementation: wsproto passes the Autobahn core cases (tests/agent_server/
 # test_autobahn.py); "websockets-sansio" answers case 7.1.5 (a close inside a fragmented message) with 1002.
 WS_IMPLEMENTATION = "wsproto"
@@ -314,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tls_problem = _tls_problem(settings.tls_certfile, settings.tls_keyfile)
     if tls_problem is not None:
         build_parser().error(tls_problem)
+    if settings.model_routes is not None:
+        try:
+            load_routes(settings.model_routes)
+        except ValueError as exc:
+            build_parser().error(f"--model-routes {exc}")
     cores = len(os.sched_getaffinity(0))
     if engine_config.decode_threads + engine_config.vocoder_threads > cores:
         structlog.get_logger("agent_server.cli").warning(
@@ -332,8 +339,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def on_engine_failed(detail: str) -> None:
         failures.append(detail)
-        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail,
-                                                       exit_code=EXIT_ENGINE_FAILED)
+        exit_code = EXIT_CONFIG_REFUSED if hub.refused_config is not None else EXIT_ENGINE_FAILED
+        structlog.get_logger("agent_server.cli").error("exiting_engine_failed", detail=detail, exit_code=exit_code)
         server.grace_s = min(server.grace_s, ENGINE_FAILED_GRACE_S)
         server.should_exit = True
 
@@ -359,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if metrics_server is not None:
             metrics_server.should_exit = True
             metrics_thread.join(5)
+    if hub.refused_config is not None:  # no restart fixes it: exit as for a bad flag, with the numbers
+        build_parser().error(hub.refused_config)
     if failures:
         sys.exit(EXIT_ENGINE_FAILED)
     sys.exit(server.exit_status)

@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,6 @@ from agent_server.core.observers import (
     SessionOpened,
     SlowClientDropped,
 )
-from agent_server.core.port import ServingModel
 from agent_server.fleet.replica_metrics import ReplicaCollector
 from synth.api import EngineLike, StepStats
 
@@ -106,18 +105,20 @@ class Metrics:
             return Histogram(name, doc, labels, buckets=buckets_s, registry=r)
 
         proto = ("protocol",)
+        spoken = ("protocol", "model")  # a context's: the protocol it came by, the loaded model that spoke it
         # ---- per context (observers) ----
         self.ttfa = histogram(
-            "tts_time_to_first_audio_seconds", "First audio frame sent - first text received", TTFA_BUCKETS_S, proto
+            "tts_time_to_first_audio_seconds", "First audio frame sent - first text received", TTFA_BUCKETS_S, spoken
         )
         self.engine_ttfb = histogram(
-            "tts_engine_first_chunk_seconds", "Engine's first chunk ready - first submit", TTFA_BUCKETS_S, proto
+            "tts_engine_first_chunk_seconds", "Engine's first chunk ready - first submit", TTFA_BUCKETS_S, spoken
         )
         self.server_overhead = histogram(
-            "tts_server_overhead_seconds", "First frame sent - engine's first chunk ready", OVERHEAD_BUCKETS_S, proto
+            "tts_server_overhead_seconds", "First frame sent - engine's first chunk ready", OVERHEAD_BUCKETS_S, spoken
         )
-        self.contexts_finished = counter("tts_contexts_finished", "Contexts ended, by reason", ("protocol", "reason"))
-        self.audio_sent = counter("tts_audio_sent_seconds", "Audio sent to clients (counted as contexts end)", proto)
+        self.contexts_finished = counter("tts_contexts_finished", "Contexts ended, by model and reason",
+                                         ("protocol", "model", "reason"))
+        self.audio_sent = counter("tts_audio_sent_seconds", "Audio sent to clients (counted as contexts end)", spoken)
         # ---- per session (observers) ----
         self.sessions_opened = counter("tts_sessions_opened", "Sessions admitted (WebSockets, HTTP requests)", proto)
         self.sessions_closed = counter("tts_sessions_closed", "Sessions closed, by close code", ("protocol", "code"))
@@ -134,22 +135,26 @@ class Metrics:
         self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced")
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
+        self._models: tuple[str, ...] = tuple(hub.settings.models)  # the configured ones (the engine's once built)
         r.register(_HubCollector(hub, self._protocols))
         r.register(ReplicaCollector(hub))  # shared state, phrase cache, agent weight (replica_metrics.py)
         for protocol in DEFAULT_PROTOCOLS:
             self._init_labels(protocol)
 
         self._engine: EngineLike | None = None
-        self._ttfa_window: collections.deque[tuple[float, float]] = collections.deque(maxlen=MAX_TTFA_SAMPLES)
+        # (when, first audio, model) over the dashboard's window
+        self._ttfa_window: collections.deque[tuple[float, float, str]] = collections.deque(maxlen=MAX_TTFA_SAMPLES)
         self.feed = DashboardFeed(self, sample_period_s=sample_period_s, history_s=history_s, window_s=ttfa_window_s)
 
     def _init_labels(self, protocol: str) -> None:
         """Make a protocol's series exist (at 0) before its first event, so rates start from zero."""
-        per_protocol = (self.ttfa, self.engine_ttfb, self.server_overhead, self.audio_sent, self.sessions_opened)
-        for metric in (*per_protocol, self.slow_clients):
+        for metric in (self.sessions_opened, self.slow_clients):
             metric.labels(protocol)
-        for reason in CONTEXT_REASONS:
-            self.contexts_finished.labels(protocol, reason)
+        for model in self._models:
+            for per_context in (self.ttfa, self.engine_ttfb, self.server_overhead, self.audio_sent):
+                per_context.labels(protocol, model)
+            for reason in CONTEXT_REASONS:
+                self.contexts_finished.labels(protocol, model, reason)
         for scope in BUSY_SCOPES:
             self.busy.labels(protocol, scope)
 
@@ -177,12 +182,12 @@ class Metrics:
             self.attach_engine()  # sessions exist only once the engine does: no step goes unseen
         if isinstance(event, FirstAudio):
             if event.ttfa_s is not None:
-                self.ttfa.labels(event.protocol).observe(event.ttfa_s)
-                self._ttfa_window.append((time.monotonic(), event.ttfa_s))
+                self.ttfa.labels(event.protocol, event.model).observe(event.ttfa_s)
+                self._ttfa_window.append((time.monotonic(), event.ttfa_s, event.model))
             if event.engine_ttfb_s is not None:
-                self.engine_ttfb.labels(event.protocol).observe(event.engine_ttfb_s)
+                self.engine_ttfb.labels(event.protocol, event.model).observe(event.engine_ttfb_s)
             if event.server_overhead_s is not None:
-                self.server_overhead.labels(event.protocol).observe(event.server_overhead_s)
+                self.server_overhead.labels(event.protocol, event.model).observe(event.server_overhead_s)
         elif isinstance(event, SessionOpened):
             if event.protocol not in self._protocols:
                 self._protocols.add(event.protocol)
@@ -194,9 +199,9 @@ class Metrics:
         elif isinstance(event, BusyRejected):
             self.busy.labels(event.protocol, event.scope).inc()
         elif isinstance(event, ContextFinished):
-            self.contexts_finished.labels(event.protocol, event.reason).inc()
+            self.contexts_finished.labels(event.protocol, event.model, event.reason).inc()
             if event.audio_s:
-                self.audio_sent.labels(event.protocol).inc(event.audio_s)
+                self.audio_sent.labels(event.protocol, event.model).inc(event.audio_s)
         elif isinstance(event, SlowClientDropped):
             self.slow_clients.labels(event.protocol).inc()
 
@@ -208,6 +213,10 @@ class Metrics:
         if engine is not self._engine:
             engine.set_stats_listener(self.on_step)
             self._engine = engine
+            if engine.models != self._models:  # (the engine's models are the configured ones: the hub checks)
+                self._models = engine.models
+                for protocol in list(self._protocols):
+                    self._init_labels(protocol)
         return True
 
     def detach_engine(self) -> None:
@@ -224,8 +233,9 @@ class Metrics:
             self.feed.sample_if_due()
             await asyncio.sleep(self.feed.sample_period_s / 2)
 
-    def ttfa_window(self, since_monotonic_s: float) -> list[float]:
-        return [v for t, v in list(self._ttfa_window) if t >= since_monotonic_s]
+    def ttfa_window(self, since_monotonic_s: float, model: str | None = None) -> list[float]:
+        """First-audio times since then (of one model's contexts, or every model's)."""
+        return [v for t, v, m in list(self._ttfa_window) if t >= since_monotonic_s and model in (None, m)]
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -254,9 +264,10 @@ class _HubCollector(Collector):
         for protocol, count in by_protocol.items():
             sessions_f.add_metric([protocol], count)
         contexts_f.add_metric([], sum(s.live_streams for s in sessions))
-        slots_f.add_metric([], float(status.get("slots_in_use", 0)))
-        max_slots_f.add_metric([], float(ServingModel.of(engine, hub.settings).max_slots))
-        waiting_f.add_metric([], float(status.get("waiting", 0)))
+        for model, of_model in _per_model(engine, status, hub).items():
+            slots_f.add_metric([model], float(of_model.get("slots_in_use", 0)))
+            max_slots_f.add_metric([model], float(of_model.get("max_slots", 0)))
+            waiting_f.add_metric([model], float(of_model.get("waiting", 0)))
         ready_f.add_metric([], 1.0 if hub.ready else 0.0)
         random_f.add_metric([], 1.0 if engine is not None and engine.random_weights else 0.0)
         for part, key in (("decode", "cuda_graphs"), ("vocoder", "vocoder_graphs")):
@@ -270,15 +281,29 @@ class _HubCollector(Collector):
         return [
             GaugeMetricFamily("tts_sessions_active", "Sessions open (WebSockets, HTTP requests)", labels=["protocol"]),
             GaugeMetricFamily("tts_contexts_active", "Contexts (turns) open, all sessions"),
-            GaugeMetricFamily("tts_engine_slots_in_use", "Segments holding an engine slot"),
-            GaugeMetricFamily("tts_engine_max_slots", "Engine slots (the batch size)"),
-            GaugeMetricFamily("tts_engine_waiting_segments", "Segments in the engine's admission queue"),
+            GaugeMetricFamily("tts_engine_slots_in_use", "Segments holding an engine slot, by model", labels=["model"]),
+            GaugeMetricFamily("tts_engine_max_slots", "Engine slots (the batch size), by model", labels=["model"]),
+            GaugeMetricFamily("tts_engine_waiting_segments", "Segments in the engine's admission queue, by model",
+                              labels=["model"]),
             GaugeMetricFamily("tts_server_ready", "1 once the model is loaded and the server takes sessions"),
             GaugeMetricFamily("tts_random_weights", "1 when the model runs on random weights (audio is noise)"),
             GaugeMetricFamily("tts_engine_graphs", "1 for each part's CUDA graphs state: on, off, or fallback (eager "
                               "after a capture failure or a replay unequal to eager at start-up), with the reason",
                               labels=["part", "state", "reason"]),
         ]
+
+
+def _per_model(engine: EngineLike | None, status: dict[str, Any], hub: Hub) -> dict[str, dict[str, Any]]:
+    """Each loaded model's slots and queue: the engine status's per-model entries (an engine that reports none
+    serves one model: its totals), the configured slots before the engine is built."""
+    if engine is None:
+        settings = hub.settings
+        return {model: {"max_slots": settings.max_slots.of(model)} for model in settings.models}
+    per_model = status.get("models")
+    if isinstance(per_model, dict) and per_model:
+        return {str(model): dict(of_model) for model, of_model in per_model.items() if isinstance(of_model, dict)}
+    return {engine.variant: {"slots_in_use": status.get("slots_in_use", 0), "max_slots": engine.max_slots,
+                             "waiting": status.get("waiting", 0)}}
 
 
 # ---- the dashboard feed ----------------------------------------------------------------------------
@@ -342,6 +367,7 @@ class DashboardFeed:
             history = list(self.history)
         return {
             "variant": model.variant,
+            "models": list(model.models),
             "random_weights": model.random_weights,
             "sample_period_s": self.sample_period_s,
             "ttfa_window_s": self.window_s,
@@ -367,6 +393,10 @@ class DashboardFeed:
 
         def per_protocol(name: str) -> dict[str, int]:
             return {p: int(v) for p, v in cur.by_label(name, "protocol").items()}
+
+        def per_model(name: str, previous: bool = False) -> dict[str, float]:
+            samples = prev if previous else cur
+            return samples.by_label(name, "model") if samples is not None else {}
 
         steps = delta("tts_engine_steps_total")
         slots_in_use = cur.total("tts_engine_slots_in_use")
@@ -406,7 +436,28 @@ class DashboardFeed:
             },
             "opened": per_protocol("tts_sessions_opened_total"),
             "closed": per_protocol("tts_sessions_closed_total"),
+            "models": self._models(cur, per_model),
         }
+
+    def _models(self, cur: _Samples, per_model: Callable[..., dict[str, float]]) -> dict[str, dict[str, Any]]:
+        """Each model's first audio (the window's quantiles), slots, queue and contexts started this period."""
+        since_s = time.monotonic() - self.window_s
+        in_use, slots, waiting = (per_model(n) for n in ("tts_engine_slots_in_use", "tts_engine_max_slots",
+                                                             "tts_engine_waiting_segments"))
+        started, started_before = (per_model("tts_time_to_first_audio_seconds_count", previous)
+                                   for previous in (False, True))
+        out: dict[str, dict[str, Any]] = {}
+        for model in sorted(set(slots) | set(started)):
+            window = sorted(self.metrics.ttfa_window(since_s, model))
+            out[model] = {
+                "ttfa_n": len(window),
+                **{f"ttfa_p{q}_ms": _ms(_exact_quantile(window, q / 100)) for q in (50, 95)},
+                "slots_in_use": in_use.get(model, 0.0),
+                "max_slots": slots.get(model, 0.0),
+                "waiting": waiting.get(model, 0.0),
+                "first_audio_new": int(started.get(model, 0.0) - started_before.get(model, 0.0)),
+            }
+        return out
 
 
 def _ms(value_s: float | None) -> float | None:

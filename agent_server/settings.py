@@ -309,6 +309,11 @@ class Settings:
         ("english",), f"the models to serve, the default first: a comma list of {', '.join(VARIANTS)}, or "
         f"{ALL_MODELS}", E, model_list, flag="--variant", env=("AGENT_SERVER_VARIANT",), check=models_given,
         engine=_models, metavar="MODEL[,MODEL...]")
+    # Which loaded model speaks a request, by the model and language fields it sends (agent_server/core/routing.py):
+    # a JSON file replacing the built-in table (None: the built-in one).
+    model_routes: Path | None = setting(
+        None, "JSON file of the route table (which model serves which vendor model names; see docs/compatibility.md), "
+        "replacing the built-in one", E, optional_path, flag="--model-routes", env=("AGENT_SERVER_MODEL_ROUTES",))
     # auto | random-tiny | random-full | PATH (a checkpoint directory); per model: turbo=PATH,...
     weights: PerModel[str] = setting(
         PerModel("auto"), "auto (a local checkpoint, else the hub, else random weights with a warning), random-tiny, "

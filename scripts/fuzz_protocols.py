@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 from urllib.parse import parse_qsl
 
 import orjson
@@ -31,6 +32,7 @@ try:
 except ImportError:
     atheris = None
 
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import (
     cartesia,
@@ -44,6 +46,7 @@ from agent_server.protocols import (
     twilio,
 )
 from agent_server.protocols import native_wire as wire
+from synth.api import Variant
 
 VARIANTS = ("english", "turbo", "multilingual")
 PARSED, ERROR = "parsed", "error"
@@ -55,6 +58,11 @@ def _text(data: bytes) -> str:
 
 def _query(data: bytes) -> dict[str, str]:
     return dict(parse_qsl(_text(data), keep_blank_values=True))
+
+
+def _router(variant: str) -> Router:
+    """The built-in route table over one loaded model (the parsers route a request's model and language)."""
+    return Router(DEFAULT_ROUTES, (cast(Variant, variant),))
 
 
 def native(data: bytes, variant: str) -> str:
@@ -74,7 +82,7 @@ def elevenlabs_message(data: bytes, variant: str) -> str:
 
 
 def elevenlabs_query(data: bytes, variant: str) -> str:
-    elevenlabs.parse_query(_query(data), variant)
+    elevenlabs.parse_query(_query(data), _router(variant))
     return PARSED
 
 
@@ -89,7 +97,7 @@ def deepgram_message(data: bytes, variant: str) -> str:
 
 
 def deepgram_query(data: bytes, variant: str) -> str:
-    deepgram.parse_query(_query(data), variant)
+    deepgram.parse_query(_query(data), _router(variant))
     return PARSED
 
 
@@ -98,7 +106,7 @@ def openai_body(data: bytes, variant: str) -> str:
         body = orjson.loads(data)
     except orjson.JSONDecodeError:
         return ERROR  # the endpoint answers 400 "the body must be JSON"
-    openai_speech.parse_request(body, variant)
+    openai_speech.parse_request(body, _router(variant))
     return PARSED
 
 
@@ -118,18 +126,18 @@ def _query_and_body(data: bytes) -> tuple[dict[str, str], object]:
 
 def elevenlabs_http_request(data: bytes, variant: str) -> str:
     query, body = _query_and_body(data)
-    elevenlabs_http.parse_request("v", query, body, variant, streamed=True, timestamps=bool(data[:1] == b"t"))
+    elevenlabs_http.parse_request("v", query, body, _router(variant), streamed=True, timestamps=bool(data[:1] == b"t"))
     return PARSED
 
 
 def cartesia_http_request(data: bytes, variant: str) -> str:
-    cartesia_http.parse_request(_json_body(data), variant, sse=bool(data[:1] == b"{"))
+    cartesia_http.parse_request(_json_body(data), _router(variant), sse=bool(data[:1] == b"{"))
     return PARSED
 
 
 def deepgram_http_request(data: bytes, variant: str) -> str:
     query, body = _query_and_body(data)
-    deepgram_http.parse_request(query, body, variant)
+    deepgram_http.parse_request(query, body, _router(variant))
     return PARSED
 
 

@@ -130,6 +130,23 @@ function render() {
   $("now-busy").innerHTML = `${last.busy.total}<small>total</small>`;
   bars("busy", t, col((s) => s.busy.new), C.danger);
   protocols(last);
+  models(t, last);
+}
+
+const MODEL_COLORS = [C.accent, C.blue, C.violet, C.warn];
+
+// each loaded model: its first-audio p95 over time, and a row of its figures now
+function models(t, last) {
+  const names = Object.keys(last.models || {}).sort();
+  line("models", t, names.map((m, i) => ({
+    name: m, color: MODEL_COLORS[i % MODEL_COLORS.length],
+    values: samples.map((s) => (s.models && s.models[m] ? s.models[m].ttfa_p95_ms : null)),
+  })), { unit: "ms" });
+  $("models").innerHTML = names.map((m) => {
+    const x = last.models[m];
+    return `<tr><td>${m}</td><td>${ms(x.ttfa_p50_ms)}</td><td>${ms(x.ttfa_p95_ms)}</td><td>${x.ttfa_n}</td>` +
+      `<td>${fmt(x.slots_in_use)} / ${fmt(x.max_slots)}</td><td>${fmt(x.waiting)}</td></tr>`;
+  }).join("");
 }
 
 function ms(v) {

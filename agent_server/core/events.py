@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from agent_server.audio.codecs import MAX_SPEED, MIN_SPEED, StreamFormat
 from agent_server.errors import FieldError
-from synth.api import SamplingParams
+from synth.api import SamplingParams, Variant
 
 # ---- what a stream is opened with --------------------------------------------------------------
 
@@ -38,6 +38,9 @@ class StreamSpec:
     speed: float = 1.0  # the audio played this much faster, its pitch kept (codecs.TempoEncoder); 1: untouched
     markup: frozenset[str] = frozenset()  # the inline tags the text may carry (agent_server/text/markup.py); none: text
     normalize: bool = True  # numbers, money, times ... said as words (agent_server/text/normalize/); False: as written
+    # The loaded model that speaks it (agent_server/core/routing.py); None: the default model (Hub.open_stream names
+    # it before the stream opens, so a stream always knows its model).
+    model: Variant | None = None
 
     def __post_init__(self) -> None:
         parse_speed("speed", self.speed)

@@ -32,6 +32,7 @@ from agent_server.core.session import WireProtocol, serve
 from agent_server.core.transport import (
     HTTP_CLIENT_GONE,
     Disconnected,
+    Head,
     InputEnded,
     Outbound,
     TransportClosed,
@@ -113,10 +114,16 @@ class GrpcTransport:
             return None
 
     async def send(self, data: Outbound) -> None:
-        if not isinstance(data, bytes):
-            raise TypeError("a gRPC message is bytes (a serialized protobuf message)")
         if self._gone.is_set() or self.end is not None:
             raise TransportClosed("the call is over")
+        if isinstance(data, Head):  # the call's initial metadata (its headers), before any message
+            try:
+                await self._context.send_initial_metadata(data.headers)
+            except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as exc:
+                raise TransportClosed(str(exc)) from exc
+            return
+        if not isinstance(data, bytes):
+            raise TypeError("a gRPC message is bytes (a serialized protobuf message)")
         if self.unary:
             if self._response is not None:
                 raise RuntimeError("a unary call has one response")

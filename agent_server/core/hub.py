@@ -15,6 +15,7 @@ live in the shared state (Redis with --redis-url).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import itertools
 import secrets
@@ -41,6 +42,7 @@ from agent_server.core.events import (
 from agent_server.core.observers import Observers
 from agent_server.core.outcomes import Outcome, Refusal
 from agent_server.core.port import Port, ServingModel
+from agent_server.core.routing import DEFAULT_ROUTES, MODEL_NOT_SERVED, load_routes
 from agent_server.core.stream import SegmenterLike, SpeechStream
 from agent_server.core.voices import Voice, VoiceStore
 from agent_server.errors import UNAVAILABLE, FieldError
@@ -61,7 +63,7 @@ from agent_server.fleet.phrase_cache import (
 )
 from agent_server.fleet.shared_state import shared_state_from
 from agent_server.settings import Settings
-from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineLike
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineConfigError, EngineLike, Variant
 
 log = structlog.get_logger("agent_server.hub")
 
@@ -129,7 +131,9 @@ class Hub:
                   if cache_url else None)
         self.phrase_cache = PhraseCache(int(settings.phrase_cache_mb * MIB), remote)
         self.prewarm = Prewarm(settings.prewarm_file, self.phrase_cache)  # raises ValueError on an unusable list
-        self.weights_id = ""  # weights_identity() once the engine is built
+        # which loaded model speaks a request (raises ValueError on an unusable --model-routes file)
+        self.routes = load_routes(settings.model_routes) if settings.model_routes else DEFAULT_ROUTES
+        self.weights_ids: dict[Variant, str] = {}  # each loaded model's weights_identity(), once the engine is built
         self.agent_check = (AgentCheckServer(settings.host, settings.agent_check_port, self.capacity)
                             if settings.agent_check_port else None)
         self._admitting = 0  # sessions between admit()'s first checks and their registration
@@ -139,7 +143,8 @@ class Hub:
         self.engine: EngineLike | None = None  # set once built (it is ready once status is READY)
         self.sessions: set[SessionHandle] = set()
         self.make_segmenter = segmenter_factory or _default_segmenter_factory()
-        self.port = Port(lambda: self.settings, self.voices, lambda: self.model)  # all a protocol gets
+        self.port = Port(lambda: self.settings, self.voices, lambda: self.model,  # all a protocol gets
+                         lambda: self.routes)
         self._given_engine = engine
         self._engine_factory = engine_factory
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,6 +157,9 @@ class Hub:
         # The CLI sets it to shut the server down and exit non-zero, so that a supervisor restarts it
         # (a dead engine cannot be revived in-process); without it the server stays up, not ready.
         self.on_engine_failed: Callable[[str], None] | None = None
+        # The engine refused its configuration (EngineConfigError: slots that do not fit the memory, with the
+        # numbers): the CLI exits as for a bad flag (2), not as for a crash (70) a supervisor restarts.
+        self.refused_config: str | None = None
         self._drained_complete = True  # the last drain ended every session within its grace period
         self._no_sessions = asyncio.Event()  # set while no session is registered
         self._no_sessions.set()
@@ -290,6 +298,10 @@ class Hub:
         engine = self.engine
         if engine is None or not self.ready:
             raise FieldError("", f"the server is not ready: {self._not_serving_reason()}", UNAVAILABLE, busy=True)
+        if spec.model is None:
+            spec = dataclasses.replace(spec, model=engine.variant)
+        elif spec.model not in engine.models:  # (the router picks loaded models only)
+            raise FieldError("model", f"this server does not run {spec.model!r}", MODEL_NOT_SERVED)
         voice = self.voices.acquire(spec.voice_id)
 
         def emit_then_release(stream: Stream, event: StreamEvent) -> None:
@@ -304,7 +316,8 @@ class Hub:
     def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy,
                       *, pin: bool = False) -> CachedSource:
         """Where a stream's segments get their audio: the phrase cache, else the engine (phrase_cache.py)."""
-        context = KeyContext(engine.variant, self.weights_id, voice.voice_id, voice.version, spec.language)
+        model = spec.model or engine.variant
+        context = KeyContext(model, self.weights_ids[model], voice.voice_id, voice.version_of(model), spec.language)
         return CachedSource(engine, self.phrase_cache, context, policy, self.post, pin=pin)
 
     # ---- the pre-warm list ---------------------------------------------------------------------
@@ -316,9 +329,11 @@ class Hub:
         engine = self.engine
         if engine is None:
             raise RuntimeError("no engine")
-        params = build_params(engine.variant, entry.sampling, entry.seed)
+        routed = self.port.router.route(model_field="model", model=entry.model, language_field="language",
+                                        language=entry.language)
+        params = build_params(routed.model, entry.sampling, entry.seed)
         spec = StreamSpec(voice_id=entry.voice_id, params=params, output_format=PREWARM_FORMAT,
-                          language=entry.language)
+                          language=routed.language, model=routed.model)
         voice = self.voices.acquire(entry.voice_id)
         done: asyncio.Future[StreamDone] = asyncio.get_running_loop().create_future()
 
@@ -380,6 +395,8 @@ class Hub:
             "detail": self.detail,
             "ready": self.ready,
             "variant": model.variant,
+            "models": self._models_json(engine_status),
+            "routes": self.routes.to_json(),
             "random_weights": model.random_weights,
             "weights": str(self.settings.weights),
             "weights_source": engine_status.get("weights_source"),
@@ -394,6 +411,21 @@ class Hub:
             "prewarm": self.prewarm.status_json(),
             "warnings": warnings,
         }
+
+    def _models_json(self, engine_status: dict[str, Any]) -> dict[str, Any]:
+        """Each loaded model (the default first): the engine's own entry for it, its slots, its weights identity."""
+        per_model = engine_status.get("models")
+        out: dict[str, Any] = {}
+        for name in self.model.models:
+            own = per_model.get(name) if isinstance(per_model, dict) else None
+            entry: dict[str, Any] = dict(own) if isinstance(own, dict) else {}
+            entry.setdefault("max_slots", self.engine.max_slots_of(name) if self.engine is not None
+                             else self.settings.max_slots.of(name))
+            entry["default"] = name == self.model.variant
+            entry["weights"] = self.settings.weights.of(name)
+            entry["weights_id"] = self.weights_ids.get(name)
+            out[name] = entry
+        return out
 
     def capacity(self) -> Capacity:
         """What the HAProxy agent check reports (agent_check.py)."""
@@ -430,11 +462,13 @@ class Hub:
         try:
             engine = await built
             self.engine = engine
-            self.weights_id = await asyncio.to_thread(weights_identity, engine.status(), engine.variant)
-            await self.voices.attach(engine, self.weights_id)
+            self.weights_ids = await asyncio.to_thread(_weights_ids, engine)
+            await self.voices.attach(engine, self.weights_ids)
         except Exception as exc:
             self.status = ServerStatus.FAILED
             self.detail = f"engine failed to load: {exc}"
+            if isinstance(exc, EngineConfigError):  # (slots that do not fit, models not loaded): no restart fixes it
+                self.refused_config = str(exc)
             log.exception("engine_load_failed")
             self.engine_settled.set()
             self._report_failure()
@@ -448,10 +482,13 @@ class Hub:
             self.detail = "ready"
         log.info(
             "server_ready",
-            variant=engine.variant,
+            model=engine.variant,
+            models=",".join(engine.models),
             random_weights=engine.random_weights,
             max_slots=engine.max_slots,
+            max_slots_per_model={model: engine.max_slots_of(model) for model in engine.models},
             voices=len(self.voices.list()),
+            routes=self.routes.source,
         )
 
     def _build_and_start(self) -> EngineLike:
@@ -462,8 +499,11 @@ class Hub:
                 raise RuntimeError("no engine and no engine factory")
             log.info("engine_loading", models=",".join(self.settings.models), weights=str(self.settings.weights))
             engine = self._engine_factory(self.settings)
+        if engine.models != self.settings.models and self._given_engine is None:
+            raise EngineConfigError(f"--variant {','.join(self.settings.models)} asks for these models, the engine "
+                                    f"loaded {','.join(engine.models)}")
         if engine.random_weights:
-            log.warning("random_weights", variant=engine.variant, message=RANDOM_WEIGHTS_WARNING)
+            log.warning("random_weights", model=",".join(engine.models), message=RANDOM_WEIGHTS_WARNING)
         engine.start()  # idempotent
         while not engine.ready:
             if not engine.alive:
@@ -516,6 +556,17 @@ class Hub:
     def _report_failure(self) -> None:
         if self.on_engine_failed is not None:
             self.on_engine_failed(self.detail)
+
+
+def _weights_ids(engine: EngineLike) -> dict[Variant, str]:
+    """Each loaded model's weights identity (its own entry of the engine's status where it has one)."""
+    status = engine.status()
+    per_model = status.get("models")
+    ids = {}
+    for model in engine.models:
+        own = per_model.get(model) if isinstance(per_model, dict) else None
+        ids[model] = weights_identity({**status, **own} if isinstance(own, dict) else status, model)
+    return ids
 
 
 def _settle(future: asyncio.Future[EngineLike], result: EngineLike | BaseException) -> None:

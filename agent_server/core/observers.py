@@ -41,6 +41,7 @@ class FirstAudio:
     protocol: str
     session_id: str
     context_id: str
+    model: str  # the loaded model that spoke it
     ttfa_s: float | None  # first frame sent - first text received
     server_overhead_s: float | None  # first frame sent - engine's first chunk ready
     engine_ttfb_s: float | None  # engine's first chunk ready - first segment submitted
@@ -51,6 +52,7 @@ class ContextFinished:
     protocol: str
     session_id: str
     context_id: str
+    model: str  # the loaded model that spoke it
     reason: str  # completed | cancelled | busy | failed | shutdown
     audio_s: float
     segments: int

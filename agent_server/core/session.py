@@ -262,6 +262,7 @@ class Session(Generic[S]):
                 ctx = Context(context_id, number, state, self.log.bind(context_id=context_id))
                 emit = partial(self._on_stream_event, ctx)
                 ctx.stream = await self._hub.open_stream(f"{self.session_id}/{number}", spec, emit)
+                ctx.log = ctx.log.bind(model=ctx.stream.spec.model)  # every line of the context names its model
             finally:
                 self._opening.discard(context_id)
         except FieldError as error:
@@ -675,8 +676,9 @@ class Session(Generic[S]):
         stream = ctx.stream
         ctx.log.info("context_done", reason=done.reason, detail=done.detail, segments=stream.segment_count,
                      audio_ms=round(stream.sent_ms, 1), frames=stream.frames_sent)
-        self._hub.observers.emit(ContextFinished(self.protocol_name, self.session_id, ctx.context_id, done.reason,
-                                                stream.sent_ms / 1000.0, stream.segment_count))
+        self._hub.observers.emit(ContextFinished(self.protocol_name, self.session_id, ctx.context_id,
+                                                 stream.spec.model or "", done.reason, stream.sent_ms / 1000.0,
+                                                 stream.segment_count))
         if done.status == StreamStatus.BUSY:
             self._hub.observers.emit(BusyRejected(self.protocol_name, "context", done.detail))
 
@@ -685,8 +687,9 @@ class Session(Generic[S]):
         engine_ttfb_s = None
         if times.first_chunk_ready_s is not None and times.first_submit_s is not None:
             engine_ttfb_s = times.first_chunk_ready_s - times.first_submit_s
-        self._hub.observers.emit(FirstAudio(self.protocol_name, self.session_id, ctx.context_id, times.ttfa_s,
-                                           times.server_overhead_s, engine_ttfb_s))
+        self._hub.observers.emit(FirstAudio(self.protocol_name, self.session_id, ctx.context_id,
+                                            ctx.stream.spec.model or "", times.ttfa_s, times.server_overhead_s,
+                                            engine_ttfb_s))
 
 
 async def serve(hub: Hub, transport: Transport, protocol: type[WireProtocol[Any]]) -> None:

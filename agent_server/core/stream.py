@@ -374,6 +374,7 @@ class SpeechStream:
             may_wait=self.spec.may_wait or seg.index > 0,
             submitted_monotonic_s=now_s,
             listener=self._listener,
+            model=self.spec.model,
         )
         if self.times.first_submit_s is None:
             self.times.first_submit_s = now_s

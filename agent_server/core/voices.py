@@ -3,10 +3,15 @@
 Alone (no shared state): `<data_dir>/voices/<voice_id>.wav` (mono 16-bit PCM at the clip's own rate) and
 `<voice_id>.json` (metadata). At start-up every stored clip is handed to the engine again.
 
-Shared (`--redis-url`): a voice lives in Redis with its clip and its computed conditioning
-(`EngineLike.export_voice`), so every replica serves every voice without running the voice encoders again
-(`import_voice`); a replica on other weights recomputes from the clip. Each replica imports the voices of
-the shared index as it changes (polled every shared_state.SYNC_PERIOD_S), so a voice created on one
+Several models (--variant turbo,multilingual): one clip gives each loaded model its own conditioning, computed once
+per model (`EngineLike.add_voice`), and each model's has its own version (`Voice.versions`; the phrase cache keys by
+the serving model's).
+
+Shared (`--redis-url`): a voice lives in Redis with its clip and its computed conditioning, one per model's weights
+(`EngineLike.export_voice(voice, model)`, keyed by the model's weights identity), so every replica serves every voice
+without running the voice encoders again (`import_voice`); a replica with a model whose conditioning is not there yet
+(other weights, another model) computes it from the clip and adds it for the replicas after it. Each replica imports
+the voices of the shared index as it changes (polled every shared_state.SYNC_PERIOD_S), so a voice created on one
 replica is spoken by the others within about that. The disk is not used then (Redis needs persistence).
 
 Every voice has a `version`: the first 16 hex digits of the SHA-256 of its conditioning. A voice deleted and
@@ -26,9 +31,9 @@ import io
 import re
 import secrets
 import wave
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -46,7 +51,7 @@ from starlette.types import Message
 
 from agent_server.errors import BAD_REQUEST, FieldError
 from agent_server.fleet.shared_state import SharedState, SharedStateUnavailable, VoiceData, VoiceRecord
-from synth.api import EngineError, EngineLike
+from synth.api import EngineError, EngineLike, Variant
 
 log = structlog.get_logger("agent_server.voices")
 
@@ -78,7 +83,8 @@ class Voice:
     description: str = ""
     language: str = ""  # ISO 639 code of the clip's language as the uploader gave it ("": not given)
     leases: int = 0  # contexts using it now
-    version: str = ""  # content hash of the conditioning the engine holds for it
+    version: str = ""  # content hash of the conditioning the engine holds for it (the default model's)
+    versions: dict[str, str] = field(default_factory=dict)  # each loaded model's (the default's is `version`)
     shared_version: str = ""  # the shared record's version it was made from ("": not shared); sync compares it
 
     def to_json(self) -> dict[str, Any]:
@@ -95,7 +101,12 @@ class Voice:
             "language": self.language,
             "in_use": self.leases,
             "version": self.version,
+            "versions": dict(self.versions),
         }
+
+    def version_of(self, model: str) -> str:
+        """The content hash of `model`'s conditioning of this voice."""
+        return self.versions.get(model, self.version)
 
 
 class VoiceError(FieldError):
@@ -122,7 +133,7 @@ class VoiceStore:
         self.min_clip_s = min_clip_s
         self.max_clip_s = max_clip_s
         self.shared = shared if shared is not None and shared.shared else None  # None: the disk store
-        self.weights_id = ""
+        self.weights_ids: Mapping[Variant, str] = {}  # each loaded model's weights identity
         self.attached_unix_s = 0  # when the engine's voices were registered (a model's `created` time)
         self._voices: dict[str, Voice] = {}
         self._engine: EngineLike | None = None
@@ -132,16 +143,17 @@ class VoiceStore:
 
     # ---- start-up ------------------------------------------------------------------------------
 
-    async def attach(self, engine: EngineLike, weights_id: str = "") -> None:
-        """Register the engine's built-in voices, then hand every stored (or shared) voice to the engine."""
+    async def attach(self, engine: EngineLike, weights_ids: Mapping[Variant, str] | None = None) -> None:
+        """Register the engine's built-in voices, then hand every stored (or shared) voice to the engine.
+        `weights_ids`: each loaded model's weights identity (which shared conditioning it may import)."""
         self._engine = engine
-        self.weights_id = weights_id
+        self.weights_ids = dict(weights_ids or {})
         attached_at = _now()
         self.attached_unix_s = int(datetime.fromisoformat(attached_at).timestamp())
         for voice_id in engine.voice_ids():  # built in: created when the engine loaded them
             voice = self._voices[voice_id] = Voice(voice_id, builtin=True, status=VoiceStatus.READY,
                                                    name=voice_id, created_at=attached_at)
-            voice.version = await asyncio.to_thread(self._version_of, voice_id)
+            await asyncio.to_thread(self._set_versions, voice)
         if self.shared is not None:
             await self.sync()
             self._sync_task = asyncio.create_task(self._sync_loop(self.shared), name="voices-sync")
@@ -166,7 +178,7 @@ class VoiceStore:
                 )
                 self._voices[voice_id] = voice
                 await asyncio.to_thread(engine.add_voice, voice_id, wav, sample_rate_hz)
-                voice.version = await asyncio.to_thread(self._version_of, voice_id)
+                await asyncio.to_thread(self._set_versions, voice)
                 voice.status = VoiceStatus.READY
                 log.info("voice_restored", voice_id=voice_id, duration_s=round(voice.duration_s, 2))
             except (OSError, ValueError, EngineError) as exc:  # one bad file must not stop the server
@@ -224,16 +236,17 @@ class VoiceStore:
         voice = Voice(record.voice_id, False, VoiceStatus.LOADING, record.name, record.duration_s,
                       record.sample_rate_hz, record.created_at, record.description, record.language)
         self._voices[record.voice_id] = voice
+        missing = [model for model in engine.models if self.weights_ids.get(model) not in data.conditioning]
         try:
-            if record.weights_id == self.weights_id:
-                await asyncio.to_thread(engine.import_voice, record.voice_id, data.conditioning)
-                voice.version = record.version
-                voice.shared_version = record.version
-            else:  # computed by another model: recompute here, from the clip
+            if not missing:  # every model's conditioning is there: no encoder runs
+                for model in engine.models:
+                    conditioning = data.conditioning[self.weights_ids[model]]
+                    await asyncio.to_thread(engine.import_voice, record.voice_id, conditioning, model)
+            else:  # a model (other weights, another model) without it: computed here from the clip, for every model
                 wav, sample_rate_hz = decode_wav(data.clip_wav)
                 await asyncio.to_thread(engine.add_voice, record.voice_id, wav, sample_rate_hz)
-                voice.version = await asyncio.to_thread(self._version_of, record.voice_id)
-                voice.shared_version = record.version
+            await asyncio.to_thread(self._set_versions, voice)
+            voice.shared_version = record.version
         except BaseException:
             if replacing is not None:
                 self._voices[record.voice_id] = replacing
@@ -243,8 +256,9 @@ class VoiceStore:
         if replacing is not None:
             replacing.status = VoiceStatus.DELETING  # its contexts finish on the conditioning they hold
         voice.status = VoiceStatus.READY
-        log.info("voice_imported", voice_id=record.voice_id, version=voice.version,
-                 recomputed=record.weights_id != self.weights_id)
+        log.info("voice_imported", voice_id=record.voice_id, version=voice.version, computed_for=",".join(missing))
+        if missing:  # the models computed here: for the replicas after this one
+            await self._add_conditioning(engine, shared, voice, record, missing)
 
     def _retire(self, voice: Voice) -> None:
         """Deleted elsewhere: hide it now, forget it once its last context ends."""
@@ -253,12 +267,15 @@ class VoiceStore:
             self._forget(voice)
         log.info("voice_retired", voice_id=voice.voice_id, in_use=voice.leases)
 
-    def _version_of(self, voice_id: str) -> str:
+    def _set_versions(self, voice: Voice) -> None:
+        """The content hash of each loaded model's conditioning of `voice` (worker thread)."""
         engine = self._require_engine()
         try:
-            return conditioning_version(engine.export_voice(voice_id))
+            voice.versions = {model: conditioning_version(engine.export_voice(voice.voice_id, model))
+                              for model in engine.models}
         except NotImplementedError:
-            return UNVERSIONED
+            voice.versions = dict.fromkeys(engine.models, UNVERSIONED)
+        voice.version = voice.versions[engine.variant]
 
     # ---- leases (contexts) -----------------------------------------------------------------------
 
@@ -330,7 +347,7 @@ class VoiceStore:
             self._voices.pop(voice_id, None)
             raise
         try:
-            voice.version = await asyncio.to_thread(self._version_of, voice_id)
+            await asyncio.to_thread(self._set_versions, voice)
             if self.shared is not None:
                 await self._publish(engine, self.shared, voice, clip)
             else:
@@ -369,9 +386,12 @@ class VoiceStore:
     async def _publish(self, engine: EngineLike, shared: SharedState, voice: Voice, clip: bytes) -> None:
         """Put the voice (the clip as uploaded, and its conditioning) in the shared state. Raises VoiceError
         409 when another replica created the same id first, 503 when the shared state is unavailable."""
-        conditioning = await asyncio.to_thread(engine.export_voice, voice.voice_id)
+        conditioning = {self.weights_ids.get(model, model): await asyncio.to_thread(engine.export_voice,
+                                                                                      voice.voice_id, model)
+                        for model in engine.models}
         record = VoiceRecord(voice.voice_id, voice.version, voice.name, voice.created_at, voice.duration_s,
-                             voice.sample_rate_hz, self.weights_id, voice.description, voice.language)
+                             voice.sample_rate_hz, self.weights_ids.get(engine.variant, ""), voice.description,
+                             voice.language)
         try:
             created = await shared.put_voice(VoiceData(record, clip, conditioning))
         except SharedStateUnavailable:
@@ -380,6 +400,19 @@ class VoiceStore:
         if not created:
             raise VoiceError(409, "voice_id", f"voice {voice.voice_id!r} already exists", code="conflict")
         voice.shared_version = record.version
+
+    async def _add_conditioning(self, engine: EngineLike, shared: SharedState, voice: Voice, record: VoiceRecord,
+                                models: Sequence[Variant]) -> None:
+        """Share the conditioning of `models`, computed here, under the shared voice it was made from (none of it
+        when that voice changed meanwhile). A failure only costs the next replica a computation."""
+        try:
+            for model in models:
+                if model in self.weights_ids:
+                    conditioning = await asyncio.to_thread(engine.export_voice, voice.voice_id, model)
+                    await shared.add_conditioning(record.voice_id, record.version, self.weights_ids[model],
+                                                  conditioning)
+        except (SharedStateUnavailable, EngineError) as exc:
+            log.warning("voice_conditioning_not_shared", voice_id=voice.voice_id, error=str(exc))
 
     async def _catch_up(self) -> None:
         """Shared: read the index now, so that a change made on another replica a moment ago counts (the

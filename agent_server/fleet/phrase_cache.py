@@ -2,7 +2,7 @@
 
 Voice agents say the same things all day ("One moment, please.", greetings, confirmations). A segment's
 audio is a pure function of what shapes it, so the cache keys each *segment* by a hash of exactly that
-(`phrase_key`): the normalised text, the variant, the weights' identity, the voice id and version, every
+(`phrase_key`): the normalised text, the serving model, its weights' identity, the voice id and version, every
 sampling parameter, the seed and the language. The value is the segment's native PCM (24 kHz float32, as the
 engine made it: any output format is encoded per request, by the same encoder as engine audio).
 
@@ -83,7 +83,7 @@ def normalise_text(text: str) -> str:
 def phrase_key(
     text: str,
     *,
-    variant: str,
+    model: str,
     weights_id: str,
     voice_id: str,
     voice_version: str,
@@ -94,7 +94,7 @@ def phrase_key(
     fields = {
         "v": KEY_VERSION,
         "text": normalise_text(text),
-        "variant": variant,
+        "variant": model,  # the model that speaks it (the name kept: a one-model server's keys stay the same)
         "weights": weights_id,
         "voice": voice_id,
         "voice_version": voice_version,
@@ -377,14 +377,14 @@ PREWARM = CachePolicy(lookup=True, store_seeded=True, store_unseeded=True)
 class KeyContext:
     """What, besides the request, shapes a stream's audio."""
 
-    variant: str
-    weights_id: str
+    model: str  # the loaded model that speaks the stream (every model keys apart)
+    weights_id: str  # that model's
     voice_id: str
-    voice_version: str
+    voice_version: str  # of that model's conditioning
     language: str | None
 
     def key(self, text: str, params: SamplingParams) -> str:
-        return phrase_key(text, variant=self.variant, weights_id=self.weights_id, voice_id=self.voice_id,
+        return phrase_key(text, model=self.model, weights_id=self.weights_id, voice_id=self.voice_id,
                           voice_version=self.voice_version, params=params, language=self.language)
 
 
@@ -530,7 +530,7 @@ class CachedSource:
 
 
 PREWARM_CONCURRENCY = 4  # phrases rendered at once (they share the engine with live traffic after a reload)
-PREWARM_FIELDS = frozenset({"text", "voice", "seed", "language", "sampling"})
+PREWARM_FIELDS = frozenset({"text", "voice", "seed", "language", "sampling", "model"})
 MAX_PREWARM_TEXT_CHARS = 4096
 
 
@@ -540,12 +540,13 @@ class PrewarmEntry:
     voice_id: str = "default"
     seed: int | None = None  # None: rendered with a drawn seed, served to requests without one
     language: str | None = None
-    sampling: tuple[tuple[str, float | int], ...] = ()  # overrides of the variant's defaults, as clients send
+    sampling: tuple[tuple[str, float | int], ...] = ()  # overrides of the model's defaults, as clients send
+    model: str | None = None  # a model name as clients send it, routed as theirs (None: by the language alone)
 
 
 def parse_prewarm(raw: bytes) -> list[PrewarmEntry]:
     """The pre-warm file: a JSON list whose items are a phrase (the default voice) or an object
-    {"text", "voice"?, "seed"?, "language"?, "sampling"?}. Raises ValueError naming the bad item."""
+    {"text", "voice"?, "seed"?, "language"?, "sampling"?, "model"?}. Raises ValueError naming the bad item."""
     try:
         items = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -560,7 +561,7 @@ def parse_prewarm(raw: bytes) -> list[PrewarmEntry]:
         if not isinstance(item, dict) or set(item) - PREWARM_FIELDS:
             raise ValueError(f"{where}: a string or an object with {', '.join(sorted(PREWARM_FIELDS))}")
         text, voice, seed = item.get("text"), item.get("voice", "default"), item.get("seed")
-        language, sampling = item.get("language"), item.get("sampling", {})
+        language, sampling, model = item.get("language"), item.get("sampling", {}), item.get("model")
         if not isinstance(text, str) or not text.strip() or len(text) > MAX_PREWARM_TEXT_CHARS:
             raise ValueError(f"{where}: text must be a non-empty string of at most {MAX_PREWARM_TEXT_CHARS} characters")
         if not isinstance(voice, str) or not voice:
@@ -569,6 +570,8 @@ def parse_prewarm(raw: bytes) -> list[PrewarmEntry]:
             raise ValueError(f"{where}: seed must be an integer in [0, 2**63)")
         if language is not None and not isinstance(language, str):
             raise ValueError(f"{where}: language must be a string")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"{where}: model must be a model name")
         if not isinstance(sampling, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in sampling.items()
         ):
@@ -576,7 +579,7 @@ def parse_prewarm(raw: bytes) -> list[PrewarmEntry]:
         unknown = set(sampling) - set(SamplingParams.__dataclass_fields__) - {"seed"}
         if unknown or "seed" in sampling:
             raise ValueError(f"{where}: unknown sampling field(s) {sorted(unknown | ({'seed'} & set(sampling)))}")
-        entries.append(PrewarmEntry(text, voice, seed, language, tuple(sorted(sampling.items()))))
+        entries.append(PrewarmEntry(text, voice, seed, language, tuple(sorted(sampling.items())), model))
     return entries
 
 

@@ -28,7 +28,7 @@ import asyncio
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,15 +86,25 @@ redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate) + 1000)
 return taken
 """
-# KEYS: voice index, voice hash, generation; ARGV: voice id, record, clip, conditioning -> 1 created, 0 exists
+# KEYS: voice index, voice hash, generation; ARGV: voice id, record, clip, then (field, conditioning) pairs
+# -> 1 created, 0 exists
 CREATE_VOICE_LUA = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'record', ARGV[2], 'clip', ARGV[3], 'conditioning', ARGV[4])
+redis.call('HSET', KEYS[2], 'record', ARGV[2], 'clip', ARGV[3], unpack(ARGV, 4))
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('INCR', KEYS[3])
 return 1
 """
+# KEYS: voice index, voice hash; ARGV: voice id, version, field, conditioning -> 1 added, 0 the voice changed or went
+ADD_CONDITIONING_LUA = """
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if not record or cjson.decode(record)['version'] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"""
+CONDITIONING_FIELD = "conditioning:"  # + the weights identity of the model that computed it
+LEGACY_CONDITIONING_FIELD = "conditioning"  # one model's, the record's weights_id (replicas from before)
 
 
 class SharedStateUnavailable(Exception):
@@ -112,7 +122,7 @@ class VoiceRecord:
     created_at: str
     duration_s: float
     sample_rate_hz: int
-    weights_id: str  # the conditioning was computed by this model (another model recomputes from the clip)
+    weights_id: str  # the creating replica's default model's weights (`version` hashes that model's conditioning)
     description: str = ""
     language: str = ""
 
@@ -131,7 +141,8 @@ class VoiceRecord:
 class VoiceData:
     record: VoiceRecord
     clip_wav: bytes  # the reference clip as uploaded (16-bit PCM WAV)
-    conditioning: bytes  # EngineLike.export_voice of it
+    # EngineLike.export_voice of it for each model computed so far, by that model's weights identity
+    conditioning: Mapping[str, bytes]
 
 
 @dataclass(slots=True)
@@ -239,6 +250,11 @@ class SharedState:
     async def get_voice(self, voice_id: str) -> VoiceData | None:
         raise NotImplementedError
 
+    async def add_conditioning(self, voice_id: str, version: str, weights_id: str, conditioning: bytes) -> bool:
+        """Add one model's conditioning to a shared voice, if it is still the voice of that `version` (False:
+        it changed or went). Raises SharedStateUnavailable."""
+        raise NotImplementedError
+
     async def delete_voice(self, voice_id: str) -> None:
         raise NotImplementedError
 
@@ -312,6 +328,9 @@ class LocalState(SharedState):
     async def get_voice(self, voice_id: str) -> VoiceData | None:
         return None
 
+    async def add_conditioning(self, voice_id: str, version: str, weights_id: str, conditioning: bytes) -> bool:
+        return False
+
     async def delete_voice(self, voice_id: str) -> None:
         return None
 
@@ -338,6 +357,7 @@ class RedisState(SharedState):
         self._count = self._redis.register_script(COUNT_LUA)
         self._take = self._redis.register_script(TAKE_LUA)
         self._create_voice = self._redis.register_script(CREATE_VOICE_LUA)
+        self._add_conditioning = self._redis.register_script(ADD_CONDITIONING_LUA)
         self._task: asyncio.Task[None] | None = None
         self._next_refresh_s = 0.0
 
@@ -415,17 +435,34 @@ class RedisState(SharedState):
 
     async def put_voice(self, data: VoiceData) -> bool:
         record = data.record
+        fields: list[str | bytes] = []
+        for weights_id, conditioning in data.conditioning.items():
+            fields += [CONDITIONING_FIELD + weights_id, conditioning]
+        if record.weights_id in data.conditioning:  # what a replica from before reads
+            fields += [LEGACY_CONDITIONING_FIELD, data.conditioning[record.weights_id]]
         created = await self._call(self._create_voice(
             keys=[self._k("voices"), self._k("voice", record.voice_id), self._gen],
-            args=[record.voice_id, record.to_json(), data.clip_wav, data.conditioning]))
+            args=[record.voice_id, record.to_json(), data.clip_wav, *fields]))
         await self._call(self._load_mirror())
         return bool(created)
 
     async def get_voice(self, voice_id: str) -> VoiceData | None:
-        raw = await self._call(self._redis.hmget(self._k("voice", voice_id), ["record", "clip", "conditioning"]))
-        if raw[0] is None or raw[1] is None or raw[2] is None:
+        raw = await self._call(self._redis.hgetall(self._k("voice", voice_id)))
+        fields = {bytes(name).decode(): bytes(value) for name, value in raw.items()}
+        if "record" not in fields or "clip" not in fields:
             return None
-        return VoiceData(VoiceRecord.from_json(raw[0]), bytes(raw[1]), bytes(raw[2]))
+        record = VoiceRecord.from_json(fields["record"])
+        conditioning = {name.removeprefix(CONDITIONING_FIELD): value for name, value in fields.items()
+                        if name.startswith(CONDITIONING_FIELD)}
+        if LEGACY_CONDITIONING_FIELD in fields:
+            conditioning.setdefault(record.weights_id, fields[LEGACY_CONDITIONING_FIELD])
+        return VoiceData(record, fields["clip"], conditioning)
+
+    async def add_conditioning(self, voice_id: str, version: str, weights_id: str, conditioning: bytes) -> bool:
+        added = await self._call(self._add_conditioning(
+            keys=[self._k("voices"), self._k("voice", voice_id)],
+            args=[voice_id, version, CONDITIONING_FIELD + weights_id, conditioning]))
+        return bool(added)
 
     async def delete_voice(self, voice_id: str) -> None:
         await self._change(lambda p: (p.hdel(self._k("voices"), voice_id), p.delete(self._k("voice", voice_id))))

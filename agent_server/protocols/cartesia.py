@@ -32,13 +32,12 @@ from agent_server.protocols.common import (
     PieceJoiner,
     b64,
     cartesia_speed,
-    check_model,
     load_object,
     make_spec,
     parse_seed,
     place_segment,
-    resolve_language,
     resolve_voice,
+    route,
 )
 from agent_server.protocols.vendor_formats import CARTESIA_DEFAULT, cartesia_format
 from agent_server.text.markup import CARTESIA_TAGS
@@ -105,16 +104,19 @@ def parse_request(raw: str | bytes) -> Request:
     for name in ("continue", "flush", "add_timestamps"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
             raise FieldError(name, f"{name} must be a boolean")
+    for name in ("model_id", "language"):
+        if obj.get(name) is not None and not isinstance(obj[name], str):
+            raise FieldError(name, f"{name} must be a string")
     return Request(
         context_id=cid,
         transcript=transcript,
         continue_=bool(obj.get("continue")),
         flush=bool(obj.get("flush")),
-        model_id=obj.get("model_id") if isinstance(obj.get("model_id"), str) else None,
+        model_id=obj.get("model_id"),
         voice_id=voice_id(obj.get("voice")),
         output=cartesia_format(obj.get("output_format"), required=False),
         add_timestamps=bool(obj.get("add_timestamps")),
-        language=obj.get("language") if isinstance(obj.get("language"), str) else None,
+        language=obj.get("language"),
         seed=parse_seed("seed", obj.get("seed")),
         speed=cartesia_speed(obj),
     )
@@ -216,11 +218,11 @@ class CartesiaProtocol(WireProtocol[ContextState]):
 
     async def _open(self, request: Request) -> CartesiaContext | None:
         session = self.session
-        variant = session.port.model.variant
-        check_model("model_id", request.model_id, variant)
+        routed = route(session.port.router, model_field="model_id", model=request.model_id, language_field="language",
+                       language=request.language)
         fmt = request.output
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id), output_format=fmt,
-                         seed=request.seed, language=resolve_language("language", request.language, variant),
+                         seed=request.seed, routed=routed,
                          speed=request.speed, markup=CARTESIA_TAGS)
         state = ContextState(request, ContextAlignment(lead_ms=fmt.lead_ms))
         return await session.open_context(request.context_id, spec, state)

@@ -25,6 +25,7 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone
+from agent_server.core.routing import Routed, Router
 from agent_server.core.session import Context
 from agent_server.core.transport import Head
 from agent_server.errors import FieldError, empty_message
@@ -33,13 +34,12 @@ from agent_server.protocols.cartesia import voice_id as parse_voice
 from agent_server.protocols.common import (
     b64,
     cartesia_speed,
-    check_model,
     load_object,
     make_spec,
     parse_seed,
     place_segment,
-    resolve_language,
     resolve_voice,
+    route,
 )
 from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.protocols.vendor_formats import cartesia_format
@@ -63,7 +63,7 @@ class TtsRequest:
     transcript: str
     model_id: str | None
     voice_id: str | None  # as given: the caller maps it onto our voices (common.resolve_voice)
-    language: str | None  # resolved for the variant
+    routed: Routed  # the model that serves model_id and language (or locale) here
     seed: int | None
     output: StreamFormat
     sse: bool
@@ -72,7 +72,7 @@ class TtsRequest:
     speed: float = 1.0
 
 
-def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
+def parse_request(body: object, router: Router, *, sse: bool) -> TtsRequest:
     """Raises FieldError; `error_body` renders it."""
     obj = load_object(body, SSE_FIELDS if sse else BYTES_FIELDS, what="body")
     transcript = obj.get("transcript")
@@ -83,7 +83,6 @@ def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
     model_id = obj.get("model_id")
     if model_id is not None and not isinstance(model_id, str):
         raise FieldError("model_id", "model_id must be a string")
-    check_model("model_id", model_id, variant)
     for name in ("add_timestamps", "add_phoneme_timestamps", "use_normalized_timestamps", "save"):
         if obj.get(name) is not None and not isinstance(obj[name], bool):
             raise FieldError(name, f"{name} must be a boolean")
@@ -101,7 +100,7 @@ def parse_request(body: object, variant: str, *, sse: bool) -> TtsRequest:
         transcript=transcript,
         model_id=model_id,
         voice_id=parse_voice(obj.get("voice")),
-        language=resolve_language(field, spoken, variant),
+        routed=route(router, model_field="model_id", model=model_id, language_field=field, language=spoken),
         seed=parse_seed("seed", obj.get("seed")),
         output=cartesia_format(obj.get("output_format"), required=True),
         sse=sse,
@@ -175,9 +174,9 @@ class CartesiaBytesProtocol(HttpSpeechProtocol[HttpState]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[HttpState]:
         session = self.session
-        request = parse_request(body, session.port.model.variant, sse=self.sse)
+        request = parse_request(body, session.port.router, sse=self.sse)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id),
-                         output_format=request.output, seed=request.seed, language=request.language,
+                         output_format=request.output, seed=request.seed, routed=request.routed,
                          speed=request.speed, markup=CARTESIA_TAGS)
         state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))
         return HttpSpeechRequest(spec, request.transcript, state)

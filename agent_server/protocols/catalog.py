@@ -213,33 +213,44 @@ async def _clone(request: Request, *, text: frozenset[str], file_field: str, max
 
 
 async def list_models(request: Request, vendor: Vendor) -> Response:
-    variant = _variant(request)
+    """Every loaded model (the default first), each with the model names that reach it (`routes`: the route table
+    in force, core/routing.py; OpenAI's list also carries the whole table). Deepgram's lists voices (its model
+    names a voice), in its own shape only."""
+    port = port_of(request)
+    router = port.router
     if vendor == "elevenlabs":
         _query(request, frozenset())
-        return JSONResponse([elevenlabs_model(variant, port_of(request).settings.max_context_text_chars)])
+        max_chars = port.settings.max_context_text_chars
+        return JSONResponse([elevenlabs_model(m, max_chars, router.names_served_by(m)) for m in router.loaded])
     if vendor == "deepgram":
         _query(request, frozenset({"include_outdated"}))
-        return JSONResponse({"stt": [], "tts": [deepgram_model(v, variant) for v in _store(request).list()]})
+        return JSONResponse({"stt": [], "tts": [deepgram_model(v, _variant(request)) for v in _store(request).list()]})
     _query(request, frozenset())
-    return JSONResponse({"object": "list", "data": [openai_model(variant, _store(request).attached_unix_s)]})
+    created_unix_s = _store(request).attached_unix_s
+    return JSONResponse({"object": "list", "data": [openai_model(m, created_unix_s, router.names_served_by(m))
+                                                    for m in router.loaded], "routes": router.table.to_json()})
 
 
 async def get_model(request: Request, vendor: Vendor) -> Response:
-    wanted, variant = request.path_params["model_id"], _variant(request)
+    wanted, router = request.path_params["model_id"], port_of(request).router
     if vendor == "deepgram":
         _query(request, frozenset())
         for voice in _store(request).list():
-            model = deepgram_model(voice, variant)
+            model = deepgram_model(voice, _variant(request))
             if wanted in (model["uuid"], model["canonical_name"]):
                 return JSONResponse(model)
-    elif vendor == "openai" and wanted == model_id(variant):
+    elif vendor == "openai":
         _query(request, frozenset())
-        return JSONResponse(openai_model(variant, _store(request).attached_unix_s))
+        for loaded in router.loaded:
+            if wanted == model_id(loaded):
+                return JSONResponse(openai_model(loaded, _store(request).attached_unix_s,
+                                                 router.names_served_by(loaded)))
+    runs = ", ".join(repr(model_id(m)) for m in router.loaded)
     raise VoiceError(STATUS_NOT_FOUND, "model", f"the model {wanted!r} does not exist on this server "
-                       f"(it runs {model_id(variant)!r})", "not_found")
+                       f"(it runs {runs})", "not_found")
 
 
-def elevenlabs_model(variant: Variant, max_chars: int) -> dict[str, Any]:
+def elevenlabs_model(variant: Variant, max_chars: int, routes: list[str]) -> dict[str, Any]:
     return {
         "model_id": model_id(variant),
         "name": model_name(variant),
@@ -256,11 +267,13 @@ def elevenlabs_model(variant: Variant, max_chars: int) -> dict[str, Any]:
         "max_characters_request_subscribed_user": max_chars,
         "maximum_text_length_per_request": max_chars,
         "languages": [{"language_id": code, "name": LANGUAGE_NAMES[code]} for code in languages_of(variant)],
+        "routes": routes,  # (ours) the model names a request reaches this model with
     }
 
 
-def openai_model(variant: Variant, created_unix_s: int) -> dict[str, Any]:
-    return {"id": model_id(variant), "object": "model", "created": created_unix_s, "owned_by": OWNER}
+def openai_model(variant: Variant, created_unix_s: int, routes: list[str]) -> dict[str, Any]:
+    return {"id": model_id(variant), "object": "model", "created": created_unix_s, "owned_by": OWNER,
+            "routes": routes}
 
 
 def deepgram_model(voice: Voice, variant: Variant) -> dict[str, Any]:

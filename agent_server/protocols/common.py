@@ -1,11 +1,11 @@
 """What every vendor-compatible endpoint shares: model, voice, language and seed mapping onto this
-server, stream specs, alignment in vendor units. Pure: no sockets, no awaits. Every refusal is a
+server (the model and language through the one route table, core/routing.py), stream specs, alignment in vendor
+units. Pure: no sockets, no awaits. Every refusal is a
 `FieldError` (agent_server/errors.py), rendered by each vendor module in its own shape."""
 
 from __future__ import annotations
 
 import base64
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,23 +15,12 @@ import orjson
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import SegmentDone, StreamSpec, build_params, parse_speed
 from agent_server.core.port import Port
+from agent_server.core.routing import Routed, Router
 from agent_server.errors import FieldError
 from agent_server.text.timestamps import ContextAlignment, SegmentTimes
 
 SEED_LIMIT = 2**63
 DEFAULT_VOICE = "default"
-# Our own model names (any spelling below) must match the variant the server runs; every other model
-# name is a vendor's (eleven_flash_v2_5, sonic-2, aura-2-thalia-en, tts-1, ...) and is served by it.
-OUR_MODELS: Mapping[str, str] = {
-    "english": "english",
-    "chatterbox": "english",
-    "chatterbox-english": "english",
-    "turbo": "turbo",
-    "chatterbox-turbo": "turbo",
-    "multilingual": "multilingual",
-    "chatterbox-multilingual": "multilingual",
-}
-_LANGUAGE = re.compile(r"^([A-Za-z]{2,3})(?:[-_][A-Za-z0-9]+)*$")
 
 
 def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *, what: str = "message",
@@ -51,12 +40,16 @@ def load_object(raw: str | bytes | object, allowed: frozenset[str] | set[str], *
     return raw
 
 
-def check_model(field: str, requested: str | None, variant: str) -> None:
-    if not requested:
-        return
-    ours = OUR_MODELS.get(requested.lower())
-    if ours is not None and ours != variant:
-        raise FieldError(field, f"this server runs the {variant!r} variant (one variant per server), not {requested!r}")
+def route(router: Router, *, model_field: str = "model", model: object = None, language_field: str = "language",
+          language: object = None) -> Routed:
+    """The loaded model for a request's model name and language fields (either absent: None), through the one
+    table (core/routing.py). Raises FieldError naming the field at fault, in every protocol the same."""
+    if model is not None and not isinstance(model, str):
+        raise FieldError(model_field, f"{model_field} must be a string")
+    if language is not None and not isinstance(language, str):
+        raise FieldError(language_field, f"{language_field} must be a string")
+    return router.route(model_field=model_field, model=model or None, language_field=language_field,
+                             language=language or None)
 
 
 def resolve_voice(port: Port, requested: str | None) -> str:
@@ -64,21 +57,6 @@ def resolve_voice(port: Port, requested: str | None) -> str:
     if requested and any(v.voice_id == requested for v in port.voices.list()):
         return requested
     return DEFAULT_VOICE
-
-
-def resolve_language(field: str, requested: str | None, variant: str) -> str | None:
-    """"en", "en-US", "fr_FR" -> the 2-3 letter code; None when not given. English-only variants take "en"."""
-    if not requested:
-        return None
-    match = _LANGUAGE.match(requested)
-    if match is None:
-        raise FieldError(field, f"not a language code: {requested!r}")
-    code = match.group(1).lower()
-    if variant != "multilingual":
-        if code != "en":
-            raise FieldError(field, f"the {variant!r} variant speaks English only (got {requested!r})")
-        return None
-    return code
 
 
 def parse_seed(field: str, value: object) -> int | None:
@@ -169,17 +147,19 @@ def parse_decimal(raw: str | None) -> int | None:
 
 
 def make_spec(
-    port: Port, *, voice_id: str, output_format: StreamFormat, seed: int | None, language: str | None,
+    port: Port, *, voice_id: str, output_format: StreamFormat, seed: int | None, routed: Routed,
     max_audio_ahead_s: float | None = None, speed: float = 1.0, markup: frozenset[str] = frozenset(),
     normalize: bool = True,
 ) -> StreamSpec:
-    params = build_params(port.model.variant, (), seed)
+    """A stream spec spoken by the routed model (its sampling defaults, its language)."""
+    params = build_params(routed.model, (), seed)
     settings = port.settings
     return StreamSpec(
         voice_id=voice_id,
         params=params,
         output_format=output_format,
-        language=language,
+        language=routed.language,
+        model=routed.model,
         may_wait=settings.queue_when_full,
         # None: the server's; a client that takes the whole answer at once (a unary call) passes math.inf
         max_audio_ahead_s=settings.max_audio_ahead_s if max_audio_ahead_s is None else max_audio_ahead_s,

@@ -34,13 +34,14 @@ from agent_server.core.events import (
     parse_speed,
 )
 from agent_server.core.outcomes import Outcome, Refusal
+from agent_server.core.routing import Routed, Router
 from agent_server.core.session import (
     Context,
     Session,
     WireProtocol,
 )
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
-from agent_server.protocols.common import PieceJoiner, check_model, make_spec, parse_seed, resolve_voice
+from agent_server.protocols.common import PieceJoiner, make_spec, parse_seed, resolve_voice, route
 from agent_server.protocols.vendor_formats import deepgram_format
 
 DEFAULT_MODEL = "aura-asteria-en"
@@ -50,17 +51,18 @@ CONTEXT_ID = "speak"
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    model: str
+    model: str  # the voice too (common.resolve_voice), and its last part the language (aura-2-celeste-es)
+    routed: Routed
     output_format: StreamFormat
     seed: int | None
     speed: float = 1.0
 
 
-def parse_query(params: Mapping[str, str], variant: str) -> Query:
+def parse_query(params: Mapping[str, str], router: Router) -> Query:
     model = params.get("model") or DEFAULT_MODEL
-    check_model("model", model, variant)
+    routed = route(router, model_field="model", model=model)
     fmt = deepgram_format(params, rest=False)
-    return Query(model, fmt, parse_seed("seed", params.get("seed")), parse_speed("speed", params.get("speed")))
+    return Query(model, routed, fmt, parse_seed("seed", params.get("seed")), parse_speed("speed", params.get("speed")))
 
 
 def parse_message(raw: str | bytes) -> tuple[str, str | None]:
@@ -108,7 +110,7 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
     async def on_open(self) -> None:
         session = self.session
         try:
-            self.query = parse_query(session.transport.query, session.port.model.variant)
+            self.query = parse_query(session.transport.query, session.port.router)
         except FieldError as error:
             self._error("INVALID_QUERY_PARAMETER", f"{error.field}: {error.message}", Outcome.BAD_INPUT)
             return
@@ -187,7 +189,8 @@ class DeepgramProtocol(WireProtocol[PieceJoiner]):
             return None
         try:
             spec = make_spec(session.port, voice_id=resolve_voice(session.port, query.model),
-                             output_format=query.output_format, seed=query.seed, language=None, speed=query.speed)
+                             output_format=query.output_format, seed=query.seed, routed=query.routed,
+                             speed=query.speed)
         except FieldError as error:
             session.reject(error)
             return None

@@ -21,10 +21,11 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import parse_speed
+from agent_server.core.routing import LANGUAGE_NOT_SERVED, MODEL_NOT_SERVED, Routed, Router
 from agent_server.core.session import Context
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
-from agent_server.protocols.common import check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.protocols.common import load_object, make_spec, parse_seed, resolve_voice, route
 from agent_server.protocols.deepgram import DEFAULT_MODEL
 from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.protocols.vendor_formats import deepgram_format
@@ -40,19 +41,20 @@ BODY_FIELDS = frozenset({"text"})
 @dataclass(frozen=True, slots=True)
 class SpeakRequest:
     text: str
-    model: str  # the voice too (common.resolve_voice)
+    model: str  # the voice too (common.resolve_voice), and its last part the language (aura-2-celeste-es)
+    routed: Routed
     seed: int | None
     output: StreamFormat
     speed: float = 1.0
 
 
-def parse_request(query: Mapping[str, str], body: object, variant: str) -> SpeakRequest:
+def parse_request(query: Mapping[str, str], body: object, router: Router) -> SpeakRequest:
     """Raises FieldError; `error_body` renders it."""
     for name in REFUSED_QUERY:
         if query.get(name):
             raise FieldError(name, f"{name} is not served: the audio comes back in the response")
     model = query.get("model") or DEFAULT_MODEL
-    check_model("model", model, variant)
+    routed = route(router, model_field="model", model=model)
     output = deepgram_format(query, rest=True)
     obj = load_object(body, BODY_FIELDS, what="body")
     text = obj.get("text")
@@ -60,12 +62,14 @@ def parse_request(query: Mapping[str, str], body: object, variant: str) -> Speak
         raise FieldError("text", "text must be a string")
     if text is None or not text.strip():
         raise empty_message()
-    return SpeakRequest(text=text, model=model, seed=parse_seed("seed", query.get("seed")), output=output,
-                        speed=parse_speed("speed", query.get("speed")))
+    return SpeakRequest(text=text, model=model, routed=routed, seed=parse_seed("seed", query.get("seed")),
+                        output=output, speed=parse_speed("speed", query.get("speed")))
 
 
 def error_body(exc: FieldError, request_id: str) -> tuple[int, dict[str, Any]]:
     """A refused request (400): a parameter at fault is named in the message."""
+    if exc.code in (MODEL_NOT_SERVED, LANGUAGE_NOT_SERVED):  # the model names the language too: say which field
+        return STATUS_BAD_REQUEST, status_body(exc.code.upper(), f"{exc.field}: {exc.message}", request_id)
     if exc.code != BAD_REQUEST:
         return STATUS_BAD_REQUEST, status_body(exc.code.upper(), exc.message, request_id)
     code = "INVALID_QUERY_PARAMETER" if exc.field in QUERY_FIELDS else "INVALID_REQUEST_BODY"
@@ -96,9 +100,10 @@ class DeepgramSpeakProtocol(HttpSpeechProtocol[SpeakRequest]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[SpeakRequest]:
         session = self.session
-        request = parse_request(session.transport.query, body, session.port.model.variant)
+        request = parse_request(session.transport.query, body, session.port.router)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.model),
-                         output_format=request.output, seed=request.seed, language=None, speed=request.speed)
+                         output_format=request.output, seed=request.seed, routed=request.routed,
+                         speed=request.speed)
         return HttpSpeechRequest(spec, request.text, request)
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

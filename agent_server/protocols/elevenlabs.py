@@ -38,6 +38,7 @@ import orjson
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.outcomes import Outcome, Refusal
+from agent_server.core.routing import Routed, Router
 from agent_server.core.session import (
     Context,
     Session,
@@ -56,7 +57,6 @@ from agent_server.errors import (
 from agent_server.protocols.common import (
     PieceJoiner,
     b64,
-    check_model,
     elevenlabs_normalization,
     load_object,
     make_spec,
@@ -64,8 +64,8 @@ from agent_server.protocols.common import (
     parse_seed,
     place_segment,
     query_flag,
-    resolve_language,
     resolve_voice,
+    route,
     voice_settings_speed,
 )
 from agent_server.protocols.vendor_formats import elevenlabs_format
@@ -116,7 +116,7 @@ MESSAGE_FIELDS = frozenset(
 class Query:
     model_id: str | None
     output_format: StreamFormat
-    language_code: str | None
+    routed: Routed  # the model that serves model_id and language_code here
     inactivity_timeout_s: float
     seed: int | None
     sync_alignment: bool
@@ -124,8 +124,7 @@ class Query:
     normalize: bool  # apply_text_normalization is not "off"
 
 
-def parse_query(params: Mapping[str, str], variant: str) -> Query:
-    check_model("model_id", params.get("model_id"), variant)
+def parse_query(params: Mapping[str, str], router: Router) -> Query:
     timeout_s = parse_decimal(params.get("inactivity_timeout"))
     if timeout_s is None:
         timeout_s = DEFAULT_INACTIVITY_TIMEOUT_S
@@ -134,7 +133,8 @@ def parse_query(params: Mapping[str, str], variant: str) -> Query:
     return Query(
         model_id=params.get("model_id"),
         output_format=elevenlabs_format(params.get("output_format")),
-        language_code=resolve_language("language_code", params.get("language_code"), variant),
+        routed=route(router, model_field="model_id", model=params.get("model_id"), language_field="language_code",
+                     language=params.get("language_code")),
         inactivity_timeout_s=float(timeout_s),
         seed=parse_seed("seed", params.get("seed")),
         sync_alignment=query_flag(params, "sync_alignment"),
@@ -261,7 +261,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
 
     async def on_open(self) -> None:
         try:
-            self.query = parse_query(self.session.transport.query, self.session.port.model.variant)
+            self.query = parse_query(self.session.transport.query, self.session.port.router)
         except FieldError as error:
             self.session.reject(error)
 
@@ -359,7 +359,7 @@ class ElevenLabsProtocol(WireProtocol[ContextInput]):
             return None
         try:
             spec = make_spec(session.port, voice_id=resolve_voice(session.port, self.voice_id),
-                             output_format=query.output_format, seed=query.seed, language=query.language_code,
+                             output_format=query.output_format, seed=query.seed, routed=query.routed,
                              speed=voice_settings_speed(voice_settings), markup=elevenlabs_tags(query.model_id),
                              normalize=query.normalize)
         except FieldError as error:

@@ -61,14 +61,13 @@ from agent_server.core.session import (
 from agent_server.errors import BUSY, FieldError, empty_message
 from agent_server.protocols.common import (
     b64,
-    check_model,
     elevenlabs_normalization,
     load_object,
     make_spec,
     parse_seed,
     place_segment,
-    resolve_language,
     resolve_voice,
+    route,
 )
 from agent_server.protocols.elevenlabs import (
     CUT_SHORT,
@@ -190,17 +189,17 @@ class DialogueHttpProtocol(ElevenLabsHttpProtocol):
         if not any(line.text.strip() for line in lines):
             raise empty_message(field="inputs")
         check_optional_types(obj, BODY_TYPES)
-        check_model("model_id", obj.get("model_id"), session.port.model.variant)
         request = SpeechRequest(
             voice_id=lines[0].voice_id, text="".join(line.text for line in lines), model_id=obj.get("model_id"),
-            language=resolve_language("language_code", obj.get("language_code"), session.port.model.variant),
+            routed=route(session.port.router, model_field="model_id", model=obj.get("model_id"),
+                         language_field="language_code", language=obj.get("language_code")),
             seed=parse_seed("seed", obj.get("seed")), output=output, speed=1.0,
             normalize=elevenlabs_normalization(obj.get("apply_text_normalization")), streamed=self.streamed,
             timestamps=self.timestamps,
         )
         turns = tuple(Turn(resolve_voice(session.port, line.voice_id), line.text) for line in lines)
         spec = make_spec(session.port, voice_id=turns[0].voice_id, output_format=output, seed=request.seed,
-                         language=request.language, markup=ELEVENLABS_V3_TAGS, normalize=request.normalize)
+                         routed=request.routed, markup=ELEVENLABS_V3_TAGS, normalize=request.normalize)
         state = HttpState(request, ContextAlignment(lead_ms=output.lead_ms),
                           lines=LineTrack([line.voice_id for line in lines]))
         return HttpSpeechRequest(spec, request.text, state, turns)
@@ -311,7 +310,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
 
     async def on_open(self) -> None:
         try:
-            self.query = parse_query(self.session.transport.query, self.session.port.model.variant)
+            self.query = parse_query(self.session.transport.query, self.session.port.router)
         except FieldError as error:
             self.session.reject(error)
 
@@ -418,7 +417,7 @@ class DialogueProtocol(WireProtocol[DialogueContext]):
             check_voices("voices", voices)
             check_optional_types(obj, FIRST_MESSAGE_TYPES)
             spec = make_spec(session.port, voice_id=resolve_voice(session.port, voices[0]),
-                             output_format=query.output_format, seed=query.seed, language=query.language_code,
+                             output_format=query.output_format, seed=query.seed, routed=query.routed,
                              markup=ELEVENLABS_V3_TAGS, normalize=query.normalize)
         except FieldError as error:
             error.context_id = cid

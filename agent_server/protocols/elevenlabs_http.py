@@ -39,19 +39,19 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, SegmentDone
+from agent_server.core.routing import Routed, Router
 from agent_server.core.session import Context
 from agent_server.core.transport import Head
 from agent_server.errors import FieldError, empty_message
 from agent_server.protocols.common import (
     b64,
-    check_model,
     elevenlabs_normalization,
     load_object,
     make_spec,
     parse_seed,
     place_segment,
-    resolve_language,
     resolve_voice,
+    route,
     voice_settings_speed,
 )
 from agent_server.protocols.http_speech import STATUS_BAD_REQUEST, Base64Stream, HttpSpeechProtocol, HttpSpeechRequest
@@ -99,7 +99,7 @@ class SpeechRequest:
     voice_id: str  # as given: the caller maps it onto our voices (common.resolve_voice)
     text: str
     model_id: str | None
-    language: str | None  # resolved for the variant (None: the variant's own)
+    routed: Routed  # the model that serves model_id and language_code here
     seed: int | None
     output: StreamFormat
     speed: float  # voice_settings.speed
@@ -109,7 +109,7 @@ class SpeechRequest:
 
 
 def parse_request(
-    voice_id: str, query: Mapping[str, str], body: object, variant: str, *, streamed: bool, timestamps: bool
+    voice_id: str, query: Mapping[str, str], body: object, router: Router, *, streamed: bool, timestamps: bool
 ) -> SpeechRequest:
     """Raises FieldError; `error_body` renders it."""
     output = elevenlabs_format(query.get("output_format"))
@@ -121,12 +121,12 @@ def parse_request(
         raise empty_message()
     check_optional_types(obj, _OPTIONAL_TYPES)
     model_id = obj.get("model_id")
-    check_model("model_id", model_id, variant)
     return SpeechRequest(
         voice_id=voice_id,
         text=text,
         model_id=model_id,
-        language=resolve_language("language_code", obj.get("language_code"), variant),
+        routed=route(router, model_field="model_id", model=model_id, language_field="language_code",
+                     language=obj.get("language_code")),
         seed=parse_seed("seed", obj.get("seed")),
         output=output,
         speed=voice_settings_speed(obj.get("voice_settings")),
@@ -257,9 +257,9 @@ class ElevenLabsHttpProtocol(HttpSpeechProtocol[HttpState]):
         session = self.session
         transport = session.transport
         request = parse_request(transport.path_params.get("voice_id", ""), transport.query, body,
-                                session.port.model.variant, streamed=self.streamed, timestamps=self.timestamps)
+                                session.port.router, streamed=self.streamed, timestamps=self.timestamps)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice_id),
-                         output_format=request.output, seed=request.seed, language=request.language,
+                         output_format=request.output, seed=request.seed, routed=request.routed,
                          speed=request.speed, markup=elevenlabs_tags(request.model_id), normalize=request.normalize)
         state = HttpState(request, ContextAlignment(lead_ms=request.output.lead_ms))
         return HttpSpeechRequest(spec, request.text, state)

@@ -22,11 +22,13 @@ What this class does the same for every vendor:
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Generic
 
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamSpec
 from agent_server.core.outcomes import Outcome, Refusal, http_status
+from agent_server.core.routing import SERVED_MODEL_HEADER
 from agent_server.core.session import Context, S, Session, WireProtocol
 from agent_server.core.transport import Head
 from agent_server.errors import CONTEXT_TEXT_LIMIT, RATE_LIMITED, TEXT_TOO_LONG, FieldError
@@ -152,7 +154,9 @@ class HttpSpeechProtocol(WireProtocol[S]):
 
     def _start(self, ctx: Context[S]) -> None:
         self.head_sent = True
-        self.session.send(self.head(ctx))
+        head = self.head(ctx)
+        served = ((SERVED_MODEL_HEADER, ctx.stream.spec.model),) if ctx.stream.spec.model else ()
+        self.session.send(dataclasses.replace(head, headers=(*head.headers, *served)))
 
     def render(self, ctx: Context[S], event: StreamEvent) -> None:
         if isinstance(event, AudioOut):

@@ -42,8 +42,8 @@ from agent_server.protocols.common import (
     load_object,
     make_spec,
     parse_seed,
-    resolve_language,
     resolve_voice,
+    route,
 )
 from agent_server.protocols.http_speech import HttpSpeechProtocol, HttpSpeechRequest
 from agent_server.text.markup import SSML_TAGS, ssml_text
@@ -221,9 +221,9 @@ class JambonzHttpProtocol(HttpSpeechProtocol[SynthRequest]):
         session = self.session
         request = parse_http(body, session.transport.headers.get("accept"))
         seed = parse_seed("seed", session.transport.query.get("seed") or None)  # our extension, as in the stream URL
-        language = resolve_language("language", request.language, session.port.model.variant)
+        routed = route(session.port.router, language_field="language", language=request.language)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice),
-                         output_format=request.output, seed=seed, language=language,
+                         output_format=request.output, seed=seed, routed=routed,
                          markup=SSML_TAGS if request.ssml else frozenset())
         return HttpSpeechRequest(spec, request.text, request)
 
@@ -249,7 +249,7 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
         session = self.session
         try:
             self.query = parse_query(session.transport.query)
-            resolve_language("language", self.query.language, session.port.model.variant)
+            route(session.port.router, language_field="language", language=self.query.language)
         except FieldError as error:
             self.query = None
             session.send(error_message(f"{error.field}: {error.message}", error.code))
@@ -293,9 +293,9 @@ class JambonzStreamProtocol(WireProtocol[PieceJoiner]):
 
     async def _open(self, query: StreamQuery) -> JambonzContext | None:
         session = self.session
-        language = resolve_language("language", query.language, session.port.model.variant)
+        routed = route(session.port.router, language_field="language", language=query.language)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, query.voice), output_format=query.output,
-                         seed=query.seed, language=language)
+                         seed=query.seed, routed=routed)
         return await session.open_context(STREAM_CONTEXT_ID, spec, PieceJoiner())
 
     def render(self, ctx: JambonzContext, event: StreamEvent) -> None:

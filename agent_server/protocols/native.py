@@ -33,6 +33,7 @@ from agent_server.core.session import Context, Session, SessionState, WireProtoc
 from agent_server.errors import FieldError
 from agent_server.protocols import native_wire as wire
 from agent_server.protocols import twilio
+from agent_server.protocols.common import route
 from agent_server.text.markup import SSML_TAGS
 
 NativeContext = Context[twilio.TwilioPlayout | None]  # the Twilio stream a context plays on, if any
@@ -62,6 +63,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             random_weights=bool(model.random_weights),
             max_contexts=self.session.settings.max_contexts_per_session,
             inactivity_timeout_s=self.session.settings.inactivity_timeout_s,
+            models=model.models,
         )))
 
     def on_refused(self, refusal: Refusal) -> None:
@@ -124,13 +126,10 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
     async def _open(self, message: wire.Open, now_s: float) -> None:
         session = self.session
         cid = message.context_id
-        variant = session.port.model.variant
         try:
-            if message.model is not None and message.model != variant:
-                raise FieldError("model", f"this server runs {variant!r} (one variant per server)")
-            if message.language not in (None, "en") and variant != "multilingual":
-                raise FieldError("language", f"the {variant!r} variant speaks English only")
-            params = build_params(variant, message.sampling, message.seed)
+            routed = route(session.port.router, model_field="model", model=message.model, language_field="language",
+                           language=message.language)
+            params = build_params(routed.model, message.sampling, message.seed)
         except FieldError as error:
             error.context_id = cid
             session.reject(error)
@@ -140,7 +139,8 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
             voice_id=message.voice,
             params=params,
             output_format=twilio.TWILIO_FORMAT if sid is not None else StreamFormat.raw(message.output_format),
-            language=message.language,
+            language=routed.language,
+            model=routed.model,
             may_wait=session.settings.queue_when_full,
             max_audio_ahead_s=session.settings.max_audio_ahead_s,
             cache=message.cache,
@@ -250,7 +250,7 @@ class NativeProtocol(WireProtocol[twilio.TwilioPlayout | None]):
                 context_id=cid,
                 stream_id=ctx.number,
                 voice=stream.spec.voice_id,
-                variant=session.port.model.variant,
+                variant=stream.spec.model or session.port.model.variant,
                 output_format={"encoding": fmt.codec, "sample_rate_hz": fmt.sample_rate_hz,
                                "frame_ms": fmt.frame_ms},
                 seed=stream.spec.params.seed,

@@ -32,6 +32,7 @@ DEFAULT_FRAME_MS = 20
 
 MAX_CONTEXT_ID_CHARS = 64
 MAX_VOICE_ID_CHARS = 64
+MAX_MODEL_NAME_CHARS = 64
 CONTEXT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.:")
 
 # ---- binary audio frames ------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def decode_frame(data: bytes) -> tuple[FrameHeader, bytes]:
 class Open:
     context_id: str
     voice: str = "default"
-    model: str | None = None  # a variant name; must match the server's when given
+    model: str | None = None  # a model name (ours or a vendor's), routed by the server's table (core/routing.py)
     output_format: OutputFormat = field(
         default_factory=lambda: OutputFormat.parse(DEFAULT_ENCODING, DEFAULT_SAMPLE_RATE_HZ, DEFAULT_FRAME_MS)
     )
@@ -214,8 +215,9 @@ def _open(obj: Mapping[str, Any], context_id: str) -> Open:
     if not isinstance(voice, str) or not (1 <= len(voice) <= MAX_VOICE_ID_CHARS):
         raise FieldError("voice", f"must be a voice id: a string of 1-{MAX_VOICE_ID_CHARS} characters")
     model = obj.get("model")
-    if model is not None and model not in VARIANTS:
-        raise FieldError("model", "must be one of " + ", ".join(VARIANTS))
+    if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= MAX_MODEL_NAME_CHARS):
+        raise FieldError("model", f"must be a model name: {', '.join(VARIANTS)}, or a vendor's (routed by the "
+                                  "server's route table)")
     seed = obj.get("seed")
     if seed is not None and (not _is_int(seed) or not (0 <= seed < 2**63)):
         raise FieldError("seed", "must be an integer in [0, 2**63)")
@@ -330,10 +332,11 @@ class SessionStarted:
     type: str = field(default="session_started", init=False)
     session_id: str
     protocol_version: int
-    variant: str
+    variant: str  # the default model (a context that names none, in a language it speaks)
     random_weights: bool
     max_contexts: int
     inactivity_timeout_s: float  # a session with no open context that sends nothing this long is closed
+    models: tuple[str, ...] = ()  # every loaded model, the default first (an `open`'s `model` picks one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +345,7 @@ class ContextStarted:
     context_id: str
     stream_id: int  # the id in this context's binary frame headers
     voice: str
-    variant: str
+    variant: str  # the model that speaks this context (routed from the open's model and language)
     output_format: dict[str, Any]  # {encoding, sample_rate_hz, frame_ms}
     seed: int | None
 

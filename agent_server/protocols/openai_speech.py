@@ -21,10 +21,11 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import AudioOut, parse_speed
+from agent_server.core.routing import Routed, Router
 from agent_server.core.session import Context
 from agent_server.core.transport import Head
 from agent_server.errors import BAD_REQUEST, FieldError, empty_message
-from agent_server.protocols.common import b64, check_model, load_object, make_spec, parse_seed, resolve_voice
+from agent_server.protocols.common import b64, load_object, make_spec, parse_seed, resolve_voice, route
 from agent_server.protocols.http_speech import (
     STATUS_BAD_REQUEST,
     STATUS_BUSY,
@@ -46,6 +47,7 @@ SSE_MEDIA_TYPE = "text/event-stream"
 @dataclass(frozen=True, slots=True)
 class SpeechRequest:
     model: str
+    routed: Routed  # the model that serves it here (OpenAI sends no language: `model` may end in one, tts-1-es)
     input: str
     voice: str
     output: StreamFormat
@@ -54,13 +56,13 @@ class SpeechRequest:
     seed: int | None
 
 
-def parse_request(body: object, variant: str) -> SpeechRequest:
+def parse_request(body: object, router: Router) -> SpeechRequest:
     """A decoded JSON body -> the request. Raises FieldError naming the parameter at fault."""
     body = load_object(body, BODY_FIELDS, what="body", unknown_message="Unrecognized request argument supplied: {name}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise FieldError("model", "you must provide a model parameter")
-    check_model("model", model, variant)
+    routed = route(router, model_field="model", model=model)
     text = body.get("input")
     if text is not None and not isinstance(text, str):
         raise FieldError("input", "input must be a string")
@@ -76,7 +78,7 @@ def parse_request(body: object, variant: str) -> SpeechRequest:
     if stream_format not in ("audio", "sse"):
         raise FieldError("stream_format", "stream_format must be audio or sse")
     speed = parse_speed("speed", body.get("speed"))
-    return SpeechRequest(model, text, voice, output, stream_format, speed, parse_seed("seed", body.get("seed")))
+    return SpeechRequest(model, routed, text, voice, output, stream_format, speed, parse_seed("seed", body.get("seed")))
 
 
 def error_body(message: str, param: str | None, kind: str, code: str | None) -> bytes:
@@ -98,9 +100,10 @@ class OpenAISpeechProtocol(HttpSpeechProtocol[SpeechState]):
 
     def parse(self, body: bytes) -> HttpSpeechRequest[SpeechState]:
         session = self.session
-        request = parse_request(body, session.port.model.variant)
+        request = parse_request(body, session.port.router)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, request.voice),
-                         output_format=request.output, seed=request.seed, language=None, speed=request.speed)
+                         output_format=request.output, seed=request.seed, routed=request.routed,
+                         speed=request.speed)
         return HttpSpeechRequest(spec, request.input, SpeechState(request))
 
     def error_body(self, status: int, code: str, message: str, field: str | None) -> tuple[int, bytes]:

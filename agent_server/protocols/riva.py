@@ -44,16 +44,22 @@ from agent_server.audio.codecs import Codec, StreamFormat
 from agent_server.audio.formats import ENGINE_SAMPLE_RATE_HZ
 from agent_server.core.events import AudioOut, SegmentDone, StreamDone, StreamEvent, StreamStateError, StreamStatus
 from agent_server.core.outcomes import Outcome
+from agent_server.core.routing import SERVED_MODEL_HEADER, Routed, Router
 from agent_server.core.session import Context, Session, WireProtocol
+from agent_server.core.transport import Head
 from agent_server.errors import FieldError, empty_message
-from agent_server.protocols.common import make_spec, place_segment, resolve_language, resolve_voice
+from agent_server.protocols.common import make_spec, place_segment, resolve_voice, route
 from agent_server.text.markup import SSML_TAGS, ssml_text
 from agent_server.text.timestamps import ContextAlignment, WordTime
+from synth.api import Variant, languages_of
 
 AudioEncoding = riva_audio.AudioEncoding
 G711_RATE_HZ = 8_000
 MODEL_NAME_PREFIX = "chatterbox-"
 DEFAULT_LANGUAGE_CODE = "en-US"
+# a Head on a gRPC call is its initial metadata (core/grpc_server.GrpcTransport.send): its headers go, these do not
+GRPC_HEAD_STATUS = 200
+GRPC_MEDIA_TYPE = "application/grpc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +67,20 @@ class Synthesis:
     """What one Synthesize / SynthesizeOnline call asks for (the first request's settings)."""
 
     voice_name: str | None  # as given: the caller maps it onto our voices (common.resolve_voice)
-    language: str | None  # resolved for the variant
+    routed: Routed  # the model that serves language_code here (Riva names no model)
     output: StreamFormat
     word_offsets: bool
     request_id: str  # RequestId.value, echoed in every response
 
 
-def parse_request(request: riva_tts.SynthesizeSpeechRequest, variant: str) -> Synthesis:
+def parse_request(request: riva_tts.SynthesizeSpeechRequest, router: Router) -> Synthesis:
     """Raises FieldError (the service answers INVALID_ARGUMENT)."""
     if request.HasField("zero_shot_data"):
         raise FieldError("zero_shot_data", "zero-shot voice prompts are not served: create a voice with "
                                             "POST /v1/voices and put its id in voice_name")
     return Synthesis(
         voice_name=request.voice_name or None,
-        language=resolve_language("language_code", request.language_code or None, variant),
+        routed=route(router, language_field="language_code", language=request.language_code or None),
         output=output_format(request.encoding, request.sample_rate_hz),
         word_offsets=request.enable_word_time_offsets,
         request_id=request.id.value if request.HasField("id") else "",
@@ -117,20 +123,20 @@ def response(
     return riva_tts.SynthesizeSpeechResponse(audio=audio, meta=meta, id=request_id)
 
 
-def synthesis_config(
-    variant: str, voice_ids: Sequence[str], language_code: str = DEFAULT_LANGUAGE_CODE
-) -> riva_tts.RivaSynthesisConfigResponse:
-    """GetRivaSynthesisConfig: one model (the variant) listing our voices, in the keys Riva's clients read."""
-    config = riva_tts.RivaSynthesisConfigResponse.Config(
-        model_name=MODEL_NAME_PREFIX + variant,
+def synthesis_config(models: Sequence[Variant], voice_ids: Sequence[str]) -> riva_tts.RivaSynthesisConfigResponse:
+    """GetRivaSynthesisConfig: each loaded model, once per language it speaks (Riva keys a model by its language:
+    English as en-US, the others by their code, which `language_code` selects), listing our voices, in the keys
+    Riva's clients read."""
+    configs = [riva_tts.RivaSynthesisConfigResponse.Config(
+        model_name=MODEL_NAME_PREFIX + model,
         parameters={
-            "language_code": language_code,
+            "language_code": DEFAULT_LANGUAGE_CODE if code == "en" else code,
             "voice_name": voice_ids[0] if voice_ids else "",
             "subvoices": ",".join(f"{voice}:{i}" for i, voice in enumerate(voice_ids)),
             "sample_rate": str(ENGINE_SAMPLE_RATE_HZ),
         },
-    )
-    return riva_tts.RivaSynthesisConfigResponse(model_config=[config])
+    ) for model in models for code in languages_of(model)]
+    return riva_tts.RivaSynthesisConfigResponse(model_config=configs)
 
 
 # ---- the protocol --------------------------------------------------------------------------------
@@ -205,13 +211,16 @@ class RivaProtocol(WireProtocol[RivaState]):
         session = self.session
         if self.unary and not request.text.strip():
             raise empty_message()
-        synthesis = parse_request(request, session.port.model.variant)
+        synthesis = parse_request(request, session.port.router)
         spec = make_spec(session.port, voice_id=resolve_voice(session.port, synthesis.voice_name),
-                         output_format=synthesis.output, seed=None, language=synthesis.language,
+                         output_format=synthesis.output, seed=None, routed=synthesis.routed,
                          # a unary call's client takes the whole answer at once: nothing to pace
                          max_audio_ahead_s=math.inf if self.unary else None, markup=SSML_TAGS)
         state = RivaState(request, synthesis, ContextAlignment(lead_ms=synthesis.output.lead_ms))
-        return await session.open_context(CONTEXT_ID, spec, state)
+        ctx = await session.open_context(CONTEXT_ID, spec, state)
+        if ctx is not None and ctx.stream.spec.model is not None:  # the call's metadata names the model speaking
+            session.send(Head(GRPC_HEAD_STATUS, GRPC_MEDIA_TYPE, ((SERVED_MODEL_HEADER, ctx.stream.spec.model),)), ctx)
+        return ctx
 
     async def on_input_end(self, now_s: float) -> None:
         ctx = self.session.contexts.get(CONTEXT_ID)

@@ -37,7 +37,7 @@ class RivaService:
         await self.calls.authorize(context)
         port = self.calls.port
         voices = [voice.voice_id for voice in port.voices.list()]
-        config: bytes = riva.synthesis_config(port.model.variant, voices).SerializeToString()
+        config: bytes = riva.synthesis_config(port.model.models, voices).SerializeToString()
         return config
 
 

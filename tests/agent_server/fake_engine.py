@@ -8,7 +8,12 @@ It runs its own thread like the real engine, so the server's thread hops are exe
 - `cancel` returns only once no further chunk of that request can reach the sink;
 - at most `max_slots` segments generate at once, `max_waiting` more wait; beyond that (or with
   `may_wait=False` and no free slot) the sink gets a BUSY event;
-- every submit and cancel is recorded (`submits`, `cancels`).
+- every submit and cancel is recorded (`submits`, `cancels`);
+- several models (models-contract.md): `loaded=("turbo", "multilingual")` loads those (the first the default), each
+  with `max_slots` slots (or its own in `slots_of`); a segment's `SegmentRequest.model` picks one (None: the
+  default). A model's tokens are a pure function of (model, text, seed), whatever else is loaded, so a model beside
+  another speaks what it speaks alone (`expected_tokens(..., model=...)`; English's are the historical ones), and a
+  voice's conditioning differs per model.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from synth.api import (
     OUTPUT_SAMPLE_RATE_HZ,
     SAMPLES_PER_SPEECH_TOKEN,
     AudioChunk,
+    EngineConfigError,
     EngineError,
     EngineLike,
     EventKind,
@@ -47,6 +53,8 @@ TOKENS_PER_SECOND = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # 25
 MIN_VOICE_CLIP_S = 5.0
 IDLE_WAIT_S = 0.05
 PITCHES = 512
+AUTO_SLOTS = 8  # what max_slots 0 ("auto") gives in the fake
+FAKE_SLOT_GB = 0.25  # the "memory" a fake slot takes (for the refusal's numbers)
 
 
 def _token_waveforms() -> NDArray[Any]:
@@ -73,6 +81,7 @@ class FakeSegment:
     request: SegmentRequest
     seed: int
     tokens: list[int]  # valid speech tokens, in order
+    model: Variant
     status: FakeStatus = FakeStatus.WAITING
     emitted_tokens: int = 0
     chunks_sent: int = 0
@@ -83,7 +92,12 @@ class FakeSegment:
 @dataclass
 class FakeEngine(EngineLike):
     variant: Variant = "english"
-    max_slots: int = 8
+    max_slots: int = 8  # per model (with several: their sum once built, as EngineLike's)
+    loaded: tuple[Variant, ...] = ()  # the models (empty: `variant` alone); the first is the default
+    slots_of: dict[str, int] = field(default_factory=dict)  # a model's own slot count (else max_slots)
+    # the slots the fake's "memory" holds, every model's together (None: any count); more is refused at
+    # construction with EngineConfigError and the numbers, as the real engine refuses what does not fit
+    memory_slots: int | None = None
     max_waiting: int = 64
     tokens_per_char: float = 1.5
     first_chunk_tokens: int = 12
@@ -99,8 +113,18 @@ class FakeEngine(EngineLike):
 
     submits: list[SegmentRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    conditioning_computed: dict[str, int] = field(default_factory=dict)  # model -> add_voice computations
 
     def __post_init__(self) -> None:
+        if self.loaded:
+            self.variant = self.loaded[0]
+        self._slots = {model: self.slots_of.get(model, self.max_slots) or AUTO_SLOTS for model in self.models}
+        if self.memory_slots is not None and sum(self._slots.values()) > self.memory_slots:
+            asked = ", ".join(f"{model} {count}" for model, count in self._slots.items())
+            free_gb = self.memory_slots * FAKE_SLOT_GB
+            raise EngineConfigError(f"max_slots does not fit: {asked} slots asked, {self.memory_slots} fit "
+                                    f"({FAKE_SLOT_GB:.2f} GB of KV a slot, {free_gb:.2f} GB free)")
+        self.max_slots = sum(self._slots.values())
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._lock = threading.Lock()  # held while emitting; cancel takes it, so no chunk follows a cancel
         self._segments: dict[str, FakeSegment] = {}
@@ -123,9 +147,10 @@ class FakeEngine(EngineLike):
         return max(1, round(tokens_per_char * len(text)))
 
     @classmethod
-    def expected_tokens(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> list[int]:
+    def expected_tokens(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "english") -> list[int]:
+        """The tokens `model` speaks for `text` with `seed` (the same loaded alone or beside others)."""
         n_tokens = cls.token_count(text, tokens_per_char)
-        digest = hashlib.blake2b(f"{seed}\x00{text}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{_mix(model)}{seed}\x00{text}".encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         return [int(t) for t in rng.integers(0, SPEECH_VOCAB, size=n_tokens)]
 
@@ -136,8 +161,8 @@ class FakeEngine(EngineLike):
         return pcm
 
     @classmethod
-    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5) -> NDArray[Any]:
-        tokens = cls.expected_tokens(text, seed, tokens_per_char)
+    def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "english") -> NDArray[Any]:
+        tokens = cls.expected_tokens(text, seed, tokens_per_char, model)
         return np.concatenate([cls.token_pcm(t) for t in tokens])
 
     def seed_of(self, request_id: str) -> int:
@@ -146,9 +171,27 @@ class FakeEngine(EngineLike):
 
     # ---- EngineLike ----------------------------------------------------------------------------
 
+    @property
+    def models(self) -> tuple[Variant, ...]:
+        return self.loaded or (self.variant,)
+
+    def max_slots_of(self, model: Variant) -> int:
+        return self._slots.get(model, 0)
+
+    def _model_of(self, model: Variant | None) -> Variant:
+        chosen = model or self.variant
+        if chosen not in self._slots:
+            raise EngineError(f"model {chosen!r} is not loaded (loaded: {', '.join(self.models)})")
+        return chosen
+
+    def _other_model(self, model: Variant | None) -> str:
+        """What the fake mixes into a loaded model's tokens and conditioning."""
+        return _mix(self._model_of(model))
+
     def submit(self, request: SegmentRequest) -> None:
         if not self.alive:
             raise EngineError("engine stopped")
+        self._model_of(request.model)
         if request.voice_id not in self.voices:
             raise EngineError(f"unknown voice {request.voice_id!r}")
         try:
@@ -172,26 +215,45 @@ class FakeEngine(EngineLike):
             raise EngineError(f"reference clip too short: need at least {MIN_VOICE_CLIP_S:g} s")
         if self.add_voice_delay_s:
             time.sleep(self.add_voice_delay_s)
-        self.voice_blobs[voice_id] = b"fake-voice:" + hashlib.sha256(np.asarray(wav, np.float32).tobytes()).digest()
+        digest = hashlib.sha256(np.asarray(wav, np.float32).tobytes()).digest()
+        for model in self.models:  # every loaded model its own conditioning, once
+            self.voice_blobs[self._blob_key(voice_id, model)] = b"fake-voice:" + self._other_model(model).encode() \
+                + digest
+            self.conditioning_computed[model] = self.conditioning_computed.get(model, 0) + 1
         self.voices.add(voice_id)
+
+    def _blob_key(self, voice_id: str, model: Variant | None) -> str:
+        other = self._other_model(model)
+        return f"{voice_id}@{other}" if other else voice_id
 
     def remove_voice(self, voice_id: str) -> None:
         self.voices.discard(voice_id)
-        self.voice_blobs.pop(voice_id, None)
+        for model in self.models:
+            self.voice_blobs.pop(self._blob_key(voice_id, model), None)
 
     def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
         if voice_id not in self.voices:
             raise EngineError(f"unknown voice {voice_id!r}")
-        return self.voice_blobs.get(voice_id, b"fake-voice:" + voice_id.encode())
+        fallback = b"fake-voice:" + self._other_model(model).encode() + voice_id.encode()
+        return self.voice_blobs.get(self._blob_key(voice_id, model), fallback)
 
     def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
         if not conditioning.startswith(b"fake-voice:"):
             raise EngineError("not a fake voice blob")
-        self.voice_blobs[voice_id] = conditioning
+        self.voice_blobs[self._blob_key(voice_id, model)] = conditioning
         self.voices.add(voice_id)
 
     def status(self) -> dict[str, object]:
         with self._lock:
+            per_model = {model: {
+                "variant": model,
+                "random_weights": self.random_weights,
+                "weights_source": "fake",
+                "dtype": "float32",
+                "max_slots": slots,
+                "slots_in_use": sum(1 for seg in self._running if seg.model == model),
+                "waiting": sum(1 for seg in self._waiting if seg.model == model),
+            } for model, slots in self._slots.items()}
             return {
                 "variant": self.variant,
                 "random_weights": self.random_weights,
@@ -202,6 +264,7 @@ class FakeEngine(EngineLike):
                 "slots_in_use": len(self._running),
                 "waiting": len(self._waiting),
                 "steps": self.steps,
+                "models": per_model,
             }
 
     def set_stats_listener(self, listener: Callable[[StepStats], None] | None) -> None:
@@ -278,10 +341,12 @@ class FakeEngine(EngineLike):
         if seed is None:
             self._seed_counter += 1
             seed = self._seed_counter
-        seg = FakeSegment(request, seed, self.expected_tokens(request.text, seed, self.tokens_per_char))
+        model = self._model_of(request.model)
+        tokens = self.expected_tokens(request.text, seed, self.tokens_per_char, model)
+        seg = FakeSegment(request, seed, tokens, model)
         with self._lock:
             self._segments[request.request_id] = seg
-        free = len(self._running) < self.max_slots
+        free = self._free_slot(model)
         if request.request_id in self._cancelled:
             self._finish(seg, EventKind.CANCELLED, reason="cancelled")
         elif not free and (not request.may_wait or len(self._waiting) >= self.max_waiting):
@@ -289,10 +354,16 @@ class FakeEngine(EngineLike):
         else:
             self._waiting.append(seg)
 
+    def _free_slot(self, model: Variant) -> bool:
+        return sum(1 for seg in self._running if seg.model == model) < self._slots[model]
+
     def _admit(self) -> None:
-        # segments whose session has heard nothing yet go first (that is TTFB)
-        while self._waiting and len(self._running) < self.max_slots:
-            seg = next((s for s in self._waiting if s.request.first_audio_pending), self._waiting[0])
+        # segments whose session has heard nothing yet go first (that is TTFB), each model in its own slots
+        while True:
+            admissible = [s for s in self._waiting if self._free_slot(s.model)]
+            if not admissible:
+                return
+            seg = next((s for s in admissible if s.request.first_audio_pending), admissible[0])
             self._waiting.remove(seg)
             now_s = time.monotonic()
             seg.status = FakeStatus.RUNNING
@@ -362,6 +433,11 @@ class FakeEngine(EngineLike):
             seg.request.sink(event)
 
 
+def _mix(model: str) -> str:
+    """What the fake mixes into a model's tokens and conditioning: English's are the historical ones (nothing)."""
+    return "" if model == "english" else model
+
+
 def make_engine(settings: object, engine_class: type[FakeEngine] = FakeEngine) -> FakeEngine:
     """Engine factory for `AGENT_SERVER_ENGINE_FACTORY=tests.agent_server.fake_engine:make_engine`
     (the load test's server).
@@ -372,4 +448,10 @@ def make_engine(settings: object, engine_class: type[FakeEngine] = FakeEngine) -
     if "chunk_schedule_tokens" in options:
         options["chunk_schedule_tokens"] = tuple(options["chunk_schedule_tokens"])
     options.setdefault("variant", getattr(settings, "variant", "english"))
+    models = getattr(settings, "models", ())
+    if len(models) > 1:
+        options.setdefault("loaded", tuple(models))
+    slots = getattr(settings, "max_slots", None)
+    for model, count in getattr(slots, "overrides", ()):  # --max-slots turbo=N: that model's own count
+        options.setdefault("slots_of", {})[model] = count
     return engine_class(**options)

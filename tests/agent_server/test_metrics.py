@@ -31,7 +31,7 @@ TEXTS = [
 ]
 LONG_TEXT = "Right, let me read the whole list to you slowly, one item after another, so nothing gets lost. " * 2
 # backend: local|redis; result: hit_local|hit_remote|miss
-ALLOWED_LABELS = {"protocol", "code", "reason", "scope", "le", "backend", "result"}
+ALLOWED_LABELS = {"protocol", "model", "code", "reason", "scope", "le", "backend", "result"}
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

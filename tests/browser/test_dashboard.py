@@ -10,7 +10,7 @@ from tests.browser.support import Tab, screenshot, set_range
 
 pytestmark = pytest.mark.timeout(90)
 
-CHARTS = ("ttfa", "hist", "decode", "slots", "audio", "sessions", "waiting", "busy")
+CHARTS = ("ttfa", "hist", "decode", "slots", "audio", "sessions", "waiting", "busy", "models")
 LOAD_SESSIONS = 6
 
 
@@ -36,6 +36,7 @@ def test_load_from_the_demo_page_fills_the_dashboard(tab: Tab, chromium: Any, se
     for q in ("q50", "q95", "q99"):
         assert dash.inner_text(f"#{q}").replace("\n", "").endswith("ms")
     assert "native" in dash.inner_text("#protocols")
+    assert dash.inner_text("#models").startswith("english")  # the server's one model, its row
     assert dash.is_visible("#random-banner")
     assert dash.evaluate("() => window.__dash.samples") >= 4
     screenshot(demo, "demo-load.png", full_page=True)

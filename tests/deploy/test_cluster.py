@@ -195,7 +195,7 @@ def test_a_voice_uploaded_through_one_replica_is_spoken_by_the_others(fleet: Clu
         assert log.done is not None and log.done["reason"] == "completed" and log.frames and not log.errors
         assert log.started is not None and log.started["voice"] == "ann"
     imported = [e for e in log_events(r2) if e.get("event") == "voice_imported" and e.get("voice_id") == "ann"]
-    assert imported and imported[0]["recomputed"] is False  # r2 took the conditioning, not its voice encoders
+    assert imported and imported[0]["computed_for"] == ""  # r2 took the conditioning, not its voice encoders
 
 
 # ---- per-key limits ------------------------------------------------------------------------------------

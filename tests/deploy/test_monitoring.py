@@ -45,7 +45,7 @@ JOB = "agent-server"
 TARGET_LABELS = {"instance", "job"}  # what every Prometheus adds to a scraped series (nothing else is assumed)
 NOT_EXPORTED = {"up"}  # Prometheus's own series of a target
 # what a dashboard's variables stand for when its queries are checked: every replica, every protocol
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$protocol": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$protocol": ".*", "$model": ".*"}
 INSTANCES = ("replica-a:8002", "replica-b:8002")
 # the fake engine that reports its steps, as synth.Engine does (the plain one would look stalled to the alerts)
 ENGINE = {"AGENT_SERVER_ENGINE_FACTORY": "tests.browser.support:make_stats_engine"}

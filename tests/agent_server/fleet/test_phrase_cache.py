@@ -86,10 +86,10 @@ def test_the_key_covers_everything_that_shapes_the_audio() -> None:
         assert CONTEXT.key(TEXT, dataclasses.replace(base, **{name: value})) != key, name
     assert CONTEXT.key(TEXT, dataclasses.replace(base, seed=None)) != key
     assert CONTEXT.key("one moment, please.", base) != key  # case may change the audio: not normalised
-    for field_name, text in (("variant", "turbo"), ("weights_id", "w2"), ("voice_id", "other"),
+    for field_name, text in (("model", "turbo"), ("weights_id", "w2"), ("voice_id", "other"),
                              ("voice_version", "ver2"), ("language", "fr")):
         assert dataclasses.replace(CONTEXT, **{field_name: text}).key(TEXT, base) != key, field_name
-    assert phrase_key(TEXT, variant="english", weights_id="w1", voice_id="default", voice_version="ver1",
+    assert phrase_key(TEXT, model="english", weights_id="w1", voice_id="default", voice_version="ver1",
                       params=base, language=None) == key
 
 

@@ -155,11 +155,16 @@ def test_voices_are_created_once_and_mirrored(redis: RedisServer) -> None:
         a, b = replica(redis, prefix, "a"), replica(redis, prefix, "b")
         await a.start()
         await b.start()
-        data = VoiceData(record("v1"), b"RIFF-clip", b"conditioning-bytes")
+        data = VoiceData(record("v1"), b"RIFF-clip", {"w1": b"conditioning-bytes", "w2": b"other-model's"})
         assert await a.put_voice(data)
-        assert not await b.put_voice(VoiceData(record("v1", "other"), b"x", b"y"))  # the id is taken
+        assert not await b.put_voice(VoiceData(record("v1", "other"), b"x", {"w1": b"y"}))  # the id is taken
         got = await b.get_voice("v1")
         assert got == data
+        # a model computed later is added under the voice it was made from, not under a changed one
+        assert await b.add_conditioning("v1", "v1", "w3", b"third")
+        assert not await b.add_conditioning("v1", "a changed version", "w4", b"late")
+        got = await a.get_voice("v1")
+        assert got is not None and got.conditioning == {**data.conditioning, "w3": b"third"}
         await until(lambda: "v1" in b.voice_index())  # b's mirror follows within a sync period
         assert b.voice_index()["v1"].version == "v1"
         await b.delete_voice("v1")

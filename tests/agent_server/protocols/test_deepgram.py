@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.audio.formats import alaw_to_pcm16
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import deepgram as dg
 
@@ -24,6 +25,7 @@ from tests.agent_server.protocols.conftest import Served, assert_length, serving
 
 pytestmark = pytest.mark.timeout(60)
 
+ENGLISH = Router(DEFAULT_ROUTES, ("english",))  # one model loaded, the built-in route table
 PIECES = ["Sure, I ", "can help ", "with that. ", "Your flight ", "leaves at ", "nine ", "tomorrow."]
 
 
@@ -105,12 +107,12 @@ def test_clear_is_a_barge_in(served_realtime: Served) -> None:
 
 
 def test_parse_query_and_messages() -> None:
-    q = dg.parse_query({"model": "aura-asteria-en", "encoding": "mulaw", "seed": "3"}, "english")
+    q = dg.parse_query({"model": "aura-asteria-en", "encoding": "mulaw", "seed": "3"}, ENGLISH)
     assert (q.output_format, q.seed) == (StreamFormat("raw", "mulaw", 8_000), 3)
     for bad in ({"encoding": "mp3"}, {"encoding": "mulaw", "sample_rate": "16000"}, {"container": "wav"},
                 {"sample_rate": "x"}, {"model": "turbo"}):
         with pytest.raises(FieldError):
-            dg.parse_query(bad, "english")
+            dg.parse_query(bad, ENGLISH)
     assert dg.parse_message('{"type": "Speak", "text": "hi"}') == ("Speak", "hi")
     with pytest.raises(FieldError):
         dg.parse_message('{"type": "Shout"}')

@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosedError
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.audio.formats import float_to_pcm16
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import elevenlabs as el
 
@@ -27,6 +28,7 @@ from tests.agent_server.protocols.conftest import Served, assert_length, pcm16
 
 pytestmark = pytest.mark.timeout(60)
 
+ENGLISH = Router(DEFAULT_ROUTES, ("english",))  # one model loaded, the built-in route table
 PIECES = ["Sure, I ", "can help ", "with that. ", "Your flight ", "leaves at ", "nine ", "tomorrow."]
 VOICE = "JBFqnCBsd6RMkjVDRZzb"
 
@@ -246,24 +248,24 @@ def test_stream_input_inactivity_timeout(served: Served) -> None:
 
 def test_output_format_is_the_vendors_with_its_default() -> None:
     """protocols/vendor_formats.elevenlabs_format (protocols/test_vendor_formats.py has every name)."""
-    assert el.parse_query({}, "english").output_format == StreamFormat("mp3", "mp3", 44_100, 128_000)
-    ulaw = el.parse_query({"output_format": "ulaw_8000"}, "english").output_format
+    assert el.parse_query({}, ENGLISH).output_format == StreamFormat("mp3", "mp3", 44_100, 128_000)
+    ulaw = el.parse_query({"output_format": "ulaw_8000"}, ENGLISH).output_format
     assert ulaw == StreamFormat("raw", "mulaw", 8_000)
     with pytest.raises(FieldError) as raised:
-        el.parse_query({"output_format": "pcm_12345"}, "english")
+        el.parse_query({"output_format": "pcm_12345"}, ENGLISH)
     assert raised.value.field == "output_format"
 
 
 def test_query_and_messages() -> None:
     q = el.parse_query({"output_format": "pcm_16000", "seed": "9", "model_id": "eleven_flash_v2_5",
-                        "auto_mode": "true", "sync_alignment": "true"}, "english")
+                        "auto_mode": "true", "sync_alignment": "true"}, ENGLISH)
     assert (q.seed, q.auto_mode, q.inactivity_timeout_s) == (9, True, 20.0)
-    with pytest.raises(FieldError, match="variant"):
-        el.parse_query({"output_format": "pcm_16000", "model_id": "turbo"}, "english")
-    with pytest.raises(FieldError, match="English only"):
-        el.parse_query({"output_format": "pcm_16000", "language_code": "fr"}, "english")
+    with pytest.raises(FieldError, match="does not run 'turbo'"):
+        el.parse_query({"output_format": "pcm_16000", "model_id": "turbo"}, ENGLISH)
+    with pytest.raises(FieldError, match=r"no model this server runs speaks 'fr' \(French\)"):
+        el.parse_query({"output_format": "pcm_16000", "language_code": "fr"}, ENGLISH)
     with pytest.raises(FieldError):
-        el.parse_query({"output_format": "pcm_16000", "inactivity_timeout": "500"}, "english")
+        el.parse_query({"output_format": "pcm_16000", "inactivity_timeout": "500"}, ENGLISH)
     m = el.parse_message('{"text": "hi ", "flush": true, "context_id": "c"}')
     assert (m.text, m.flush, m.context_id) == ("hi ", True, "c")
     for bad in ('{"text": 3}', '[1]', '{"txet": "x"}', '{"flush": "yes"}', "nope"):

@@ -91,7 +91,8 @@ def test_simple_messages(obj: dict[str, object], expected: wire.Message) -> None
         ({"type": "text", "context_id": "c", "text": 12}, "text"),
         ({"type": "open", "context_id": "c", "voice": 3}, "voice"),
         ({"type": "open", "context_id": "c", "voice": ""}, "voice"),
-        ({"type": "open", "context_id": "c", "model": "gpt"}, "model"),
+        ({"type": "open", "context_id": "c", "model": 7}, "model"),  # (any name is routed: core/routing.py)
+        ({"type": "open", "context_id": "c", "model": "m" * 65}, "model"),
         ({"type": "open", "context_id": "c", "seed": -1}, "seed"),
         ({"type": "open", "context_id": "c", "seed": 1.5}, "seed"),
         ({"type": "open", "context_id": "c", "seed": True}, "seed"),

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from agent_server.audio.formats import float_to_pcm16
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import openai_speech
 
@@ -18,6 +19,7 @@ from tests.agent_server.protocols.conftest import Served, assert_length
 
 pytestmark = pytest.mark.timeout(60)
 
+ENGLISH = Router(DEFAULT_ROUTES, ("english",))  # one model loaded, the built-in route table
 TEXT = "Sure, I can help with that. Your flight leaves at nine fifteen tomorrow morning."
 
 
@@ -86,11 +88,11 @@ def test_closing_the_response_is_a_barge_in(served_realtime: Served) -> None:
 
 def test_parse_request() -> None:
     r = openai_speech.parse_request({"model": "tts-1", "input": "hi", "voice": {"id": "v1"}, "response_format": "pcm",
-                                     "speed": 1.0, "seed": 5}, "english")
+                                     "speed": 1.0, "seed": 5}, ENGLISH)
     assert (r.voice, r.seed, r.stream_format) == ("v1", 5, "audio")
     for bad in ({"input": "hi", "voice": "a"}, {"model": "m", "voice": "a", "input": ""},
                 {"model": "m", "voice": "a", "input": "x", "speed": 9},
                 {"model": "m", "voice": "a", "input": "x", "foo": 1},
                 {"model": "m", "voice": "a", "input": "x", "response_format": "pcm", "stream_format": "chunks"}):
         with pytest.raises(FieldError):
-            openai_speech.parse_request(bad, "english")
+            openai_speech.parse_request(bad, ENGLISH)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import cartesia, deepgram, elevenlabs, openai_speech
 from agent_server.protocols import native_wire as wire
@@ -287,5 +288,5 @@ def test_deepgram_valid_messages(text: str) -> None:
 @given(text=st.text(min_size=1, max_size=4096).filter(str.strip), seed=st.none() | st.integers(0, 2**63 - 1))
 def test_openai_valid_bodies(text: str, seed: int | None) -> None:
     body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": "pcm", "seed": seed}
-    request = openai_speech.parse_request(body, "english")
+    request = openai_speech.parse_request(body, Router(DEFAULT_ROUTES, ("english",)))
     assert (request.input, request.seed) == (text, seed)

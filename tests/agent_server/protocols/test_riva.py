@@ -20,6 +20,7 @@ import riva.client.proto.riva_tts_pb2 as riva_tts
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.observers import FirstAudio, ObservedEvent, SessionClosed
+from agent_server.core.routing import DEFAULT_ROUTES, Routed, Router
 from agent_server.errors import FieldError
 from agent_server.protocols import riva as riva_map
 
@@ -27,6 +28,7 @@ from tests.agent_server.protocols.conftest import Served, assert_length, serving
 
 pytestmark = pytest.mark.timeout(60)
 
+ENGLISH = Router(DEFAULT_ROUTES, ("english",))  # one model loaded, the built-in route table
 KEY = "riva-key"
 TEXT = "Hello there, friend. How are you doing today?"
 WAIT_S = 10.0
@@ -213,15 +215,16 @@ def test_parse_request_mapping() -> None:
     req = riva_tts.SynthesizeSpeechRequest(text="Hi", language_code="en-US", voice_name="v1", sample_rate_hz=0,
                                            encoding=riva.client.AudioEncoding.FLAC, enable_word_time_offsets=True)
     req.id.value = "r-1"
-    synthesis = riva_map.parse_request(req, "english")
-    assert synthesis == riva_map.Synthesis("v1", None, StreamFormat("flac", "flac", 24_000), True, "r-1")
+    synthesis = riva_map.parse_request(req, ENGLISH)
+    flac = StreamFormat("flac", "flac", 24_000)
+    assert synthesis == riva_map.Synthesis("v1", Routed("english", None), flac, True, "r-1")
     assert riva_map.output_format(riva.client.AudioEncoding.ALAW, 0) == StreamFormat("raw", "alaw", 8_000)
     unspecified = riva_map.output_format(riva.client.AudioEncoding.ENCODING_UNSPECIFIED, 22_050)
     assert unspecified == StreamFormat("raw", "pcm_s16le", 22_050)
     zero_shot = riva_tts.SynthesizeSpeechRequest(text="Hi")
     zero_shot.zero_shot_data.audio_prompt = b"\x00"
     with pytest.raises(FieldError) as exc:
-        riva_map.parse_request(zero_shot, "english")
+        riva_map.parse_request(zero_shot, ENGLISH)
     assert exc.value.field == "zero_shot_data"
     resp = riva_map.response(b"ab", [], synthesis)
     assert resp.id.value == "r-1" and list(resp.meta.words) == []

@@ -20,13 +20,14 @@ import orjson
 import pytest
 
 from agent_server.audio.codecs import StreamFormat, make_encoder
+from agent_server.core.routing import DEFAULT_ROUTES, Router
 from agent_server.core.stream import char_alignment
 from agent_server.errors import FieldError
 from agent_server.protocols import cartesia_http, deepgram_http, elevenlabs_http
 from agent_server.protocols.http_speech import Base64Stream
 from agent_server.text.timestamps import ContextAlignment
 
-VARIANT = "english"
+VARIANT = Router(DEFAULT_ROUTES, ("english",))  # one model loaded, the built-in table
 PCM_S = 1.2
 TEXT = "Hello there, friend. How are you?"
 
@@ -170,7 +171,7 @@ def test_elevenlabs_accepts_every_documented_body_field() -> None:
             "apply_text_normalization": "auto", "apply_language_text_normalization": False, "audio_effects": {}}
     parsed = elevenlabs_http.parse_request("v", {"enable_logging": "true"}, body, VARIANT, streamed=True,
                                            timestamps=True)
-    assert (parsed.language, parsed.seed, parsed.timestamps) == (None, 1, True)
+    assert (parsed.routed.model, parsed.routed.language, parsed.seed, parsed.timestamps) == ("english", None, 1, True)
     assert elevenlabs_http.media_type(parsed) == "application/json"
 
 
