@@ -59,7 +59,7 @@ from synth.build import EngineParts
 from synth.cpu_threads import CoreLease, available_cores, release_openmp_pool, use_threads
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
-from synth.request import SegmentState, Status
+from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.scheduler import Scheduler, SchedulerConfig, StepOutput, StepPlan, StepUpdate
 from synth.text import text_token_ids
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, TokenRun, VocoderWorker
@@ -293,7 +293,8 @@ class Engine(EngineLike):
             "vocoder_tf32": self.vocoder_tf32,
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running),
-            "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
+            "waiting": self.scheduler.n_waiting, "preemptions": self.scheduler.preemptions, "steps": self.steps,
+            "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
             "lend_threads": self.lease.enabled, "lent_ticks": self.lease.lent_ticks,
@@ -440,12 +441,17 @@ class Engine(EngineLike):
     # --- after sampling ----------------------------------------------------------------------------------
 
     def _after_update(self, update: StepUpdate) -> None:
+        """STARTED at a live segment's first id; a job segment's when its generation has ended (until then it may
+        be preempted and restarted: its sink hears nothing of an attempt that did not finish)."""
         if update.started:
             now = time.monotonic()
             for state in update.started:
                 state.first_token_s = now
-                self._emit(state, self._event(state, EventKind.STARTED))
+                if state.is_live:
+                    self._emit(state, self._event(state, EventKind.STARTED))
         for state in update.ended:
+            if not state.is_live:
+                self._emit(state, self._event(state, EventKind.STARTED))
             self._emit(state, self._event(state, EventKind.GENERATED, reason=state.finish_reason,
                                           token_ids=tuple(state.tokens)))
             if self.vocoder_worker is None:
@@ -454,23 +460,27 @@ class Engine(EngineLike):
     def _hand_to_vocoder(self, update: StepUpdate) -> None:
         """The step's valid ids of every segment (two arrays, whatever the rows), the streams that start and the
         segments that end, to the vocoder worker in one message; a finished segment is the worker's from then on
-        (it sends the audio and DONE)."""
+        (it sends the audio and DONE). A job segment's stream opens when its generation ends, with all its ids."""
         worker = self.vocoder_worker
         if worker is None:
             return
-        items: list[StreamOpen | TokenRun | Feed] = [
-            StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
-                       seed=self._vocoder_seed(state), reproducible=state.request.params.seed is not None,
-                       listener=state.request.listener, admitted_s=state.admitted_s, stream_id=state.gen)
-            for state in update.opened]
+        items: list[StreamOpen | TokenRun | Feed] = [self._stream_open(state, state.gen) for state in update.opened]
         if update.valid_ids.size:
             items.append(TokenRun(stream_ids=update.stream_gens, tokens=update.valid_ids))
         for state in update.ended:
-            items.append(Feed(request_id=state.request_id, tokens=(), final=True, speech_tokens=state.n_valid,
+            held = () if state.is_live else tuple(t for t in state.tokens if t < SPEECH_VOCAB_SIZE)
+            if not state.is_live:
+                items.append(self._stream_open(state, -1))
+            items.append(Feed(request_id=state.request_id, tokens=held, final=True, speech_tokens=state.n_valid,
                               finish_reason=state.finish_reason))
             self._live.pop(state.request_id, None)
         if items:
             worker.feed(items)
+
+    def _stream_open(self, state: SegmentState, stream_id: int) -> StreamOpen:
+        return StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
+                          seed=self._vocoder_seed(state), reproducible=state.request.params.seed is not None,
+                          listener=state.request.listener, admitted_s=state.admitted_s, stream_id=stream_id)
 
     @staticmethod
     def _vocoder_seed(state: SegmentState) -> int:
@@ -535,7 +545,8 @@ class Engine(EngineLike):
             at_monotonic_s=time.monotonic(), decode_rows=int(plan.decode_rows.size),
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
-            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s))
+            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
+            preempted=len(plan.preempted)))
 
     # --- setup -------------------------------------------------------------------------------------------
 
