@@ -259,7 +259,8 @@ class EngineFull(EngineError):
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """One engine iteration, recorded once per step (for metrics and dashboards)."""
+    """One model's batch in one engine iteration: an engine with several models records one per model per step
+    (`model` names it; the other fields are that model's), so a consumer counting steps counts one model's."""
 
     at_monotonic_s: float
     decode_rows: int  # T3 rows in the decode batch (CFG sessions count 2)
@@ -272,6 +273,7 @@ class StepStats:
     vocoder_ms: float
     audio_s: float  # seconds of audio emitted this step
     preempted: int  # job segments whose rows this step took back for live ones (Priority)
+    model: Variant  # the model whose batch this is
 
 
 class EngineLike:

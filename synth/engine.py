@@ -81,6 +81,7 @@ WARMUP_TOKENS = 8  # enough for a prefill, several decode steps and a vocoder re
 WARMUP_TIMEOUT_S = 600.0
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 GRAPH_MODES = ("auto", "on", "off")
+DUPLICATE_REQUEST_ID = "duplicate request_id"
 
 
 def conditioning_positions(hp: Any, prompt_tokens: int | None = None) -> int:
@@ -222,6 +223,7 @@ class Engine(EngineLike):
     def submit(self, request: SegmentRequest) -> None:
         if self._dead.is_set() or self._stop.is_set():
             raise EngineError("engine is not running")
+        self.check_model(request.model)
         if self._inbox.qsize() >= self.max_inbox_items:
             raise EngineFull(f"the engine's inbox is full ({self.max_inbox_items} items): try again later")
         outlet = Outlet(request.request_id, request.sink, self._emit_lock, self._outlets)
@@ -231,7 +233,7 @@ class Engine(EngineLike):
             if not duplicate:
                 self._outlets[request.request_id] = outlet
         if duplicate:  # the live request keeps the id; this one fails alone
-            self._emit(state, self._event(state, EventKind.FAILED, reason="duplicate request_id"))
+            self._emit(state, self._event(state, EventKind.FAILED, reason=DUPLICATE_REQUEST_ID))
             return
         self._inbox.put(state)
 
@@ -243,6 +245,20 @@ class Engine(EngineLike):
         self._inbox.put(_Cancel(request_id))
         if self.vocoder_worker is not None:
             self.vocoder_worker.cancel(request_id)  # its pending renders are dropped at the worker's next drain
+
+    def has_request(self, request_id: str) -> bool:
+        """The id is taken: a request of it has not had its terminal event yet."""
+        with self._emit_lock:
+            return request_id in self._outlets
+
+    @property
+    def has_inbox_items(self) -> bool:
+        return not self._inbox.empty()
+
+    @staticmethod
+    def duplicate_event(request_id: str) -> SegmentEvent:
+        return SegmentEvent(request_id=request_id, kind=EventKind.FAILED, at_monotonic_s=time.monotonic(),
+                            reason=DUPLICATE_REQUEST_ID)
 
     def voice_ids(self) -> list[str]:
         return self.voices.ids()
@@ -260,10 +276,17 @@ class Engine(EngineLike):
         self.voices.remove(voice_id)
 
     def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
+        self.check_model(model)
         return voice_to_bytes(self.voices.get(voice_id))
 
     def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
+        self.check_model(model)
         self._register_voice(voice_from_bytes(voice_id, conditioning, self.device))
+
+    def check_model(self, model: Variant | None) -> None:
+        """EngineError for a model this engine has not loaded (None: the default, always loaded)."""
+        if model is not None and model not in self.models:
+            raise EngineError(f"model {model!r} is not loaded; loaded: {', '.join(self.models)}")
 
     def _register_voice(self, voice: Voice) -> None:
         """Serve `voice` from now on; its T3 prefix and vocoder prompt are prepared ahead of its first request."""
@@ -305,6 +328,17 @@ class Engine(EngineLike):
             "render_waits_for_borrowed_steps": self.lease.render_waits,
             "lent_ticks_beside_a_decode_team": self.lease.team_wait_timeouts,
             "borrow_gain_ms": self.lease.gain.estimates(),
+            "models": {self.variant: self.model_status()},
+        }
+
+    def model_status(self) -> dict[str, object]:
+        """This model's part of `status()["models"]`."""
+        return {
+            "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
+            "slots_in_use": len(self.scheduler.running), "waiting": self.scheduler.n_waiting,
+            "preemptions": self.scheduler.preemptions, "weights_source": self.bundle.source,
+            "random_weights": self.random_weights, "preset": self.bundle.size, "dtype": self.config.dtype,
+            "cuda_graphs_state": self.graphs.state, "vocoder_graphs_state": self.vocoder_graphs.state,
         }
 
     @property
@@ -362,14 +396,25 @@ class Engine(EngineLike):
             self._fail_all(Status.FAILED, f"engine failure: {self.failure}")
 
     def _step(self) -> None:
-        idle = self.scheduler.idle and self._in_flight is None
+        idle = self.idle
         if idle:
             self.lease.decode_idle()  # the vocoder may borrow this thread's cores meanwhile
         self._drain_inbox(block=idle)
-        idle = self.scheduler.idle and self._in_flight is None
+        self._step_batch(self.scheduler.schedule)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, runs or is in flight (the inbox aside)."""
+        return self.scheduler.idle and self._in_flight is None
+
+    def _step_batch(self, schedule: Callable[[], StepPlan]) -> None:
+        """This model's batch of one iteration: `schedule` gives the plan (the scheduler's own admissions, or with
+        several models `Scheduler.plan` after their shared admissions: synth/models.py), then launch, read, update,
+        hand to the vocoder, record."""
+        idle = self.idle
         rows = max(1, len(self.scheduler.running))  # a step that only prefills borrows as a one-row step would
         with self.lease.decode_step(rows) if not idle else contextlib.nullcontext() as leased:
-            plan = self.scheduler.schedule()
+            plan = schedule()
             t0 = time.perf_counter()
             done = self._launch(plan)
             result = done.result() if done is not None else None  # the one host sync
@@ -548,7 +593,7 @@ class Engine(EngineLike):
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
             prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
-            preempted=len(plan.preempted)))
+            preempted=len(plan.preempted), model=self.variant))
 
     # --- setup -------------------------------------------------------------------------------------------
 

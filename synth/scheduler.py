@@ -366,3 +366,29 @@ class Scheduler:
         self.running.remove(state)
         if self._on_release is not None:
             self._on_release(state.rows)
+
+
+class SharedAdmissions:
+    """One step's admissions for an engine with several models, one scheduler each (synth/models.py), at most one
+    budget in all: always the best rank any model can start now (live before job, then first audio first: TTFB-first
+    across models), and among equal ranks the model served least recently, so a burst on one model never holds
+    another's first segment back by more than one admission. Each model's rows and slots stay its own."""
+
+    def __init__(self, schedulers: Sequence[Scheduler]) -> None:
+        self.schedulers = list(schedulers)
+        self._served = [0] * len(self.schedulers)  # the admission count at each model's last admission (0: never)
+        self._admissions = itertools.count(1)
+
+    def admit(self, budget: int) -> list[int]:
+        """Admit up to `budget` segments across the models (then each model's `Scheduler.plan`); how many each."""
+        counts = [0] * len(self.schedulers)
+        while sum(counts) < budget:
+            heads = [(rank, self._served[i], i) for i, sched in enumerate(self.schedulers)
+                     if (rank := sched.next_rank()) is not None]
+            if not heads:
+                break
+            _, _, best = min(heads)
+            self.schedulers[best].admit_next()
+            self._served[best] = next(self._admissions)
+            counts[best] += 1
+        return counts

@@ -64,6 +64,7 @@ class StatsFakeEngine(FakeEngine):
                 vocoder_ms=0.0,
                 audio_s=tokens * SECONDS_PER_TOKEN,
                 preempted=0,
+                model=self.variant,
             )
         )
 

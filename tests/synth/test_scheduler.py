@@ -9,7 +9,7 @@ from typing import Any
 from synth.api import Priority, SamplingParams, SegmentRequest
 from synth.outlet import Outlet
 from synth.request import SegmentState, Status
-from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult, StepUpdate
+from synth.scheduler import Scheduler, SchedulerConfig, SharedAdmissions, StepPlan, StepResult, StepUpdate
 
 
 def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True, max_new: int = 5,
@@ -356,3 +356,24 @@ def test_jobs_finish_in_the_rows_live_load_leaves_without_being_preempted() -> N
         _update(sched, plan, [7] * plan.sample_rows.size)
     assert [job.status for job in jobs] == [Status.GENERATED] * 3
     assert [len(job.tokens) for job in jobs] == [10] * 3 and sched.preemptions == 0 and len(lives) > 20
+
+
+# --- several models: one admission budget across their schedulers ----------------------------------------------
+
+def test_shared_admissions_go_by_rank_across_models_then_to_the_model_served_least_recently() -> None:
+    a, b = _scheduler(max_slots=8, max_rows=8, max_waiting=16), _scheduler(max_slots=8, max_rows=8, max_waiting=16)
+    shared = SharedAdmissions([a, b])
+    burst = [_state(f"a{i}", cfg=False) for i in range(6)]
+    for state in burst:
+        a.add(state)
+    assert shared.admit(1) == [1, 0]
+    b_later, b_first = _state("b-later", cfg=False, first=False), _state("b-first", cfg=False)
+    b.add(b_later)
+    b.add(b_first)
+    assert shared.admit(1) == [0, 1] and b.plan().prefill == [b_first]  # b's first audio, not a's burst
+    assert shared.admit(1) == [1, 0]  # a's burst (first audio) before b's later segment
+    assert shared.admit(2) == [2, 0]
+    a.add(job := _job("a-job"))
+    assert shared.admit(3) == [2, 1] and b.plan().prefill == [b_later]  # b's later segment before a's job
+    assert job.status == Status.WAITING and all(s.status == Status.RUNNING for s in burst)
+    assert shared.admit(8) == [1, 0] and job in a.running
