@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from synth import build_engine
-from synth import default_voice
+from synth import build_engine, default_voice
 from synth.api import (
     AudioChunk,
     EngineConfig,
@@ -52,7 +51,8 @@ from synth.models import MultiEngine, model_config
 TURBO_TEXT = "Thanks for calling, how can I help you today?"
 BUSY_TEXT = "Bonjour, je vous lis maintenant le long résumé de votre dernier appel, point par point."
 OUTPUT_RATE_HZ = 24_000
-LABELS = {"quiet": "beside Multilingual, idle", "busy": "beside Multilingual, busy", "alone": "alone (one-model Engine)"}
+LABELS = {"quiet": "beside Multilingual, idle", "busy": "beside Multilingual, busy",
+          "alone": "alone (one-model Engine)"}
 
 
 @dataclass
@@ -143,10 +143,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench_models"))
     args = parser.parse_args()
 
-    threads = dict(zip(("decode_threads", "vocoder_threads"), map(int, args.threads.split(",")), strict=True)) \
-        if args.threads else {}
+    decode_threads, vocoder_threads = (int(n) for n in args.threads.split(",")) if args.threads else (0, 0)
     config = EngineConfig(variant="turbo", models=("turbo", "multilingual"), weights=args.weights, device="cpu",
-                          max_slots=max(args.sessions, args.busy, 1), cuda_graphs="off", seed=0, **threads)
+                          max_slots=max(args.sessions, args.busy, 1), cuda_graphs="off", seed=0,
+                          decode_threads=decode_threads, vocoder_threads=vocoder_threads)
     t0 = time.monotonic()
     engine = build_engine(config)
     assert isinstance(engine, MultiEngine)
