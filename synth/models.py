@@ -35,13 +35,14 @@ log = logging.getLogger(__name__)
 
 
 def model_config(config: EngineConfig, model: Variant, memory_budget_gb: float | None = None) -> EngineConfig:
-    """One model's own config: its overrides (`per_model`) applied over the engine-wide values."""
+    """One model's own config: its overrides (`per_model`) applied over the engine-wide values; the alignment
+    analyzer is the multilingual model's only (chatterbox has it for that model alone)."""
     overrides = config.per_model.get(model)
     max_slots = overrides.max_slots if overrides is not None and overrides.max_slots is not None else config.max_slots
     weights = overrides.weights if overrides is not None and overrides.weights is not None else config.weights
     budget = config.memory_budget_gb if memory_budget_gb is None else memory_budget_gb
     return replace(config, variant=model, models=(), per_model={}, max_slots=max_slots, weights=weights,
-                   memory_budget_gb=budget)
+                   memory_budget_gb=budget, alignment_analyzer=config.alignment_analyzer and model == "multilingual")
 
 
 def check_models(config: EngineConfig) -> tuple[Variant, ...]:

@@ -25,7 +25,7 @@ from synth.api import (
     Variant,
 )
 from synth.engine import Engine
-from synth.models import MultiEngine, build_engines
+from synth.models import MultiEngine, build_engines, model_config
 
 from tests.synth.conftest import TEST_CUDA_GRAPHS, TEST_DEVICE, Collector, make_engine, tiny_bundle
 
@@ -200,3 +200,13 @@ def test_build_engine_with_two_models_serves_each_on_its_own_thread_free_step_lo
         assert got.kinds(request.request_id)[-1] == EventKind.DONE, got.kinds(request.request_id)
         assert sum(c.pcm.size for c in got.chunks(request.request_id)) > 0
     assert multi.status()["models"]["multilingual"]["slots_in_use"] == 0  # type: ignore[index]
+
+
+def test_each_model_gets_its_own_overrides_and_the_analyzer_only_where_it_exists() -> None:
+    config = EngineConfig(variant="turbo", models=MODELS, max_slots=4, weights="random-tiny", alignment_analyzer=True,
+                          per_model={"multilingual": ModelOverrides(max_slots=2, weights="/ckpt/ml")})
+    turbo, ml = model_config(config, "turbo"), model_config(config, "multilingual")
+    assert (turbo.variant, turbo.max_slots, turbo.weights, turbo.alignment_analyzer) == ("turbo", 4, "random-tiny",
+                                                                                         False)
+    assert (ml.variant, ml.max_slots, ml.weights, ml.alignment_analyzer) == ("multilingual", 2, "/ckpt/ml", True)
+    assert turbo.models == ml.models == () and not turbo.per_model
