@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 # (the server imports synth first; a process that imported torch earlier keeps libgomp's default).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from synth.api import EngineConfig
+from synth.api import EngineConfig, Priority
 
 if TYPE_CHECKING:
     from synth.engine import Engine
     from synth.loading import ModelBundle
+    from synth.models import MultiEngine
     from synth.voices import Voice
 
 DEFAULT_VOICE_ID = "default"
@@ -52,16 +53,26 @@ def _cap_onednn_for_a_reduced_precision_t3(config: EngineConfig) -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 
-def build_engine(config: EngineConfig, *, render_audio: bool = True) -> Engine:
-    """Load the models (slow) and return an Engine that is not started yet."""
+def build_engine(config: EngineConfig, *, render_audio: bool = True) -> Engine | MultiEngine:
+    """Load the models (slow) and return an engine that is not started yet: an Engine for one model, a MultiEngine
+    (synth/models.py) for several (`config.models`). EngineConfigError for a configuration this machine cannot run."""
     from synth.engine import Engine
     from synth.loading import load_models
+    from synth.models import MultiEngine, build_engines, check_models, model_config
 
     _cap_onednn_for_a_reduced_precision_t3(config)
-    bundle = load_models(config.variant, config.weights, config.device)
-    engine = Engine(bundle, config, render_audio=render_audio)
-    engine.voices.add(default_voice(bundle))
-    return engine
+    models = check_models(config)
+    if len(models) == 1:
+        one = model_config(config, models[0])
+        bundle = load_models(one.variant, one.weights, one.device)
+        engine = Engine(bundle, one, render_audio=render_audio)
+        engine.voices.add(default_voice(bundle))
+        return engine
+    bundles = {m: load_models(m, model_config(config, m).weights, config.device) for m in models}
+    engines = build_engines(config, bundles, render_audio=render_audio)
+    for engine in engines:
+        engine.voices.add(default_voice(engine.bundle))
+    return MultiEngine(engines, config)
 
 
-__all__ = ["DEFAULT_VOICE_ID", "EngineConfig", "build_engine", "default_voice"]
+__all__ = ["DEFAULT_VOICE_ID", "EngineConfig", "Priority", "build_engine", "default_voice"]

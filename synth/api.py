@@ -107,6 +107,13 @@ class EventKind(enum.IntEnum):
     FAILED = 13
 
 
+class Priority(enum.IntEnum):
+    """Who a segment serves. Order matters: a lower value is always admitted first."""
+
+    LIVE = 0  # a caller is listening
+    JOB = 1  # a long text behind 202 Accepted: only rows no live segment wants
+
+
 @dataclass(frozen=True, slots=True)
 class AudioChunk:
     """A piece of a segment's waveform: float32 mono at OUTPUT_SAMPLE_RATE_HZ."""
@@ -180,6 +187,12 @@ class SegmentRequest:
     first_audio_pending: bool = True
     # False: answer BUSY at once when no slot is free. True: wait in the (bounded) admission queue.
     may_wait: bool = True
+    # JOB: admitted only into rows no LIVE segment waits for, and preempted (its rows taken back, its generation
+    # restarted from scratch later, the same ids when seeded) when a LIVE segment needs them. A preempted attempt
+    # leaves no trace: a JOB segment's ids reach the vocoder, and its STARTED event the sink, only once its generation
+    # has ended, so its sink hears STARTED, GENERATED, the audio, DONE exactly once whatever was preempted meanwhile
+    # (synth/scheduler.py).
+    priority: Priority = Priority.LIVE
     submitted_monotonic_s: float = 0.0
     # The listener's playback (shared by the segments of one context), read by the vocoder's chunk policy.
     listener: ListenerClock | None = None
@@ -246,7 +259,8 @@ class EngineFull(EngineError):
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """One engine iteration, recorded once per step (for metrics and dashboards)."""
+    """One model's batch in one engine iteration: an engine with several models records one per model per step
+    (`model` names it; the other fields are that model's), so a consumer counting steps counts one model's."""
 
     at_monotonic_s: float
     decode_rows: int  # T3 rows in the decode batch (CFG sessions count 2)
@@ -258,6 +272,8 @@ class StepStats:
     prefill_segments: int
     vocoder_ms: float
     audio_s: float  # seconds of audio emitted this step
+    preempted: int  # job segments whose rows this step took back for live ones (Priority)
+    model: Variant  # the model whose batch this is
 
 
 class EngineLike:

@@ -61,7 +61,7 @@ from synth.build import EngineParts
 from synth.cpu_threads import CoreLease, available_cores, release_openmp_pool, use_threads
 from synth.loading import ModelBundle
 from synth.outlet import Delivery, Outlet
-from synth.request import SegmentState, Status
+from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.scheduler import Scheduler, SchedulerConfig, StepOutput, StepPlan, StepUpdate
 from synth.text import text_token_ids
 from synth.vocoder_worker import ChunkPolicy, Feed, StreamOpen, TokenRun, VocoderWorker
@@ -81,6 +81,7 @@ WARMUP_TOKENS = 8  # enough for a prefill, several decode steps and a vocoder re
 WARMUP_TIMEOUT_S = 600.0
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 GRAPH_MODES = ("auto", "on", "off")
+DUPLICATE_REQUEST_ID = "duplicate request_id"
 
 
 def conditioning_positions(hp: Any, prompt_tokens: int | None = None) -> int:
@@ -222,6 +223,7 @@ class Engine(EngineLike):
     def submit(self, request: SegmentRequest) -> None:
         if self._dead.is_set() or self._stop.is_set():
             raise EngineError("engine is not running")
+        self.check_model(request.model)
         if self._inbox.qsize() >= self.max_inbox_items:
             raise EngineFull(f"the engine's inbox is full ({self.max_inbox_items} items): try again later")
         outlet = Outlet(request.request_id, request.sink, self._emit_lock, self._outlets)
@@ -231,7 +233,7 @@ class Engine(EngineLike):
             if not duplicate:
                 self._outlets[request.request_id] = outlet
         if duplicate:  # the live request keeps the id; this one fails alone
-            self._emit(state, self._event(state, EventKind.FAILED, reason="duplicate request_id"))
+            self._emit(state, self._event(state, EventKind.FAILED, reason=DUPLICATE_REQUEST_ID))
             return
         self._inbox.put(state)
 
@@ -243,6 +245,20 @@ class Engine(EngineLike):
         self._inbox.put(_Cancel(request_id))
         if self.vocoder_worker is not None:
             self.vocoder_worker.cancel(request_id)  # its pending renders are dropped at the worker's next drain
+
+    def has_request(self, request_id: str) -> bool:
+        """The id is taken: a request of it has not had its terminal event yet."""
+        with self._emit_lock:
+            return request_id in self._outlets
+
+    @property
+    def has_inbox_items(self) -> bool:
+        return not self._inbox.empty()
+
+    @staticmethod
+    def duplicate_event(request_id: str) -> SegmentEvent:
+        return SegmentEvent(request_id=request_id, kind=EventKind.FAILED, at_monotonic_s=time.monotonic(),
+                            reason=DUPLICATE_REQUEST_ID)
 
     def voice_ids(self) -> list[str]:
         return self.voices.ids()
@@ -260,10 +276,17 @@ class Engine(EngineLike):
         self.voices.remove(voice_id)
 
     def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
+        self.check_model(model)
         return voice_to_bytes(self.voices.get(voice_id))
 
     def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
+        self.check_model(model)
         self._register_voice(voice_from_bytes(voice_id, conditioning, self.device))
+
+    def check_model(self, model: Variant | None) -> None:
+        """EngineError for a model this engine has not loaded (None: the default, always loaded)."""
+        if model is not None and model not in self.models:
+            raise EngineError(f"model {model!r} is not loaded; loaded: {', '.join(self.models)}")
 
     def _register_voice(self, voice: Voice) -> None:
         """Serve `voice` from now on; its T3 prefix and vocoder prompt are prepared ahead of its first request."""
@@ -295,7 +318,8 @@ class Engine(EngineLike):
             "vocoder_tf32": self.vocoder_tf32,
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running),
-            "waiting": self.scheduler.n_waiting, "steps": self.steps, "ready": self.ready, "alive": self.alive,
+            "waiting": self.scheduler.n_waiting, "preemptions": self.scheduler.preemptions, "steps": self.steps,
+            "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
             "lend_threads": self.lease.enabled, "lent_ticks": self.lease.lent_ticks,
@@ -304,6 +328,17 @@ class Engine(EngineLike):
             "render_waits_for_borrowed_steps": self.lease.render_waits,
             "lent_ticks_beside_a_decode_team": self.lease.team_wait_timeouts,
             "borrow_gain_ms": self.lease.gain.estimates(),
+            "models": {self.variant: self.model_status()},
+        }
+
+    def model_status(self) -> dict[str, object]:
+        """This model's part of `status()["models"]`."""
+        return {
+            "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
+            "slots_in_use": len(self.scheduler.running), "waiting": self.scheduler.n_waiting,
+            "preemptions": self.scheduler.preemptions, "weights_source": self.bundle.source,
+            "random_weights": self.random_weights, "preset": self.bundle.size, "dtype": self.config.dtype,
+            "cuda_graphs_state": self.graphs.state, "vocoder_graphs_state": self.vocoder_graphs.state,
         }
 
     @property
@@ -361,14 +396,25 @@ class Engine(EngineLike):
             self._fail_all(Status.FAILED, f"engine failure: {self.failure}")
 
     def _step(self) -> None:
-        idle = self.scheduler.idle and self._in_flight is None
+        idle = self.idle
         if idle:
             self.lease.decode_idle()  # the vocoder may borrow this thread's cores meanwhile
         self._drain_inbox(block=idle)
-        idle = self.scheduler.idle and self._in_flight is None
+        self._step_batch(self.scheduler.schedule)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, runs or is in flight (the inbox aside)."""
+        return self.scheduler.idle and self._in_flight is None
+
+    def _step_batch(self, schedule: Callable[[], StepPlan]) -> None:
+        """This model's batch of one iteration: `schedule` gives the plan (the scheduler's own admissions, or with
+        several models `Scheduler.plan` after their shared admissions: synth/models.py), then launch, read, update,
+        hand to the vocoder, record."""
+        idle = self.idle
         rows = max(1, len(self.scheduler.running))  # a step that only prefills borrows as a one-row step would
         with self.lease.decode_step(rows) if not idle else contextlib.nullcontext() as leased:
-            plan = self.scheduler.schedule()
+            plan = schedule()
             t0 = time.perf_counter()
             done = self._launch(plan)
             result = done.result() if done is not None else None  # the one host sync
@@ -442,12 +488,17 @@ class Engine(EngineLike):
     # --- after sampling ----------------------------------------------------------------------------------
 
     def _after_update(self, update: StepUpdate) -> None:
+        """STARTED at a live segment's first id; a job segment's when its generation has ended (until then it may
+        be preempted and restarted: its sink hears nothing of an attempt that did not finish)."""
         if update.started:
             now = time.monotonic()
             for state in update.started:
                 state.first_token_s = now
-                self._emit(state, self._event(state, EventKind.STARTED))
+                if state.is_live:
+                    self._emit(state, self._event(state, EventKind.STARTED))
         for state in update.ended:
+            if not state.is_live:
+                self._emit(state, self._event(state, EventKind.STARTED))
             self._emit(state, self._event(state, EventKind.GENERATED, reason=state.finish_reason,
                                           token_ids=tuple(state.tokens)))
             if self.vocoder_worker is None:
@@ -456,23 +507,27 @@ class Engine(EngineLike):
     def _hand_to_vocoder(self, update: StepUpdate) -> None:
         """The step's valid ids of every segment (two arrays, whatever the rows), the streams that start and the
         segments that end, to the vocoder worker in one message; a finished segment is the worker's from then on
-        (it sends the audio and DONE)."""
+        (it sends the audio and DONE). A job segment's stream opens when its generation ends, with all its ids."""
         worker = self.vocoder_worker
         if worker is None:
             return
-        items: list[StreamOpen | TokenRun | Feed] = [
-            StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
-                       seed=self._vocoder_seed(state), reproducible=state.request.params.seed is not None,
-                       listener=state.request.listener, admitted_s=state.admitted_s, stream_id=state.gen)
-            for state in update.opened]
+        items: list[StreamOpen | TokenRun | Feed] = [self._stream_open(state, state.gen) for state in update.opened]
         if update.valid_ids.size:
             items.append(TokenRun(stream_ids=update.stream_gens, tokens=update.valid_ids))
         for state in update.ended:
-            items.append(Feed(request_id=state.request_id, tokens=(), final=True, speech_tokens=state.n_valid,
+            held = () if state.is_live else tuple(t for t in state.tokens if t < SPEECH_VOCAB_SIZE)
+            if not state.is_live:
+                items.append(self._stream_open(state, -1))
+            items.append(Feed(request_id=state.request_id, tokens=held, final=True, speech_tokens=state.n_valid,
                               finish_reason=state.finish_reason))
             self._live.pop(state.request_id, None)
         if items:
             worker.feed(items)
+
+    def _stream_open(self, state: SegmentState, stream_id: int) -> StreamOpen:
+        return StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
+                          seed=self._vocoder_seed(state), reproducible=state.request.params.seed is not None,
+                          listener=state.request.listener, admitted_s=state.admitted_s, stream_id=stream_id)
 
     @staticmethod
     def _vocoder_seed(state: SegmentState) -> int:
@@ -537,7 +592,8 @@ class Engine(EngineLike):
             at_monotonic_s=time.monotonic(), decode_rows=int(plan.decode_rows.size),
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
-            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s))
+            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
+            preempted=len(plan.preempted), model=self.variant))
 
     # --- setup -------------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from synth.api import SamplingParams, SegmentRequest
+from synth.api import Priority, SamplingParams, SegmentRequest
 from synth.outlet import Outlet
 
 SPEECH_VOCAB_SIZE = 6561  # ids >= this (BOS 6561, EOS 6562, ...) are never given to S3Gen
@@ -43,6 +43,7 @@ class SegmentState:
     tokens: list[int] = field(default_factory=list)  # every sampled id, EOS included: set when its generation ends
     n_valid: int = 0  # of them, ids < SPEECH_VOCAB_SIZE (what the vocoder takes): set with `tokens`
     finish_reason: str = ""
+    queued: int = 0  # its place in the admission queue (the scheduler's arrival count), kept when preempted
     aligner: Any = None  # the multilingual alignment analyzer of this segment (synth.alignment), when on
     # timestamps (time.monotonic seconds)
     admitted_s: float = 0.0
@@ -51,6 +52,10 @@ class SegmentState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def is_live(self) -> bool:
+        return self.request.priority == Priority.LIVE
 
     @property
     def is_done(self) -> bool:

@@ -30,15 +30,17 @@ class RowTable:
         self.next_pos: IntArray = np.zeros(max_rows, np.int64)  # next cache position it writes
         self.launched: IntArray = np.zeros(max_rows, np.int64)  # ids sampled or in flight for its segment
         self.decoding: BoolArray = np.zeros(max_rows, np.bool_)  # it decodes at the next step
+        self.held: BoolArray = np.zeros(max_rows, np.bool_)  # its ids go to the vocoder only when its segment ends
         # cond rows
         self.n_tokens: IntArray = np.zeros(max_rows, np.int64)  # ids read back
         self.n_valid: IntArray = np.zeros(max_rows, np.int64)  # of them, ids the vocoder takes
         self.max_new: IntArray = np.zeros(max_rows, np.int64)  # the segment's limit
         self.tokens = np.zeros((max_rows, max_tokens), np.int32)  # [R, T] the ids read back, in order
 
-    def claim(self, rows: tuple[int, ...], gen: int, next_pos: int, max_new: int) -> None:
+    def claim(self, rows: tuple[int, ...], gen: int, next_pos: int, max_new: int, held: bool = False) -> None:
         """A segment admitted now: its first id is sampled at this step (from the prefill), so it decodes from
-        the next one (`start_decoding`)."""
+        the next one (`start_decoding`). `held`: a job segment (its ids are not streamed while it may be
+        preempted)."""
         if max_new > self.max_tokens:
             raise ValueError(f"max_new_tokens {max_new} > the table's {self.max_tokens}")
         index = list(rows)
@@ -47,6 +49,7 @@ class RowTable:
         self.next_pos[index] = next_pos
         self.launched[index] = 1
         self.decoding[index] = False
+        self.held[index] = held
         cond = rows[0]
         self.n_tokens[cond] = self.n_valid[cond] = 0
         self.max_new[cond] = max_new

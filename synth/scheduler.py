@@ -2,9 +2,22 @@
 
 - A fixed pool of cache rows; a CFG segment claims two, others one. Lowest free rows first, so the
   decode span [0, highest row in use] stays dense.
-- Waiting segments whose session has heard nothing yet are admitted first (TTFB), then by arrival.
-- At most `prefill_budget` admissions per iteration so running segments keep their pace.
-- When no row is free, a request that may not wait (or any request once the queue is full) is refused.
+- Waiting segments are admitted by rank, then by arrival: LIVE before JOB (synth.api.Priority), and within each,
+  those whose session has heard nothing yet first (TTFB). Strictly in that order: when the head cannot start,
+  nothing behind it does, so a job segment only ever takes rows no live segment waits for.
+- Live first, always: for a LIVE segment, rows and slots that JOB segments hold count as free. When one is at the
+  head and only job rows would make room, the job segment that has sampled the fewest ids (the least work lost;
+  the latest admitted of equals) is preempted at this step: its rows are released (a step of it still in flight is
+  dropped by its claim id, as a cancel's) and it goes back into the queue at its old place, i.e. ahead of every job
+  segment queued after it, to restart from scratch later. Seeded (every segment is, at submit), the restart
+  samples the same ids. So a live segment waits at most for the step in flight, never for a job segment's end; and
+  it is never refused BUSY because jobs hold rows. Nothing of a preempted attempt was delivered: a JOB segment's
+  ids are held back from the vocoder stream until its generation ends (`RowTable.held`), and the engine sends its
+  STARTED event then too. `preemptions` counts them (and each StepPlan's `preempted`).
+- At most `prefill_budget` admissions per iteration so running segments keep their pace (live ones first, by the
+  order above).
+- When no row is free, a request that may not wait (or any request once the queue is full) is refused; for a LIVE
+  one, job rows count as free and only live waiters as the queue.
 
 Per-row counters live in a `RowTable` (synth/rows.py): planning a step and recording its ids are numpy operations
 over the rows, whatever their number; Python runs per segment only for its admission, first id and end. A step's
@@ -18,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +42,8 @@ from synth.rows import IntArray, RowTable
 
 EOS_DEFAULT = 6562
 _NO_ROWS: IntArray = np.zeros(0, np.int64)
+# A waiting segment's rank: (priority, 0 if its session has heard nothing yet else 1); lower is admitted first.
+Rank = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -47,6 +62,7 @@ class StepPlan:
     longest_keys: int = 1  # keys the longest decoding row sees after its write
     decode_segments: int = 0
     decode: list[SegmentState] = field(default_factory=list)  # the decoding segments, with `track_states` only
+    preempted: list[SegmentState] = field(default_factory=list)  # job segments whose rows this step took back
 
     @property
     def is_empty(self) -> bool:
@@ -86,8 +102,10 @@ class StepUpdate:
 
     ended: list[SegmentState] = field(default_factory=list)  # generation ended (rows released), `tokens` set
     started: list[SegmentState] = field(default_factory=list)  # sampled their first id
-    opened: list[SegmentState] = field(default_factory=list)  # first valid id, or ended without one (vocoder open)
-    stream_gens: IntArray = field(default_factory=lambda: _NO_ROWS)  # the claim id of each valid id read ...
+    # first valid id, or ended without one (the vocoder stream opens); never a job segment (held until it ends)
+    opened: list[SegmentState] = field(default_factory=list)
+    # the claim id of each valid id read, but a job segment's (held until it ends) ...
+    stream_gens: IntArray = field(default_factory=lambda: _NO_ROWS)
     valid_ids: IntArray = field(default_factory=lambda: _NO_ROWS)  # ... and the id, in plan order
 
 
@@ -107,7 +125,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, on_release: Callable[[tuple[int, ...]], None] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, on_release: Callable[[tuple[int, ...]], None] | None = None,
+                 claims: Iterator[int] | None = None) -> None:
+        """`claims`: where claim ids come from (an engine with several models gives every scheduler the same
+        counter, so that a claim id names one segment engine-wide: the vocoder worker's streams are keyed by it)."""
         self.config = config
         self._on_release = on_release  # told the rows of every segment that gives its rows back (any path)
         self._free_rows = list(range(config.max_rows))
@@ -115,9 +136,12 @@ class Scheduler:
         self._row_owner: dict[int, SegmentState] = {}
         self.table = RowTable(config.max_rows, config.max_tokens)
         self.running: list[SegmentState] = []
-        self._waiting: list[tuple[int, int, SegmentState]] = []  # heap of (priority, arrival, state)
+        self._waiting: list[tuple[Rank, int, SegmentState]] = []  # heap of (rank, arrival, state)
         self._arrival = itertools.count()
-        self._claims = itertools.count(1)
+        self._claims = claims if claims is not None else itertools.count(1)
+        self._admitted: list[SegmentState] = []  # this step's admissions, until `plan`
+        self._preempted: list[SegmentState] = []  # this step's preemptions, until `plan`
+        self.preemptions = 0  # job segments preempted so far
 
     # --- queries -----------------------------------------------------------------------------------------
 
@@ -151,20 +175,24 @@ class Scheduler:
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def add(self, state: SegmentState) -> bool:
-        """Queue a segment. False means refused (BUSY): nothing free and it may not wait, or the queue is full."""
+        """Queue a segment. False means refused (BUSY): nothing free and it may not wait, or the queue is full.
+        For a LIVE segment what JOB segments hold or wait for counts as free: they give way to it."""
         if state.max_new_tokens > self.config.max_tokens:
             raise ValueError(f"max_new_tokens {state.max_new_tokens} > the scheduler's {self.config.max_tokens}")
+        live = state.is_live
         # what the queue ahead of it will take counts as taken: a burst of submissions between two steps
         # must not each find the same free slot
-        ahead = [s for _, _, s in self._waiting if s.status == Status.WAITING]
-        slots_free = self.config.max_slots - len(self.running) - len(ahead)
-        rows_free = len(self._free_rows) - sum(self._rows_needed(s) for s in ahead)
+        ahead = [s for _, _, s in self._waiting if s.status == Status.WAITING and (s.is_live or not live)]
+        holding = [s for s in self.running if s.is_live] if live else self.running
+        slots_free = self.config.max_slots - len(holding) - len(ahead)
+        rows_free = (self.config.max_rows - sum(len(s.rows) for s in holding)
+                     - sum(self._rows_needed(s) for s in ahead))
         can_start_now = slots_free > 0 and rows_free >= self._rows_needed(state)
-        if not can_start_now and (not state.request.may_wait or self.n_waiting >= self.config.max_waiting):
+        if not can_start_now and (not state.request.may_wait or len(ahead) >= self.config.max_waiting):
             state.status = Status.REJECTED
             return False
-        priority = 0 if state.request.first_audio_pending else 1
-        heapq.heappush(self._waiting, (priority, next(self._arrival), state))
+        state.queued = next(self._arrival)
+        heapq.heappush(self._waiting, (self._rank(state), state.queued, state))
         return True
 
     def cancel(self, state: SegmentState, reason: str = "cancelled") -> None:
@@ -174,8 +202,41 @@ class Scheduler:
         state.finish_reason = reason
 
     def schedule(self) -> StepPlan:
-        """This step's plan: every decoding row advances one position (numpy over the rows), then admissions."""
+        """This step's plan: admissions (at most `prefill_budget`, in rank order), then every decoding row advances
+        one position (numpy over the rows)."""
+        admitted = 0
+        while admitted < self.config.prefill_budget and self.next_rank() is not None:
+            self.admit_next()
+            admitted += 1
+        return self.plan()
+
+    def next_rank(self) -> Rank | None:
+        """The rank of the segment `admit_next` would admit now; None when the head of the queue cannot start at
+        this step (no room, even by preempting job segments for a live one) or nothing waits."""
+        while self._waiting:
+            _, _, state = self._waiting[0]
+            if state.status != Status.WAITING:  # cancelled while waiting
+                heapq.heappop(self._waiting)
+                continue
+            return self._rank(state) if self._can_start(state) else None
+        return None
+
+    def admit_next(self) -> SegmentState:
+        """Admit the head of the queue (call after `next_rank` said it can start), preempting job segments
+        first where a live one needs their rows. It is prefilled at this step."""
+        _, _, state = heapq.heappop(self._waiting)
+        while not self._fits(state):
+            self._preempt(min((s for s in self.running if not s.is_live),
+                              key=lambda s: (int(self.table.n_tokens[s.rows[0]]), -s.gen)))
+        self._claim(state)
+        self._admitted.append(state)
+        return state
+
+    def plan(self) -> StepPlan:
+        """The step's plan, after this step's admissions: every decoding row advances one position, and the
+        admitted segments (claimed, not decoding yet) are prefilled."""
         table = self.table
+        admitted, self._admitted = self._admitted, []
         rows = np.flatnonzero(table.decoding)
         feed = table.feed[rows]
         pos = table.next_pos[rows]
@@ -183,17 +244,6 @@ class Scheduler:
         table.next_pos[rows] = pos + 1
         table.launched[rows] = speech_pos + 1
         cond = rows[feed == rows]
-        admitted: list[SegmentState] = []
-        while self._waiting and len(admitted) < self.config.prefill_budget:
-            _, _, state = self._waiting[0]
-            if state.status != Status.WAITING:  # cancelled while waiting
-                heapq.heappop(self._waiting)
-                continue
-            if len(self.running) >= self.config.max_slots or len(self._free_rows) < self._rows_needed(state):
-                break
-            heapq.heappop(self._waiting)
-            self._claim(state)
-            admitted.append(state)
         sample_rows = cond
         rows_needed = int(rows[-1]) + 1 if rows.size else 0
         if admitted:
@@ -202,7 +252,9 @@ class Scheduler:
         plan = StepPlan(prefill=admitted, decode_rows=rows, decode_pos=pos, decode_speech_pos=speech_pos,
                         decode_feed=feed, sample_rows=sample_rows, sample_gens=table.gen[sample_rows],
                         sample_next_pos=table.next_pos[sample_rows], rows_needed=rows_needed,
-                        longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size))
+                        longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size),
+                        preempted=self._preempted)
+        self._preempted = []
         for state in admitted:  # their first id comes from this step's prefill: they decode from the next
             table.start_decoding(state.rows)
         if self.config.track_states:
@@ -226,6 +278,7 @@ class Scheduler:
         valid = ids < SPEECH_VOCAB_SIZE
         n_valid = table.n_valid[rows] + valid
         table.n_valid[rows] = n_valid
+        streamed = valid & ~table.held[rows]  # a job segment's ids go to the vocoder when it ends
         eos = ids == config.eos_token
         if config.first_token_may_be_eos:
             eos &= count > 1
@@ -233,8 +286,8 @@ class Scheduler:
         full = next_pos + 1 >= config.usable_len
         ended = eos | maxed | full
         first = count == 1
-        opened = (valid & (n_valid == 1)) | (ended & (n_valid == 0))
-        update = StepUpdate(stream_gens=table.gen[rows][valid], valid_ids=ids[valid])
+        opened = ((valid & (n_valid == 1)) | (ended & (n_valid == 0))) & ~table.held[rows]
+        update = StepUpdate(stream_gens=table.gen[rows][streamed], valid_ids=ids[streamed])
         owner = self._row_owner
         if first.any():
             update.started = [owner[row] for row in rows[first].tolist()]
@@ -259,6 +312,35 @@ class Scheduler:
     def _rows_needed(state: SegmentState) -> int:
         return 2 if state.uses_cfg else 1
 
+    @staticmethod
+    def _rank(state: SegmentState) -> Rank:
+        return int(state.request.priority), 0 if state.request.first_audio_pending else 1
+
+    def _fits(self, state: SegmentState) -> bool:
+        return len(self.running) < self.config.max_slots and len(self._free_rows) >= self._rows_needed(state)
+
+    def _can_start(self, state: SegmentState) -> bool:
+        """A free slot and rows now, or for a live segment, once job segments give theirs back."""
+        if self._fits(state):
+            return True
+        if not state.is_live:
+            return False
+        jobs = [s for s in self.running if not s.is_live]
+        return bool(jobs) and len(self.running) - len(jobs) < self.config.max_slots and (
+            len(self._free_rows) + sum(len(s.rows) for s in jobs) >= self._rows_needed(state))
+
+    def _preempt(self, state: SegmentState) -> None:
+        """A running job segment gives its rows back and waits again at its old place, to start from scratch."""
+        self._release(state)
+        if state in self._admitted:
+            self._admitted.remove(state)
+        state.status = Status.WAITING
+        state.rows, state.tokens, state.n_valid, state.finish_reason = (), [], 0, ""
+        state.prefix = state.aligner = None
+        heapq.heappush(self._waiting, (self._rank(state), state.queued, state))
+        self._preempted.append(state)
+        self.preemptions += 1
+
     def _claim(self, state: SegmentState) -> None:
         rows = tuple(heapq.heappop(self._free_rows) for _ in range(self._rows_needed(state)))
         state.rows = rows
@@ -267,7 +349,7 @@ class Scheduler:
         state.tokens = []
         for row in rows:
             self._row_owner[row] = state
-        self.table.claim(rows, state.gen, state.next_pos, state.max_new_tokens)
+        self.table.claim(rows, state.gen, state.next_pos, state.max_new_tokens, held=not state.is_live)
         self.running.append(state)
 
     def _release(self, state: SegmentState) -> None:
@@ -284,3 +366,29 @@ class Scheduler:
         self.running.remove(state)
         if self._on_release is not None:
             self._on_release(state.rows)
+
+
+class SharedAdmissions:
+    """One step's admissions for an engine with several models, one scheduler each (synth/models.py), at most one
+    budget in all: always the best rank any model can start now (live before job, then first audio first: TTFB-first
+    across models), and among equal ranks the model served least recently, so a burst on one model never holds
+    another's first segment back by more than one admission. Each model's rows and slots stay its own."""
+
+    def __init__(self, schedulers: Sequence[Scheduler]) -> None:
+        self.schedulers = list(schedulers)
+        self._served = [0] * len(self.schedulers)  # the admission count at each model's last admission (0: never)
+        self._admissions = itertools.count(1)
+
+    def admit(self, budget: int) -> list[int]:
+        """Admit up to `budget` segments across the models (then each model's `Scheduler.plan`); how many each."""
+        counts = [0] * len(self.schedulers)
+        while sum(counts) < budget:
+            heads = [(rank, self._served[i], i) for i, sched in enumerate(self.schedulers)
+                     if (rank := sched.next_rank()) is not None]
+            if not heads:
+                break
+            _, _, best = min(heads)
+            self.schedulers[best].admit_next()
+            self._served[best] = next(self._admissions)
+            counts[best] += 1
+        return counts

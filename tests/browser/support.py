@@ -63,6 +63,8 @@ class StatsFakeEngine(FakeEngine):
                 prefill_segments=prefills,
                 vocoder_ms=0.0,
                 audio_s=tokens * SECONDS_PER_TOKEN,
+                preempted=0,
+                model=self.variant,
             )
         )
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any
 
-from synth.api import SamplingParams, SegmentRequest
+from synth.api import Priority, SamplingParams, SegmentRequest
 from synth.outlet import Outlet
 from synth.request import SegmentState, Status
-from synth.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult, StepUpdate
+from synth.scheduler import Scheduler, SchedulerConfig, SharedAdmissions, StepPlan, StepResult, StepUpdate
 
 
-def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True, max_new: int = 5) -> SegmentState:
-    req = SegmentRequest(request_id=rid, text="hi", sink=lambda _: None, first_audio_pending=first, may_wait=wait)
+def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True, max_new: int = 5,
+           job: bool = False) -> SegmentState:
+    req = SegmentRequest(request_id=rid, text="hi", sink=lambda _: None, first_audio_pending=first, may_wait=wait,
+                         priority=Priority.JOB if job else Priority.LIVE)
     outlet = Outlet(rid, req.sink, threading.Lock(), {})
     return SegmentState(request=req, outlet=outlet, params=SamplingParams(seed=1), voice=None, text_ids=[1],
                         max_new_tokens=max_new, uses_cfg=cfg)
@@ -167,3 +170,210 @@ def test_context_full_counts_the_position_of_the_step_read_not_of_the_steps_plan
     assert [_update(sched, p, [2]).ended for p in plans[:3]] == [[], [], [a]]  # after writing 10, 11 + 1 >= 12
     assert a.finish_reason == "context_full" and a.tokens == [1, 2, 2, 2]
     assert _update(sched, plans[3], [3]).ended == []  # the step after: dropped
+
+
+# --- live first, always: job segments (Priority.JOB) ------------------------------------------------------------
+
+def _job(rid: str, **kw: Any) -> SegmentState:
+    kw.setdefault("cfg", False)
+    kw.setdefault("first", False)  # as the server submits them
+    kw.setdefault("max_new", 50)
+    return _state(rid, job=True, **kw)
+
+
+def _run(sched: Scheduler, steps: int, ids: int = 7) -> None:
+    """`steps` steps in which every sampled id is `ids` (no EOS)."""
+    for _ in range(steps):
+        plan = sched.schedule()
+        _update(sched, plan, [ids] * plan.sample_rows.size)
+
+
+def test_a_live_segment_is_admitted_before_job_segments_queued_earlier() -> None:
+    sched = _scheduler(max_slots=1, max_rows=2, max_waiting=8, prefill_budget=1)
+    jobs = [_job(f"j{i}") for i in range(3)]
+    for job in jobs:
+        assert sched.add(job)
+    late = _state("late", cfg=False, first=False)  # even a live segment whose session has heard audio
+    assert sched.add(late)
+    assert sched.schedule().prefill == [late]
+    assert all(job.status == Status.WAITING for job in jobs)
+
+
+def test_within_a_priority_first_audio_goes_first_and_jobs_keep_their_order() -> None:
+    sched = _scheduler(max_slots=8, max_rows=8, max_waiting=8, prefill_budget=8)
+    order = [_job("j0"), _state("later", cfg=False, first=False), _job("j1"), _state("first", cfg=False)]
+    for state in order:
+        assert sched.add(state)
+    assert [s.request_id for s in sched.schedule().prefill] == ["first", "later", "j0", "j1"]
+
+
+def test_job_segments_take_no_row_a_waiting_live_segment_needs() -> None:
+    """Three rows: a live CFG segment runs on two; a second one waits for two. A job needing one row must not
+    take the free row from under it, though it would fit."""
+    sched = _scheduler(max_slots=3, max_rows=3, max_waiting=8, prefill_budget=4)
+    a = _state("a", max_new=2)
+    assert sched.add(a)
+    _run(sched, 1)
+    b, job = _state("b"), _job("j")
+    assert sched.add(b) and sched.add(job)
+    plan = sched.schedule()
+    assert plan.prefill == [] and b.status == job.status == Status.WAITING
+    _update(sched, plan, [7])  # a reaches its limit: its rows free
+    assert a.status == Status.GENERATED
+    assert sched.schedule().prefill == [b, job]  # b first, then the job on the row left
+
+
+def test_a_full_batch_of_jobs_and_one_live_arrival_preempts_the_job_with_the_fewest_ids() -> None:
+    sched = _scheduler(max_slots=3, max_rows=3, max_waiting=8, prefill_budget=4)
+    j0, j1, j2 = _job("j0"), _job("j1"), _job("j2")
+    sched.add(j0)
+    _run(sched, 2)
+    sched.add(j1)
+    sched.add(j2)
+    _run(sched, 1)
+    j2_row = j2.rows
+    assert [sched.tokens_sampled(j) for j in (j0, j1, j2)] == [3, 1, 1]  # j1, j2 tie: the later admitted goes
+    later = _job("later")  # queued before the preemption: the preempted job still goes ahead of it
+    sched.add(later)
+    live = _state("live", cfg=False, wait=False)  # may not wait: the job rows count as free for it
+    assert sched.add(live)
+    plan = sched.schedule()
+    assert plan.prefill == [live] and plan.preempted == [j2] and live.rows == j2_row
+    assert j2.status == Status.WAITING and j2.rows == () and j2.tokens == [] and sched.preemptions == 1
+    assert _decoding(sched, plan) == [j0, j1]  # the preempted job's row does not decode in the live one's step
+    _update(sched, plan, [1, 2, 3])
+    assert sched.schedule().prefill == []  # no row free: the jobs wait
+    sched.cancel(j0)  # a row frees: the preempted job restarts ahead of the one queued after it
+    plan = sched.schedule()
+    assert plan.prefill == [j2] and later.status == Status.WAITING
+    assert _update(sched, plan, [9] * plan.sample_rows.size).started[-1] is j2 and sched.tokens_of(j2) == [9]
+
+
+def test_a_live_segment_preempts_only_what_it_needs_and_never_a_live_one() -> None:
+    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4)
+    live0 = _state("live0", cfg=False)
+    sched.add(live0)
+    _run(sched, 1)
+    jobs = [_job(f"j{i}") for i in range(3)]
+    for job in jobs:
+        sched.add(job)
+    _run(sched, 1)
+    live1 = _state("live1")  # CFG: two rows
+    sched.add(live1)
+    plan = sched.schedule()
+    assert plan.prefill == [live1] and len(plan.preempted) == 2 and live0.status == Status.RUNNING
+    assert sum(job.status == Status.RUNNING for job in jobs) == 1 and sched.preemptions == 2
+
+
+def test_a_live_segment_is_never_busy_while_jobs_hold_slots_or_fill_the_queue() -> None:
+    sched = _scheduler(max_slots=2, max_rows=2, max_waiting=1)
+    for i in range(2):
+        assert sched.add(_job(f"j{i}"))
+    sched.schedule()
+    assert sched.add(_job("queued"))  # the queue's one place
+    assert not sched.add(_job("refused"))  # queue full: a job is refused ...
+    assert not sched.add(_job("no-wait", wait=False))  # ... and one that may not wait finds no free row
+    assert sched.add(_state("live", cfg=False, wait=False))  # a live one is neither
+    assert sched.add(_state("live-waits", cfg=False))
+    live_busy = _state("live-no-wait", cfg=False, wait=False)
+    assert not sched.add(live_busy)  # only live work ahead of it counts: two live segments take both rows
+    assert live_busy.status == Status.REJECTED
+
+
+def test_a_job_segments_ids_are_held_from_the_vocoder_stream_until_it_ends() -> None:
+    sched = _scheduler(max_slots=2, max_rows=2, prefill_budget=2)
+    live, job = _state("live", cfg=False, max_new=3), _job("job", max_new=3)
+    sched.add(live)
+    sched.add(job)
+    plan = sched.schedule()
+    update = _update(sched, plan, [11, 22])
+    assert update.started == [live, job] and update.opened == [live]
+    assert update.valid_ids.tolist() == [11] and update.stream_gens.tolist() == [live.gen]
+    _run(sched, 1, ids=33)
+    update = _update(sched, sched.schedule(), [44, 6562])
+    assert update.valid_ids.tolist() == [44] and update.ended == [live, job] and job.tokens == [22, 33, 6562]
+    assert job.n_valid == 2
+
+
+def test_a_job_preempted_while_its_step_is_in_flight_drops_that_steps_ids() -> None:
+    """Overlapped steps: the job's step k is launched, the live arrival takes its row at step k+1 (planned before
+    step k's ids are read): those ids belong to nobody and are dropped."""
+    sched = _scheduler(max_slots=1, max_rows=1)
+    job = _job("job")
+    sched.add(job)
+    first = sched.schedule()
+    _update(sched, first, [5])
+    in_flight = sched.schedule()  # the job decodes
+    live = _state("live", cfg=False)
+    sched.add(live)
+    preempting = sched.schedule()
+    assert preempting.prefill == [live] and preempting.preempted == [job]
+    stale = _update(sched, in_flight, [6])
+    assert stale.ended == [] and stale.started == [] and stale.valid_ids.size == 0 and job.tokens == []
+    assert _update(sched, preempting, [7]).started == [live] and sched.tokens_of(live) == [7]
+
+
+def test_a_job_backlog_never_delays_a_live_first_segment_by_a_step() -> None:
+    """A saturating job backlog and live arrivals at random steps (never more live work than the rows hold): every
+    live segment is prefilled at the first step planned after it arrives, and the jobs still get work done."""
+    rng = random.Random(36)
+    sched = _scheduler(max_slots=4, max_rows=6, max_waiting=64, prefill_budget=2)
+    jobs = [_job(f"j{i}", max_new=12) for i in range(40)]
+    for job in jobs:
+        assert sched.add(job)
+    lives: list[SegmentState] = []
+    for step in range(300):
+        live_running = [s for s in sched.running if s.is_live]
+        rows_live = sum(len(s.rows) for s in live_running)
+        arrival = None
+        if rng.random() < 0.3 and len(live_running) < 4:
+            cfg = rng.random() < 0.5
+            if rows_live + (2 if cfg else 1) <= 6:
+                arrival = _state(f"live{step}", cfg=cfg, wait=False, max_new=rng.randint(2, 8))
+                assert sched.add(arrival), arrival.request_id
+                lives.append(arrival)
+        plan = sched.schedule()
+        if arrival is not None:
+            assert arrival in plan.prefill, f"{arrival.request_id} waited behind job segments"
+        _update(sched, plan, [7] * plan.sample_rows.size)
+    assert len(lives) > 50 and sched.preemptions > 5  # the case was exercised
+    assert sum(job.status == Status.GENERATED for job in jobs) > 10
+
+
+def test_jobs_finish_in_the_rows_live_load_leaves_without_being_preempted() -> None:
+    """Two rows always busy with live segments (each replaced as it ends), one left: the jobs run there one after
+    another, to the end, and no live segment ever needs to take it."""
+    sched = _scheduler(max_slots=3, max_rows=3, max_waiting=8, prefill_budget=3)
+    jobs = [_job(f"j{i}", max_new=10) for i in range(3)]
+    for job in jobs:
+        assert sched.add(job)
+    lives: list[SegmentState] = []
+    for _ in range(40):
+        while sum(live.status < Status.GENERATED for live in lives) < 2:
+            lives.append(_state(f"live{len(lives)}", cfg=False, max_new=3))
+            assert sched.add(lives[-1])
+        plan = sched.schedule()
+        _update(sched, plan, [7] * plan.sample_rows.size)
+    assert [job.status for job in jobs] == [Status.GENERATED] * 3
+    assert [len(job.tokens) for job in jobs] == [10] * 3 and sched.preemptions == 0 and len(lives) > 20
+
+
+# --- several models: one admission budget across their schedulers ----------------------------------------------
+
+def test_shared_admissions_go_by_rank_across_models_then_to_the_model_served_least_recently() -> None:
+    a, b = _scheduler(max_slots=8, max_rows=8, max_waiting=16), _scheduler(max_slots=8, max_rows=8, max_waiting=16)
+    shared = SharedAdmissions([a, b])
+    burst = [_state(f"a{i}", cfg=False) for i in range(6)]
+    for state in burst:
+        a.add(state)
+    assert shared.admit(1) == [1, 0]
+    b_later, b_first = _state("b-later", cfg=False, first=False), _state("b-first", cfg=False)
+    b.add(b_later)
+    b.add(b_first)
+    assert shared.admit(1) == [0, 1] and b.plan().prefill == [b_first]  # b's first audio, not a's burst
+    assert shared.admit(1) == [1, 0]  # a's burst (first audio) before b's later segment
+    assert shared.admit(2) == [2, 0]
+    a.add(job := _job("a-job"))
+    assert shared.admit(3) == [2, 1] and b.plan().prefill == [b_later]  # b's later segment before a's job
+    assert job.status == Status.WAITING and all(s.status == Status.RUNNING for s in burst)
+    assert shared.admit(8) == [1, 0] and job in a.running

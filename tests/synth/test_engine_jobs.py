@@ -1,0 +1,105 @@
+"""Live first, always, on a tiny Turbo with its vocoder: a live arrival takes a job segment's row at the next step,
+and the preempted job restarts silently and speaks exactly as if it had never been preempted (synth/scheduler.py).
+
+The engine is stepped by hand on this thread (its vocoder worker runs on its own), so step counts are exact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+from synth import default_voice
+from synth.api import AudioChunk, EventKind, Priority, SamplingParams, SegmentEvent, SegmentRequest
+from synth.engine import Engine
+from synth.request import Status
+
+from tests.synth.conftest import Collector, make_engine, tiny_bundle
+
+JOB_TEXTS = ["The first job segment, read back later.", "A second one, somewhat longer than that.",
+             "And a third, to fill the batch."]
+MAX_STEPS = 400
+
+
+@pytest.fixture(params=["off", "on"], ids=["overlap-off", "overlap-on"])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    eng = make_engine("turbo", render_audio=True, max_slots=3, overlap_steps=request.param, first_chunk_tokens=6,
+                      chunk_schedule_tokens=(8, 16))
+    voice = default_voice(tiny_bundle("turbo"))
+    eng.voices.add(voice)
+    assert eng.vocoder_worker is not None
+    eng.vocoder_worker.start()
+    eng.vocoder_worker.prepare_voice(voice)
+    assert eng.vocoder_worker.wait_prepared([voice.key], 300)
+    with torch.no_grad():
+        yield eng
+    eng.vocoder_worker.stop()
+
+
+def _request(collector: Collector, rid: str, text: str, seed: int, priority: Priority,
+             may_wait: bool = True) -> SegmentRequest:
+    params = replace(SamplingParams.defaults("turbo"), seed=seed, max_new_tokens=20)
+    return SegmentRequest(request_id=rid, text=text, params=params, sink=collector.sink_for(rid), priority=priority,
+                          first_audio_pending=priority == Priority.LIVE, may_wait=may_wait)
+
+
+def _job(collector: Collector, rid: str, k: int) -> SegmentRequest:
+    return _request(collector, rid, JOB_TEXTS[k], seed=500 + k, priority=Priority.JOB)
+
+
+def _step_until_done(engine: Engine, collector: Collector, request_ids: list[str]) -> None:
+    """Step until T3 is done with them (and no step is in flight), then wait for their audio."""
+    for _ in range(MAX_STEPS):
+        if engine.scheduler.idle and engine._in_flight is None and all(
+                EventKind.GENERATED in collector.kinds(rid) for rid in request_ids):
+            collector.wait_done(request_ids)
+            return
+        engine._step()
+    raise AssertionError({rid: collector.kinds(rid) for rid in request_ids})
+
+
+def _pcm(collector: Collector, rid: str) -> npt.NDArray[np.float32]:
+    chunks = collector.chunks(rid)
+    assert [c.seq for c in chunks] == list(range(len(chunks))), "a chunk sequence restarted or has a gap"
+    return np.concatenate([c.pcm for c in chunks])
+
+
+def test_a_live_arrival_preempts_a_job_that_restarts_silently_with_the_same_tokens_and_audio(engine: Engine) -> None:
+    alone = Collector()
+    for k in range(3):  # each job alone: the reference
+        engine.submit(_job(alone, f"alone-{k}", k))
+        _step_until_done(engine, alone, [f"alone-{k}"])
+
+    got = Collector()
+    engine.submit(_job(got, "job-0", 0))
+    for _ in range(3):
+        engine._step()
+    engine.submit(_job(got, "job-1", 1))
+    engine.submit(_job(got, "job-2", 2))
+    for _ in range(3):
+        engine._step()
+    running = engine.scheduler.running
+    assert len(running) == 3 and all(not s.is_live for s in running)  # the batch is full of jobs
+    assert got.kinds("job-2") == []  # a job segment hears nothing while it may still be preempted
+    # a live segment that may not wait: the jobs' slots count as free for it, so it is not refused BUSY ...
+    engine.submit(_request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE, may_wait=False))
+    engine._step()
+    # ... and it is prefilled at this very step, in the row of the job that had sampled the fewest ids
+    live = next(s for s in engine.scheduler.running if s.is_live)
+    assert live.request_id == "live" and engine.scheduler.preemptions == 1
+    assert engine._live["job-2"].status == Status.WAITING and engine.status()["preemptions"] == 1
+    _step_until_done(engine, got, ["job-0", "job-1", "job-2", "live"])
+
+    assert EventKind.BUSY not in got.kinds("live")
+    for k in range(3):
+        rid = f"job-{k}"
+        # STARTED and GENERATED once each, whatever was preempted: nothing of the attempt that did not finish
+        assert got.kinds(rid) == [EventKind.STARTED, EventKind.GENERATED, EventKind.DONE], rid
+        assert got.tokens(rid) == alone.tokens(f"alone-{k}"), f"{rid}: tokens differ from its run alone"
+        assert np.array_equal(_pcm(got, rid), _pcm(alone, f"alone-{k}")), f"{rid}: audio differs from its run alone"
+    events = [e for e in got.events["job-2"] if isinstance(e, SegmentEvent | AudioChunk)]
+    assert isinstance(events[0], SegmentEvent) and events[0].kind == EventKind.STARTED
