@@ -45,6 +45,13 @@ OWN_NAMES: Mapping[str, Variant] = {
 }
 _LANGUAGE = re.compile(r"^([A-Za-z]{2,3})(?:[-_][A-Za-z0-9]+)*$")
 _NAME_LANGUAGE = re.compile(r"^(.+)-([a-z]{2})$")  # aura-2-celeste-es
+# ISO 639-1: a two-letter suffix that is one of these after a name we know is a language (tts-1-zu), not a name.
+ISO_639_1 = frozenset("""
+aa ab ae af ak am an ar as av ay az ba be bg bh bi bm bn bo br bs ca ce ch co cr cs cu cv cy da de dv dz ee el en eo
+es et eu fa ff fi fj fo fr fy ga gd gl gn gu gv ha he hi ho hr ht hu hy hz ia id ie ig ii ik io is it iu ja jv ka kg
+ki kj kk kl km kn ko kr ks ku kv kw ky la lb lg li ln lo lt lu lv mg mh mi mk ml mn mr ms mt my na nb nd ne ng nl nn
+no nr nv ny oc oj om or os pa pi pl ps pt qu rm rn ro ru rw sa sc sd se sg si sk sl sm sn so sq sr ss st su sv sw ta
+te tg th ti tk tl tn to tr ts tt tw ty ug uk ur uz ve vi vo wa wo xh yi yo za zh zu""".split())
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +170,7 @@ class Router:
         code = _language_code(language_field, language)
         name = (model or "").strip().lower()
         named_language = _NAME_LANGUAGE.match(name)
-        if named_language is not None and named_language.group(2) in LANGUAGE_NAMES:
+        if named_language is not None and self._says_language(name, named_language.group(1), named_language.group(2)):
             name = named_language.group(1)
             if code is None:
                 code, language_field = named_language.group(2), model_field
@@ -186,6 +193,14 @@ class Router:
                 return Routed(candidate, code if candidate == "multilingual" else None)
         assert code is not None  # (with no language the first candidate serves)
         raise FieldError(language_field, self._unspoken(code, model, order), LANGUAGE_NOT_SERVED)
+
+    def _says_language(self, name: str, stem: str, suffix: str) -> bool:
+        """Whether `name` is `stem` + a language suffix: a language some model speaks (aura-2-celeste-es), or another
+        ISO 639-1 code after a name we know that the whole name is not (tts-1-zu: Zulu, refused; tts-1-hd: a name)."""
+        return suffix in LANGUAGE_NAMES or (suffix in ISO_639_1 and self._known(stem) and not self._known(name))
+
+    def _known(self, name: str) -> bool:
+        return name in OWN_NAMES or any(rule.matches(name) for rule in self.table.rules)
 
     def names_served_by(self, model: Variant) -> list[str]:
         """The model names a request in English (or naming no language) reaches `model` with here: our own names

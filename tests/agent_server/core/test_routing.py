@@ -94,6 +94,9 @@ def test_a_language_no_loaded_model_speaks_is_refused_never_spoken_in_another() 
         assert (error.field, error.code) == (field, LANGUAGE_NOT_SERVED), error
         assert "multilingual would, and it is not loaded here" in error.message and "turbo, english" in error.message
     nobody = refusal(Router(DEFAULT_ROUTES, ALL), language="tlh")  # Klingon: no model at all
+    zulu = refusal(Router(DEFAULT_ROUTES, ALL), model="tts-1-zu")  # a known name + a language nobody speaks
+    assert (zulu.field, zulu.code) == ("model", LANGUAGE_NOT_SERVED) and "no model speaks 'zu'" in zulu.message
+    assert Router(DEFAULT_ROUTES, ALL).route(model="tts-1-hd") == Routed("english", None)  # a name, not a language
     assert (nobody.field, nobody.code) == ("language", LANGUAGE_NOT_SERVED) and "no model speaks" in nobody.message
     bad = refusal(Router(DEFAULT_ROUTES, ALL), language_field="language_code", language="español")
     assert bad.field == "language_code" and "not a language code" in bad.message
