@@ -346,7 +346,7 @@ class Session(Generic[S]):
         if self.state >= SessionState.CLOSING:
             return
         for ctx in list(self.contexts.values()):
-            if ctx.stream.has_unsegmented_text:
+            if ctx.stream.needs_poll:
                 ctx.stream.poll(now_s)
         if self.state == SessionState.DRAINING:
             self._end_idle_contexts(now_s)
