@@ -76,7 +76,7 @@ def test_a_boundary_adds_no_silence(served: Served, case: Case) -> None:
 # ---- the listener runs dry --------------------------------------------------------------------------
 
 PAUSE_S = 1.0  # past the first segment's end: the listener has been dry this long when the text goes on
-MAX_DRAIN_MS = 400.0  # what a drain of a compressed stream may pad (MP3 at 22.05 kHz and 32 kbit/s: ~200 ms; docs/compatibility.md)
+MAX_DRAIN_MS = 400.0  # what a drain of a compressed stream may pad (MP3 22.05 kHz 32 kbit/s: ~200 ms)
 DRY_CASES = [boundaries.elevenlabs(name, "ws") for name in ("mp3_44100_128", "mp3_22050_32", "opus_48000_64",
                                                               "pcm_8000", "pcm_44100", "ulaw_8000")]
 
