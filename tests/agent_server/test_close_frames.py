@@ -164,7 +164,8 @@ def test_the_websockets_client_sees_1007_and_1009_as_received(served: LiveServer
                         pass
             except ConnectionClosed:
                 pass
-            return (ws.protocol.close_rcvd.code if ws.protocol.close_rcvd else None), bool(ws.protocol.close_rcvd_then_sent)
+            rcvd = ws.protocol.close_rcvd
+            return (rcvd.code if rcvd else None), bool(ws.protocol.close_rcvd_then_sent)
 
     for path in PATHS:
         assert asyncio.run(rcvd_code(path, b"\xff\xfe bad")) == (1007, True), path
