@@ -81,19 +81,21 @@ DRY_CASES = [boundaries.elevenlabs(name, "ws") for name in ("mp3_44100_128", "mp
                                                               "pcm_8000", "pcm_44100", "ulaw_8000")]
 
 
-async def pause_between_sentences(served: Served, case: Case, seed: int) -> tuple[bytes, bytes, float, float]:
-    """The first sentence, flushed; the second once the listener has run dry. (The audio that came before the
-    second sentence was sent, all of it, when the first audio arrived, when the last one before the pause did.)"""
+async def pause_between_sentences(served: Served, case: Case, seed: int,
+                                  flush: bool) -> tuple[bytes, bytes, float, float]:
+    """The first sentence (flushed: drained at its end; else cut by the segmenter's wait and drained on the
+    listener's deadline); the second once the listener has run dry. (The audio that came before the second
+    sentence was sent, all of it, when the first audio arrived, when the last one before the pause did.)"""
     url = f"{served.ws}/v1/text-to-speech/{ELEVENLABS_VOICE}/stream-input?output_format={case.name}&seed={seed}"
     before, after = bytearray(), bytearray()
     first_s = last_s = 0.0
     first_ms = len(boundaries.engine_pcm(1, seed)[0]) / 24.0
     async with connect(url, max_size=None) as ws:
         await ws.send(orjson.dumps({"text": " "}).decode())
-        await ws.send(orjson.dumps({"text": boundaries.SENTENCES[0] + " ", "flush": True}).decode())
+        await ws.send(orjson.dumps({"text": boundaries.SENTENCES[0] + " ", "flush": flush}).decode())
         deadline_s = None
         while deadline_s is None or time.monotonic() < deadline_s:
-            timeout_s = 5.0 if deadline_s is None else max(0.0, deadline_s - time.monotonic())
+            timeout_s = 10.0 if deadline_s is None else max(0.0, deadline_s - time.monotonic())
             try:
                 raw = await asyncio.wait_for(ws.recv(), timeout_s)
             except TimeoutError:
@@ -114,12 +116,13 @@ async def pause_between_sentences(served: Served, case: Case, seed: int) -> tupl
     return bytes(before), bytes(after), first_s, last_s
 
 
+@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "deadline"])
 @pytest.mark.parametrize("case", DRY_CASES, ids=str)
-def test_a_listener_that_runs_dry_gets_the_whole_tail_in_time_and_the_stream_goes_on(served: Served,
-                                                                                      case: Case) -> None:
-    seed = 7_000 + DRY_CASES.index(case)
+def test_a_listener_that_runs_dry_gets_the_whole_tail_in_time_and_the_stream_goes_on(served: Served, case: Case,
+                                                                                      flush: bool) -> None:
+    seed = 7_000 + 10 * DRY_CASES.index(case) + flush
     pcm = boundaries.engine_pcm(2, seed)
-    before, after, first_s, last_s = asyncio.run(pause_between_sentences(served, case, seed))
+    before, after, first_s, last_s = asyncio.run(pause_between_sentences(served, case, seed, flush))
     alone = boundaries.hear(case, before, pcm[:1])  # the first segment, whole, before the pause
     assert alone.matches[0] >= MIN_MATCH and alone.tail_ms >= 0.0, (alone.matches, alone.tail_ms)
     dry_s = first_s + (case.fmt.lead_ms + alone.lengths_ms[0]) / 1000.0  # a player started at the first audio
