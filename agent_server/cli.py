@@ -25,6 +25,9 @@ from typing import Any
 
 import structlog
 import uvicorn
+import wsproto.events
+from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
+from wsproto.connection import ConnectionState
 
 from agent_server import metrics
 from agent_server.app import create_app
@@ -37,9 +40,11 @@ UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn stil
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
 EXIT_DRAIN_CUT = 75  # EX_TEMPFAIL: shut down, but the grace period ran out with sessions still speaking
 EXIT_CONFIG_REFUSED = 2  # as argparse: settings no restart can fix (a bad flag; slots the memory does not hold)
-# uvicorn's WebSocket implementation: wsproto passes the Autobahn core cases (tests/agent_server/
-# test_autobahn.py); "websockets-sansio" answers case 7.1.5 (a close inside a fragmented message) with 1002.
-WS_IMPLEMENTATION = "wsproto"
+# uvicorn's WebSocket implementation is its wsproto one (`ClosingWSProtocol` below): it passes the Autobahn core cases
+# (tests/agent_server/test_autobahn.py); "websockets-sansio" answers case 7.1.5 (a close inside a fragmented
+# message) with 1002.
+CLOSE_LINGER_S = 1.0  # after a close the server decided on bad input: how long the input is read and dropped
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455 §5.5: a control frame's payload is <= 125 bytes, 2 of them the code
 ENGINE_FAILED_GRACE_S = 2.0  # after an engine failure: time for the sessions' error messages to go out
 GIL_SWITCH_INTERVAL_S = 0.001
 
@@ -231,6 +236,57 @@ def handshake_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol] | No
     return HandshakeDeadlineProtocol
 
 
+class ClosingWSProtocol(WSProtocol):
+    """uvicorn's wsproto WebSocket protocol, with the close frame the server decided on always on the wire.
+
+    RFC 6455 §7.1.7: to fail a connection, send the close frame first. uvicorn (0.55) does not for the closes
+    wsproto decides while parsing (1002 for each framing error, 1007 for invalid UTF-8 in a text message): wsproto
+    reports them as a `CloseConnection` while the connection is still OPEN, and uvicorn tells the app and drops the
+    TCP connection without a frame (the client sees 1006). For 1009 (a message over `ws_max_size`) it writes the
+    frame but closes at once with the rest of the message unread, so the kernel answers with a RST that can
+    destroy the frame before the client reads it. Here both send the frame, half-close (FIN after it), then read
+    and drop whatever the client still sends until it closes too or `CLOSE_LINGER_S` has passed.
+    """
+
+    _failing = False  # our close frame is out: the input is read and dropped until the client closes
+
+    def data_received(self, data: bytes) -> None:
+        if not self._failing:
+            super().data_received(data)
+
+    def handle_message(self, event: wsproto.events.TextMessage | wsproto.events.BytesMessage) -> None:
+        size = len(event.data.encode()) if isinstance(event, wsproto.events.TextMessage) else len(event.data)
+        if self.buffer.length + size > self.buffer.max_length:
+            self.fail_connection(1009, f"Message exceeds the maximum size ({self.buffer.max_length} bytes)")
+            return
+        super().handle_message(event)
+
+    def handle_close(self, event: wsproto.events.CloseConnection) -> None:
+        if not self.close_sent and self.conn.state == ConnectionState.OPEN:
+            # a close frame received moves the state to REMOTE_CLOSING first: this is wsproto's own parse failure
+            self.fail_connection(event.code, event.reason or "")
+            return
+        super().handle_close(event)
+
+    def fail_connection(self, code: int, reason: str) -> None:
+        """Tell the app, send the close frame, half-close, and drop the input until the client closes."""
+        reason = reason.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors="ignore")
+        self.close_sent = True
+        self._failing = True
+        self.stop_keepalive()
+        self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+        if self.transport.is_closing():
+            return
+        self.transport.write(self.conn.send(wsproto.events.CloseConnection(code=code, reason=reason)))
+        if self.read_paused:  # (paused between messages until the app reads): the client's FIN must come through
+            self.read_paused = False
+            self.transport.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        # the app's task ends without closing the transport while a close timer is set (`run_asgi`)
+        self.close_timer = self.loop.call_later(CLOSE_LINGER_S, self.transport.close)
+
+
 def build_server(app: Any, settings: Settings, **config_overrides: Any) -> GracefulServer:
     if settings.handshake_timeout_s > 0 and "http" not in config_overrides:
         protocol = handshake_deadline_protocol(settings.handshake_timeout_s)
@@ -244,7 +300,7 @@ def build_server(app: Any, settings: Settings, **config_overrides: Any) -> Grace
         ssl_keyfile=settings.tls_keyfile,
         log_config=None,  # logging.configure_logging owns the handlers
         log_level=settings.log_level,
-        ws=WS_IMPLEMENTATION,
+        ws=ClosingWSProtocol,
         ws_max_size=settings.max_message_bytes,
         ws_ping_interval=settings.ws_ping_interval_s,
         ws_ping_timeout=settings.ws_ping_timeout_s,

@@ -408,6 +408,11 @@ class Settings:
     slow_client_stall_s: float = setting(3.0, "a client whose socket took nothing for this long is dropped (close "
                                          "1008)", L, number, flag="--slow-client-stall-s",
                                          env=("AGENT_SERVER_SLOW_CLIENT_STALL_S",), check=above(0))
+    slow_client_behind_s: float = setting(5.0, "a client stalled 1 s that has not shown it reads (taken more than a "
+                                          "kernel holds unread) for this long since its first unproven audio is "
+                                          "dropped (close 1008)", L,
+                                          number, flag="--slow-client-behind-s",
+                                          env=("AGENT_SERVER_SLOW_CLIENT_BEHIND_S",), check=above(0))
     # A native session with no open context that sends nothing for this long is closed (1000). Any
     # client message resets it; `{"type": "keepalive"}` is the explicit keep-alive.
     inactivity_timeout_s: float = setting(

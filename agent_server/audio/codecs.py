@@ -6,7 +6,7 @@
 
     enc = make_encoder(fmt)
     enc.push(pcm_24k) -> list[bytes]   # what can go out now (the first push always yields bytes)
-    enc.drain() -> list[bytes]         # the stream went idle: release everything held back (adds silence)
+    enc.drain() -> list[bytes]         # the listener runs dry: release everything held back (pads to a frame)
     enc.finish() -> list[bytes]        # the end: flush and close; the pieces concatenate to a valid file
     enc.close()                        # abandon (a cancel): release the codec, emit nothing
 
@@ -16,11 +16,18 @@ compressed encoders reuse `AudioEncoder` as their front end (soxr resampling to 
 then cut codec frames, encode and mux into an in-memory sink; muxers are set to write every packet at
 once (Ogg pages and WebM clusters of one packet), so bytes come out with each chunk, not at the end.
 
-Counters (what `speech.SpeechStream` reads to place segments on the output timeline), the same meaning
-for every encoder: `samples_in` (24 kHz samples pushed), `samples_fed` (24 kHz samples given to the
-resampler: pushes plus drain silence), `samples_resampled` (output-rate samples the resampler made),
-`samples_out` (output-rate samples in the stream so far, padding included: after a drain,
-`samples_out - samples_resampled` is the padding added so far).
+Counters (what `core/stream.SpeechStream` reads to place segments on the output timeline), the same meaning
+for every encoder: `samples_in` (24 kHz samples pushed), `samples_fed` (where the next sample pushed sits on
+the 24 kHz timeline: the samples given to the resampler), `samples_resampled` (output-rate samples the
+resampler made), `samples_out` (output-rate samples in the stream so far, padding included: after a drain,
+`samples_out - samples_resampled` is the padding added so far), `samples_covered` (how many of
+`samples_out` a client can decode from the bytes returned so far: a codec returns a frame's packet a few
+frames later; `samples_out - samples_covered` is what it still holds).
+
+A drain costs silence (a partial codec frame padded, then silent frames until the codec's held-back packets
+are out: 20-300 ms by codec and bit rate, docs/compatibility.md), so a stream drains only when its listener
+would otherwise run dry; between segments that follow each other the codec simply goes on, a frame
+straddling the boundary, and priming and encoder delay are paid once per context.
 
 Timeline as a client decodes it: MP3 and ADTS AAC carry no gapless metadata in a stream, so a decoder
 plays the encoder's priming first (LAME 1105 samples, AAC 1024 samples: 46 ms and 43 ms at 24 kHz) and a
@@ -208,10 +215,11 @@ class EncoderCounts:
     samples_fed: int = 0
     samples_resampled: int = 0
     samples_out: int = 0
+    samples_covered: int = 0
 
     @classmethod
     def of(cls, encoder: StreamEncoder) -> EncoderCounts:
-        return cls(encoder.samples_fed, encoder.samples_resampled, encoder.samples_out)
+        return cls(encoder.samples_fed, encoder.samples_resampled, encoder.samples_out, encoder.samples_covered)
 
 
 class StreamEncoder(Protocol):
@@ -225,6 +233,8 @@ class StreamEncoder(Protocol):
     def samples_resampled(self) -> int: ...
     @property
     def samples_out(self) -> int: ...
+    @property
+    def samples_covered(self) -> int: ...
     @property
     def finished(self) -> bool: ...
 
@@ -280,6 +290,10 @@ class _Wrapper:
     @property
     def samples_out(self) -> int:
         return self._inner.samples_out
+
+    @property
+    def samples_covered(self) -> int:
+        return self._inner.samples_covered
 
     @property
     def finished(self) -> bool:
@@ -465,7 +479,8 @@ _AV_SETUPS: Mapping[Container, _AvSetup] = {
     # one page per packet (page_duration in microseconds; the default 1 s holds audio back for a second)
     "ogg": _AvSetup("libopus", "ogg", "flt", {**_FLUSH_EACH_PACKET, "page_duration": "1"}, held_packets=1),
     # a cluster per packet (cluster_time_limit in ms), written as a live stream
-    "webm": _AvSetup("libopus", "webm", "flt", {**_FLUSH_EACH_PACKET, "live": "1", "cluster_time_limit": "0"}),
+    "webm": _AvSetup("libopus", "webm", "flt", {**_FLUSH_EACH_PACKET, "live": "1", "cluster_time_limit": "0"},
+                     held_packets=2),
     "adts": _AvSetup("aac", "adts", "fltp", _FLUSH_EACH_PACKET),
     "flac": _AvSetup("flac", "flac", "s16", _FLUSH_EACH_PACKET),
 }
@@ -536,6 +551,11 @@ class CompressedEncoder:
     @property
     def samples_out(self) -> int:
         return self._next_pts
+
+    @property
+    def samples_covered(self) -> int:
+        held_by_muxer = self._held_packets * self._frame_samples  # (Ogg keeps its last page open)
+        return max(0, min(self._encoded_end, self._next_pts) - held_by_muxer)
 
     # ---- the interface ----
 

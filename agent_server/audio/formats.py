@@ -5,8 +5,9 @@ and the output equals resampling the whole signal at once), float -> PCM16 (clip
 round), G.711 mu-law / A-law (table lookup, bit-exact with the reference g711.c), and a framer.
 
 Resampler latency: soxr 'HQ' holds back about 20-35 ms of output (filter delay plus its block size),
-released by the next `push`. When the stream goes idle (a segment's audio is all in and nothing else
-is queued) call `drain()`, or the end of the last word waits for the next segment.
+released by the next `push`. When the listener is about to run out of audio and nothing else is coming
+yet, call `drain()`: it flushes the resampler exactly (the output the input so far determines, no
+silence) and starts a fresh one for what follows; only a partial fixed frame is padded.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ MS_PER_S = 1_000
 
 PCM16_FULL_SCALE = 32_767
 RESAMPLER_QUALITY = "HQ"  # 20-bit, >130 dB stop band, flat to ~0.9 Nyquist; VHQ holds back up to 4x more
-DRAIN_BLOCK_SAMPLES = 240  # silence fed per step while draining (10 ms at 24 kHz)
-MAX_DRAIN_SAMPLES = ENGINE_SAMPLE_RATE_HZ  # never feed more than 1 s of silence to drain
 
 # ---- G.711 (ITU-T G.711, as in the reference g711.c by Sun Microsystems) ---------------------------
 ULAW_INPUT_SHIFT = 2  # 16-bit -> 14-bit
@@ -147,19 +146,13 @@ class AudioEncoder:
 
     def __init__(self, fmt: OutputFormat) -> None:
         self.fmt = fmt
-        rate = fmt.sample_rate_hz
-        self._resampler: soxr.ResampleStream | None = None
-        if rate != ENGINE_SAMPLE_RATE_HZ:
-            self._resampler = soxr.ResampleStream(
-                ENGINE_SAMPLE_RATE_HZ, rate, 1, dtype="float32", quality=RESAMPLER_QUALITY
-            )
+        self._resampler = self._new_resampler()
         self._encode: Callable[[NDArray[Any]], bytes] = _ENCODERS[fmt.encoding]
         self._pending = bytearray()  # encoded output short of a whole frame
         self.samples_in = 0  # engine samples pushed
-        self.samples_fed = 0  # engine samples given to the resampler: samples_in plus drain() silence
-        self._fed_at_last_push = 0  # samples_fed right after the last push(): where real input ends
+        self.samples_fed = 0  # engine samples given to the resampler (all of them: a drain feeds no silence)
         self.samples_resampled = 0  # output-rate samples the resampler has produced
-        self.samples_out = 0  # output-rate samples in the frames returned so far
+        self.samples_out = 0  # output-rate samples in the frames returned so far (a drain's frame padding included)
         self.finished = False
 
     def push(self, pcm_24k: NDArray[Any]) -> list[bytes]:
@@ -167,28 +160,22 @@ class AudioEncoder:
         self._require_open("push")
         x = _as_mono_float32(pcm_24k)
         self.samples_in += len(x)
-        frames = self._frames(self._resample(x, last=False))
-        self._fed_at_last_push = self.samples_fed
-        return frames
+        return self._frames(self._resample(x, last=False))
 
     def drain(self) -> list[bytes]:
-        """Release everything held back, as if the input went on in silence; the stream stays open.
+        """Release everything held back; the stream stays open.
 
-        Feeds the resampler silence until all output that the real input determines is out, then pads
-        a partial frame with silence to a whole one. Adds at most a few tens of ms of silence; use it
-        when the stream goes idle, not between back-to-back chunks.
+        Flushes the resampler: exactly the output its input determines comes out (what resampling the input
+        since the last drain in one piece gives, no silence after it), and a fresh resampler takes what is
+        pushed next. A partial fixed frame is then padded with silence to a whole one (the only padding).
+        Use it when the listener is about to run out of audio, not between segments that follow each other:
+        the restarted filter and a padded frame are not seamless.
         """
         self._require_open("drain")
         frames: list[bytes] = []
         if self._resampler is not None:
-            # the output determined by everything fed up to the last real sample (earlier drains' silence
-            # included, since it sits before that sample in the resampler's input)
-            target = self._fed_at_last_push * self.fmt.sample_rate_hz // ENGINE_SAMPLE_RATE_HZ
-            silence = np.zeros(DRAIN_BLOCK_SAMPLES, dtype=np.float32)
-            fed = 0
-            while self.samples_resampled < target and fed < MAX_DRAIN_SAMPLES:
-                frames += self._frames(self._resample(silence, last=False))
-                fed += DRAIN_BLOCK_SAMPLES
+            frames += self._frames(self._resample(np.zeros(0, dtype=np.float32), last=True))
+            self._resampler = self._new_resampler()
         frame_bytes = self.fmt.frame_bytes
         if frame_bytes is not None and self._pending:
             pad_samples = (frame_bytes - len(self._pending)) // self.fmt.bytes_per_sample
@@ -209,6 +196,17 @@ class AudioEncoder:
     def close(self) -> None:
         """Abandon the stream (a cancel): nothing more is encoded. Idempotent; nothing to release."""
         self.finished = True
+
+    @property
+    def samples_covered(self) -> int:
+        """Output-rate samples a client can decode from the frames returned so far: all of `samples_out`."""
+        return self.samples_out
+
+    def _new_resampler(self) -> soxr.ResampleStream | None:
+        if self.fmt.sample_rate_hz == ENGINE_SAMPLE_RATE_HZ:
+            return None
+        return soxr.ResampleStream(ENGINE_SAMPLE_RATE_HZ, self.fmt.sample_rate_hz, 1, dtype="float32",
+                                   quality=RESAMPLER_QUALITY)
 
     def _resample(self, x: NDArray[Any], last: bool) -> NDArray[Any]:
         # x: [samples] float32 at 24 kHz -> [samples'] float32 at the output rate

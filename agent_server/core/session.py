@@ -15,8 +15,9 @@ Three layers, one concern each:
   - one bounded outbox and its writer: output of a stream cancelled before it goes out is skipped;
   - the slow-client watchdog: the client is cut (1008) when it has taken none of the bytes it was given
     for `slow_client_stall_s`, measured where the bytes leave the machine (transport buffer + kernel
-    send queue), or when the outbox overflows, or when a context's audio encoder falls behind
-    (`OutputOverflow`);
+    send queue), or when it is stalled (`MIN_STALL_S`) and has not shown it reads for `slow_client_behind_s`
+    since the first byte it was given after it last did (`DrainWatch`: its kernel takes a buffer's worth
+    unread), or when the outbox overflows, or when a context's audio encoder falls behind (`OutputOverflow`);
   - the drain (1001 after the last context), busy refusal at admission (1013), teardown;
   - how the session ends: one `Outcome` (core/outcomes.py), which its transport answers from the one table;
   - metrics events (core/observers.py) and structured logs.
@@ -93,6 +94,13 @@ log = structlog.get_logger("agent_server.session")
 # the writer lets other tasks run, so one session's burst (a 4 s chunk is 200 frames) cannot hold up
 # another session's first frame.
 WRITER_BURST_ITEMS = 8
+# The cumulative bound (`slow_client_behind_s`) cuts a client stalled at least this long: a reader's window reopens
+# within a read or two (tens of ms; up to ~1.3 s of 24 kHz PCM on loopback, whose 64 kB MSS delays the update).
+MIN_STALL_S = 1.0
+# A client that took more than this since it last showed it reads has read some of it: more than a Linux receive
+# buffer holds unread (128 KiB by default, ~165 kB with what it reports; measured, docs/compatibility.md). 5.5 s of
+# 24 kHz PCM16, 33 s of G.711, 65 s of 32 kbit/s MP3: a slow stream proves itself rarely.
+UNREAD_CAPACITY_BYTES = 256 * 1024
 DRAIN_IDLE_S = 1.0  # the drain ends a context's input once the client has sent nothing for this long
 INVALID_UTF8_LOG_PERIOD_S = 10.0  # at most one `invalid_utf8` line per period, with a count of the rest
 CLIENT_CLOSE_REASONS = {CLOSE_INVALID_PAYLOAD: "invalid UTF-8 from the client", CLOSE_TOO_BIG: "message too big"}
@@ -145,29 +153,47 @@ class DrainWatch:
     the machine yet (transport buffer + kernel send queue, i.e. not acknowledged by the client). The
     client is stalled from the first observation at which bytes wait for it, and stays stalled until
     more of them than ever before have drained. Framing bytes the count does not see only make the
-    drained figure lower, never higher, so they cannot pass for progress."""
+    drained figure lower, never higher, so they cannot pass for progress.
+
+    A client's kernel acknowledges whatever fits its receive buffer whether the application reads or not
+    (~130-165 kB on Linux: 3 s of 24 kHz PCM16, many more of G.711 or MP3), and it opens its window bit by bit
+    while it fills, so neither progress nor progress after a stall shows that the application reads; only
+    taking more than such a buffer holds does (`UNREAD_CAPACITY_BYTES`). `unproven_s` is how long bytes have
+    been given to the client since it last showed that (since the first of them), the measure of the
+    cumulative bound (`Session.tick`)."""
 
     written_bytes: int = 0
     drained_bytes: int = 0  # the most ever seen drained
     stalled_since_s: float | None = None
+    unproven_since_s: float | None = None  # the first observation with bytes written since the client last read
+    proven_through_bytes: int = 0  # bytes written when the client last showed it reads
+    proven_drained_bytes: int = 0  # bytes drained then
 
     def wrote(self, n_bytes: int) -> None:
         self.written_bytes += n_bytes
 
     def observe(self, unsent_bytes: int, now_s: float) -> None:
+        if self.unproven_since_s is None and self.written_bytes > self.proven_through_bytes:
+            self.unproven_since_s = now_s
         if unsent_bytes <= 0:  # everything left: nothing waits for the client
             self.drained_bytes = max(self.drained_bytes, self.written_bytes)
             self.stalled_since_s = None
-            return
-        drained = self.written_bytes - unsent_bytes
-        if drained > self.drained_bytes:
-            self.drained_bytes = drained
-            self.stalled_since_s = now_s
-        elif self.stalled_since_s is None:
-            self.stalled_since_s = now_s
+        else:
+            drained = self.written_bytes - unsent_bytes
+            if drained > self.drained_bytes:
+                self.drained_bytes = drained
+                self.stalled_since_s = now_s
+            elif self.stalled_since_s is None:
+                self.stalled_since_s = now_s
+        if self.drained_bytes - self.proven_drained_bytes > UNREAD_CAPACITY_BYTES:  # more than a kernel holds: it reads
+            self.proven_through_bytes, self.proven_drained_bytes = self.written_bytes, self.drained_bytes
+            self.unproven_since_s = None
 
     def stalled_s(self, now_s: float) -> float:
         return 0.0 if self.stalled_since_s is None else now_s - self.stalled_since_s
+
+    def unproven_s(self, now_s: float) -> float:
+        return 0.0 if self.unproven_since_s is None else now_s - self.unproven_since_s
 
 
 class WireProtocol(Generic[S]):
@@ -341,13 +367,17 @@ class Session(Generic[S]):
 
     def tick(self, now_s: float) -> None:
         stalled_s = self._stalled_s(now_s)
+        unproven_s = self._drain.unproven_s(now_s)
         if stalled_s > self.settings.slow_client_stall_s:
             self._drop_slow_client(f"the client took none of its audio for {stalled_s:.1f} s")
+            return
+        if stalled_s >= MIN_STALL_S and unproven_s >= self.settings.slow_client_behind_s:
+            self._drop_slow_client(f"the client has not read for {unproven_s:.1f} s (stalled {stalled_s:.1f} s)")
             return
         if self.state >= SessionState.CLOSING:
             return
         for ctx in list(self.contexts.values()):
-            if ctx.stream.has_unsegmented_text:
+            if ctx.stream.needs_poll:
                 ctx.stream.poll(now_s)
         if self.state == SessionState.DRAINING:
             self._end_idle_contexts(now_s)

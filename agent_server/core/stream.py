@@ -27,7 +27,18 @@ voice; `start_turn` cuts the text before it as a flush does, so no segment holds
 Ordering: segment N+1 is submitted when segment N has finished generating (GENERATED), so T3 of the next
 segment overlaps the vocoder tail of the current one; audio that arrives for a segment whose turn has not
 come is held until every earlier segment has played. One encoder per context keeps the output stream
-continuous across segments (a frame may straddle two segments).
+continuous across segments (a frame may straddle two segments): a context is one stream, whose codec
+priming and delay are paid once.
+
+Draining: the encoder holds back the end of what it was given (the resampler's filter, a partial frame, a
+codec's delayed packets). At a segment's end that tail goes out with the next segment's audio; only when the
+listener would otherwise run dry before that audio comes (`ListenerClock`: the client plays in real time from
+its first frame) is the encoder drained, which costs silence (a frame padded, a codec's flush frames). The
+check runs when the segment ends and on every `poll` (the session's tick) until the next audio comes or
+the context ends (`finish`: the very end, no padding beyond the last frame). One more end is the client's
+own: a `flush` after which nothing has come (no text, no segment) says "that is all for now", and the
+protocols answer it once its speech is out (Deepgram's Flushed, Cartesia's flush_done): the last flushed
+segment's tail is drained when it ends, ahead of its SegmentDone.
 
 Encoding: the spec's `output_format` (audio/codecs.py) picks the encoder. Raw PCM, G.711 and WAV
 encode inline; a compressed format (MP3, Opus, AAC, FLAC) with an `EncoderPool` encodes off the event
@@ -99,6 +110,9 @@ CHAR_WEIGHT_SPACE = 0.5
 CHAR_WEIGHT_PUNCT = 1.5
 CHAR_WEIGHT_OTHER = 1.0
 MAX_PENDING_ENCODES = 256  # encoder calls one context may have queued on its lane (beyond: OutputOverflow)
+# A segment's tail held in the encoder is drained once the listener holds no more than what the codec still
+# holds (its delayed packets) plus this: a tick (25 ms), the encoder call and the way to the client's player.
+DRAIN_MARGIN_S = 0.1
 
 
 # ---- what a stream works with --------------------------------------------------------------------
@@ -201,10 +215,13 @@ class SpeechStream:
         self._stage: EncodeStage = self._make_stage(encoder_pool)
         self._counts = EncoderCounts()  # the encoder's counters after the last call whose output came back
         self._uncounted_samples = 0  # output-rate samples encoded but in no AudioOut yet (a codec's delay)
+        self._encodes_in_flight = 0  # encoder calls submitted whose output has not come back yet
         self._finish_queued = False
         self._completing = False  # the stream's end is queued behind its last audio
         self._rate_hz = spec.output_format.sample_rate_hz
         self._padding_out_samples = 0  # silence the encoder added to complete frames (drain)
+        self._tail_pending: int | None = None  # a finished segment whose tail the encoder holds: drain when due
+        self._flushed_through: int | None = None  # the last segment of a `flush` no text has followed yet
         self._segments: list[StreamSegment] = []
         self._playing = 0  # index of the segment whose audio goes out now
         self._next_submit = 0
@@ -227,6 +244,8 @@ class SpeechStream:
         self._require_open("text")
         if self.times.first_text_s is None and text:
             self.times.first_text_s = now_s
+        if text.strip():
+            self._flushed_through = None  # more is coming: not the end of the client's input after all
         self.text_chars += len(text)
         if self._markup is None:
             self._add_segments(self._segmenter.push(text, now_s))
@@ -247,6 +266,7 @@ class SpeechStream:
         self._require_open("flush")
         self._end_markup(now_s)  # an unfinished tag is text
         self._add_segments(self._segmenter.flush(now_s))
+        self._flushed_through = len(self._segments) - 1 if self._segments else None
 
     def end(self, now_s: float) -> None:
         self._require_open("end")
@@ -275,8 +295,10 @@ class SpeechStream:
                 self._add_segments(self._segmenter.push(piece, now_s))
 
     def poll(self, now_s: float) -> None:
+        """The segmenter's clock (text held for a timeout) and the listener's (a tail to drain before it runs dry)."""
         if self.status == StreamStatus.OPEN:
             self._add_segments(self._segmenter.poll(now_s))
+        self._drain_tail_if_due(now_s)
 
     def cancel(self, status: StreamStatus = StreamStatus.CANCELLED, detail: str = "") -> bool:
         """Stop at once (CANCELLED by the client, SHUTDOWN or FAILED from the server): no audio of this
@@ -316,6 +338,11 @@ class SpeechStream:
     @property
     def has_unsegmented_text(self) -> bool:
         return self.status == StreamStatus.OPEN and self._segmenter.pending_chars > 0
+
+    @property
+    def needs_poll(self) -> bool:
+        """`poll` has something to watch: text the segmenter holds, or a tail to drain before the listener runs dry."""
+        return self.has_unsegmented_text or (self._tail_pending is not None and not self.status.done)
 
     # ---- segments in -----------------------------------------------------------------------------
 
@@ -467,6 +494,7 @@ class SpeechStream:
     def _play(self, seg: StreamSegment, pcm: NDArray[Any]) -> None:
         if not seg.announced:
             self._announce(seg)
+        self._tail_pending = None  # this audio pushes the tail out: the stream goes on without a drain
         self._encode(seg.index, partial(self._encoder.push, pcm))
 
     # ---- the encode stage: every encoder call and everything behind one --------------------------------
@@ -483,6 +511,7 @@ class SpeechStream:
         def work() -> tuple[list[bytes], EncoderCounts]:  # on the stage's thread
             return call(), EncoderCounts.of(encoder)
 
+        self._encodes_in_flight += 1
         self._submit_stage(work, partial(self._encoded, segment_index, drained))
 
     def _behind_audio(self, then: Callable[[], None]) -> None:
@@ -499,6 +528,7 @@ class SpeechStream:
             self._terminate(StreamStatus.SHUTDOWN, detail)  # if the session did not cancel it already
 
     def _encoded(self, segment_index: int, drained: bool, result: tuple[list[bytes], EncoderCounts]) -> None:
+        self._encodes_in_flight -= 1
         if self.status.done:
             return  # nothing of a finished stream goes out
         frames, counts = result
@@ -540,17 +570,39 @@ class SpeechStream:
         self._maybe_complete()
 
     def _release_tail(self, segment_index: int) -> None:
-        """A segment's audio is all in: if nothing follows right away, get its last samples out now
-        (the resampler and the framer hold some back; `drain` pads with a few ms of silence)."""
+        """A segment's audio is all in; the encoder holds its last samples back. The next segment's audio pushes
+        them out; at the context's end `finish` does; else they wait for the listener's deadline (`poll`)."""
         if self._playing < len(self._segments):
             following = self._segments[self._playing]
             if following.held or following.status == StreamSegmentStatus.DONE:
                 return  # the next segment's audio pushes it out
         elif self.status == StreamStatus.ENDED:
+            self._tail_pending = None
             self._finish_queued = True
             self._encode(segment_index, self._encoder.finish)  # the very end
             return
+        elif segment_index == self._flushed_through:
+            self._flushed_through = None
+            self._encode(segment_index, self._encoder.drain, drained=True)  # the flushed speech is all out
+            return
+        self._tail_pending = segment_index
+        self._drain_tail_if_due(time.monotonic())
+
+    def _drain_tail_if_due(self, now_s: float) -> None:
+        segment_index = self._tail_pending
+        if segment_index is None or self.status.done or not self._listener_runs_dry(now_s):
+            return
+        self._tail_pending = None
         self._encode(segment_index, self._encoder.drain, drained=True)
+
+    def _listener_runs_dry(self, now_s: float) -> bool:
+        """The listener would run out of audio before what the encoder holds reaches it, unless it goes now."""
+        started_s = self.times.first_frame_sent_s
+        if started_s is None:  # it has heard nothing yet: it waits for this tail, unless audio is on its way
+            return self._encodes_in_flight == 0 and self.frames_sent == self.frames_out
+        holds_s = self.sent_ms / 1000.0 - (now_s - started_s)  # as played (ListenerClock, in played seconds)
+        codec_holds_s = (self._counts.samples_out - self._counts.samples_covered) / self._rate_hz
+        return holds_s <= codec_holds_s + DRAIN_MARGIN_S
 
     def _timeline_ms(self) -> float:
         """Where the next sample pushed into the encoder will sit in the stream's output, in ms."""
@@ -571,6 +623,7 @@ class SpeechStream:
         if self.status != StreamStatus.ENDED or self._playing < len(self._segments) or self._completing:
             return
         self._completing = True
+        self._tail_pending = None  # `finish` releases it
         if not self._finish_queued:
             self._finish_queued = True
             self._encode(max(0, len(self._segments) - 1), self._encoder.finish)
@@ -591,6 +644,7 @@ class SpeechStream:
         if self.status.done:
             return
         self.status = status
+        self._tail_pending = None
         self._stage.cancel()  # drops queued encoder calls; the encoder is closed once
         for seg in self._segments:
             if StreamSegmentStatus.SUBMITTED <= seg.status < StreamSegmentStatus.DONE:

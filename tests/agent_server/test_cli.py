@@ -138,7 +138,7 @@ def test_credentials_never_reach_the_log(tmp_path: Path) -> None:
 
 
 def test_invalid_utf8_frames_make_one_log_line_per_period(tmp_path: Path) -> None:
-    """Each frame that is not UTF-8 fails its connection (RFC 6455 8.1: wsproto drops the TCP connection;
+    """Each frame that is not UTF-8 fails its connection (RFC 6455 8.1: a 1007 close frame, then FIN;
     the session records 1007); the log gets at most one `invalid_utf8` warning per period (with a count
     of the rest), never a traceback."""
     with cli_server(tmp_path, {"AGENT_SERVER_LOG_LEVEL": "info"}) as (_, port, log_path):

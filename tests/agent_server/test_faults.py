@@ -118,6 +118,45 @@ def test_non_reading_client_is_cut_and_others_keep_their_ttfa(tmp_path: Path) ->
         wait_until(lambda: not server.hub.sessions, 5, "the sessions to close")
 
 
+FIRST_AUDIO_SLACK_S = 0.5  # from the open to the first audio (the engine's first chunk) and the watchdog's tick
+
+
+def test_a_non_reader_fed_in_real_time_is_cut_within_5_s_and_a_reader_beside_it_is_not(tmp_path: Path) -> None:
+    """Audio at 1x real time into a client that never reads, with the kernel's default receive buffer: it takes
+    ~3 s of 24 kHz PCM unread before any stall shows, so the stall rule alone (3 s) cut it after ~6 s; the
+    cumulative bound (`slow_client_behind_s`) cuts it within 5 s of its first audio. A client reading the same
+    pace beside it is never cut."""
+    engine = FakeEngine(realtime_factor=1.0, first_chunk_delay_s=0.05, max_slots=4)
+    with live_server(engine, Settings(data_dir=tmp_path, phrase_cache_mb=0)) as server:
+        dropped: list[float] = []
+        server.hub.observers.subscribe(
+            lambda e: dropped.append(time.monotonic()) if isinstance(e, SlowClientDropped) else None
+        )
+
+        async def scenario() -> tuple[float, ContextLog]:
+            reader = await NativeClient.connect(server.ws_url)
+            read_log = await reader.open("reader", seed=2, text=" ".join([SENTENCE] * 12))
+            await reader.end("reader")
+            ws = await connect(server.ws_url, max_queue=1, max_size=None)
+            await ws.recv()  # session_started
+            fmt = {"encoding": "pcm_s16le", "sample_rate_hz": 24000}
+            opened_s = time.monotonic()
+            await ws.send(orjson.dumps({"type": "open", "context_id": "hog", "output_format": fmt,
+                                        "text": BIG_TEXT}).decode())
+            await ws.send(orjson.dumps({"type": "end", "context_id": "hog"}).decode())
+            while not dropped and time.monotonic() - opened_s < 15:
+                await asyncio.sleep(0.02)
+            ws.transport.abort()
+            await asyncio.wait_for(read_log.finished.wait(), 30)
+            await reader.close()
+            return (dropped[0] - opened_s if dropped else float("inf")), read_log
+
+        cut_after_s, read_log = run(scenario())
+        assert cut_after_s <= 5.0 + FIRST_AUDIO_SLACK_S, cut_after_s
+        assert len(dropped) == 1
+        assert read_log.done is not None and read_log.done["reason"] == "completed"
+
+
 def test_disconnects_mid_stream_free_their_slots(tmp_path: Path) -> None:
     engine = FakeEngine(realtime_factor=1.0, max_slots=4)
     with live_server(engine, Settings(data_dir=tmp_path)) as server:

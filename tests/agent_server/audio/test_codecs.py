@@ -112,6 +112,21 @@ def test_streamed_pieces_concatenate_to_a_file_of_the_pushed_duration(fmt: Strea
     assert enc.samples_out == enc.samples_resampled  # and all of it is in the stream, unpadded
 
 
+@pytest.mark.parametrize("fmt", [*STREAMED, StreamFormat("mp3", "mp3", 8_000, 32_000)],
+                         ids=lambda f: f"{f.container}-{f.codec}-{f.sample_rate_hz}")
+def test_samples_covered_is_what_a_client_can_decode_so_far(fmt: StreamFormat) -> None:
+    """What the stream's drain deadline counts on: `samples_out - samples_covered` is what the codec (and a muxer
+    that keeps its last page or cluster open) still holds back, exactly."""
+    enc = make_encoder(fmt)
+    data = b""
+    for chunk in chunks_of(speechy(1.5)):
+        data += b"".join(enc.push(chunk))
+        assert enc.samples_covered <= enc.samples_out
+        if enc.samples_covered:
+            decodable = decoded_at_codec_rate(fmt, data) - PRIMING_SAMPLES.get(fmt.codec, 0)
+            assert decodable == enc.samples_covered
+
+
 @pytest.mark.parametrize("fmt", STREAMED, ids=lambda f: f"{f.container}-{f.codec}-{f.sample_rate_hz}")
 def test_drain_releases_everything_pushed_and_the_stream_goes_on(fmt: StreamFormat) -> None:
     pcm = speechy(2.0, seed=1)

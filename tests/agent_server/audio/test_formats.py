@@ -194,18 +194,31 @@ def test_drain_releases_held_audio_and_the_stream_goes_on() -> None:
     frames = enc.push(first)
     assert enc.samples_out < len(first) // 3  # the resampler and the framer hold some back
     frames += enc.drain()
-    assert enc.samples_out >= len(first) // 3
+    assert enc.samples_fed == enc.samples_in == len(first)  # no silence fed
+    assert enc.samples_resampled == round(len(first) / 3)  # exactly the output the input determines
     assert all(len(f) == 160 for f in frames)
-    resampled_at_drain, padded = enc.samples_resampled, enc.samples_out - enc.samples_resampled
-    silence_fed = enc.samples_fed - len(first)
+    padded = enc.samples_out - enc.samples_resampled
+    assert 0 <= padded < 160  # the framer's padding only: the rest of the last frame
     frames += enc.push(second) + enc.finish()
-    # The stream is the one-shot resampling of first + the silence fed + second, with the framer's
-    # padding (encoded silence) inserted where drain() stopped.
-    whole = np.concatenate([first, np.zeros(silence_fed, np.float32), second])
-    ref = pcm16_to_mulaw(float_to_pcm16(soxr.resample(whole, 24000, 8000, quality=RESAMPLER_QUALITY)))
+    # The stream is the one-shot resampling of `first`, the framer's padding (encoded silence), then the one-shot
+    # resampling of `second` (a fresh resampler after the drain).
+    ref = [pcm16_to_mulaw(float_to_pcm16(soxr.resample(x, 24000, 8000, quality=RESAMPLER_QUALITY)))
+           for x in (first, second)]
     mulaw_silence = np.full(padded, 0xFF, np.uint8)
-    expected = np.concatenate([ref[:resampled_at_drain], mulaw_silence, ref[resampled_at_drain:]])
+    expected = np.concatenate([ref[0], mulaw_silence, ref[1]])
     assert np.array_equal(np.frombuffer(b"".join(frames), dtype=np.uint8), expected)
+
+
+@pytest.mark.parametrize("rate", [r for r in PCM_SAMPLE_RATES_HZ if r != ENGINE_SAMPLE_RATE_HZ])
+def test_a_drain_adds_no_silence_without_fixed_frames(rate: int) -> None:
+    """The resampler is flushed, not fed silence: at every rate a drain releases exactly what the input determines
+    (it used to overshoot by up to one of soxr's output lumps: 40 ms of zeros at 8 kHz)."""
+    enc = AudioEncoder(OutputFormat("pcm_s16le", rate))
+    pcm = sine(300, 1.0)
+    out = b"".join(enc.push(pcm) + enc.drain())
+    expected = float_to_pcm16(soxr.resample(pcm, 24000, rate, quality=RESAMPLER_QUALITY))
+    assert np.array_equal(np.frombuffer(out, dtype="<i2"), expected)
+    assert enc.samples_out == enc.samples_resampled == expected.size
 
 
 @pytest.mark.parametrize("rate", PCM_SAMPLE_RATES_HZ)

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from agent_server.core.observers import SessionClosed, SessionOpened, SlowClientDropped
-from agent_server.core.session import DrainWatch, WireProtocol
+from agent_server.core.session import MIN_STALL_S, UNREAD_CAPACITY_BYTES, DrainWatch, WireProtocol
 from agent_server.protocols import native_wire as wire
 from agent_server.protocols.cartesia import CartesiaProtocol
 from agent_server.protocols.cartesia_http import CartesiaBytesProtocol
@@ -306,3 +306,87 @@ def test_encoders_that_fall_behind_cut_the_session_as_a_slow_client(tmp_path: Pa
     assert engine.cancels
     closed = [e for e in events if isinstance(e, SessionClosed)]
     assert [(e.protocol, e.code) for e in closed] == [("openai", 1008)]
+
+
+# ---- the cumulative bound: a non-reader's kernel takes a buffer's worth unread ------------------------
+
+RECEIVE_BUFFER_BYTES = 130_000  # a non-reading Linux client's kernel takes about this much (then its window is 0)
+PCM_BYTES_PER_S = 48_000  # 24 kHz PCM16
+TICK_S = 0.025
+
+
+def non_reader_cut_s(pace: float, *, burst: bool = False, behind_s: float = 5.0, stall_s: float = 3.0) -> float:
+    """When the session's rules (`Session.tick`) cut a client that never reads, audio produced at `pace` x real
+    time (or all at once), on loopback (acknowledged at once until the client's receive buffer is full)."""
+    watch = DrainWatch()
+    acked = 0
+    for tick in range(1, 2000):
+        now_s = tick * TICK_S
+        due = 10 * PCM_BYTES_PER_S if burst else int(now_s * pace * PCM_BYTES_PER_S)
+        if due > watch.written_bytes:
+            watch.wrote(due - watch.written_bytes)
+        acked = min(watch.written_bytes, RECEIVE_BUFFER_BYTES)
+        watch.observe(watch.written_bytes - acked, now_s)
+        stalled = watch.stalled_s(now_s)
+        if stalled > stall_s or (stalled >= MIN_STALL_S and watch.unproven_s(now_s) >= behind_s):
+            return now_s
+    return float("inf")
+
+
+@pytest.mark.parametrize(("pace", "burst"), [(1.0, False), (2.0, False), (4.0, False), (1.0, True)])
+def test_a_non_reader_is_cut_within_5_s_of_its_first_audio_however_fast_audio_comes(pace: float, burst: bool) -> None:
+    """Its kernel fills its receive buffer first (at 1x: 2.7 s), and only then does the stall clock start: with
+    the stall rule alone it was cut at 5.7 s; the cumulative bound cuts it by 5 s of its first audio."""
+    cut_s = non_reader_cut_s(pace, burst=burst)
+    assert cut_s <= 5.0 + 2 * TICK_S, cut_s
+    assert cut_s >= 1.0  # never before it has been stalled MIN_STALL_S
+
+
+def test_the_stall_rule_alone_would_cut_a_one_x_non_reader_late() -> None:
+    """(What the cumulative bound is for: the same non-reader under the stall rule alone.)"""
+    assert non_reader_cut_s(1.0, behind_s=float("inf")) > 5.5
+
+
+def test_a_reader_behind_a_fast_producer_is_never_cut() -> None:
+    """A client that reads in real time, behind a producer at 4x: its window closes and opens again a segment's
+    worth at a time; it shows it reads every 256 KiB (5.5 s of 24 kHz PCM16) and never stalls for long."""
+    watch = DrainWatch()
+    read = 0
+    proofs = 0
+    for tick in range(1, 1600):  # 40 s
+        now_s = tick * TICK_S
+        watch.wrote(int(4 * PCM_BYTES_PER_S * TICK_S))  # 4x real time
+        read += int(PCM_BYTES_PER_S * TICK_S)  # the application reads in real time
+        acked = min(watch.written_bytes, RECEIVE_BUFFER_BYTES + read - read % 1460)  # window updates of an MSS
+        proven = watch.proven_drained_bytes
+        watch.observe(watch.written_bytes - acked, now_s)
+        proofs += watch.proven_drained_bytes > proven
+        stalled_s = watch.stalled_s(now_s)
+        assert stalled_s < MIN_STALL_S and not (stalled_s > 3.0), now_s
+    assert proofs >= 5
+
+
+def test_a_kernels_trickle_after_the_buffer_filled_is_no_proof_of_reading() -> None:
+    """A non-reader's kernel takes a few hundred bytes now and then after its buffer is full (it collapses its
+    queue): that is progress for the stall clock, but it shows no reading."""
+    watch = DrainWatch()
+    watch.wrote(200_000)
+    watch.observe(70_000, 1.0)  # its buffer is full: 130 kB taken
+    watch.observe(70_000, 1.2)  # stalled
+    for i in range(1, 20):
+        watch.observe(70_000 - 500 * i, 1.2 + 0.2 * i)  # 500 B now and then
+    assert watch.unproven_s(6.0) == pytest.approx(5.0)
+
+
+def test_a_client_that_stops_reading_later_is_measured_from_its_last_proof() -> None:
+    watch = DrainWatch()
+    watch.wrote(400_000)
+    watch.observe(400_000 - UNREAD_CAPACITY_BYTES, 1.0)  # it has taken all a kernel holds: not yet proof
+    assert watch.unproven_s(2.0) == pytest.approx(1.0)
+    watch.observe(400_000 - UNREAD_CAPACITY_BYTES - 1, 2.0)  # one byte more: it reads
+    assert watch.unproven_s(10.0) == 0.0
+    watch.wrote(1000)
+    watch.observe(100_000, 3.0)  # bytes given since: unproven from here
+    watch.observe(100_000, 4.0)
+    assert watch.unproven_s(8.0) == pytest.approx(5.0)
+    assert watch.stalled_s(8.0) == pytest.approx(5.0)  # stalled since its last progress (3.0)

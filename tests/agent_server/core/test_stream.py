@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import soxr
 
 from agent_server.audio.codecs import StreamEncoder, StreamFormat, make_encoder
 from agent_server.audio.encode_lane import EncoderPool, Lane
+from agent_server.audio.formats import RESAMPLER_QUALITY, float_to_pcm16
 from agent_server.core.events import (
     AudioOut,
     OutputOverflow,
@@ -30,7 +32,7 @@ from agent_server.core.events import (
     StreamStateError,
     StreamStatus,
 )
-from agent_server.core.stream import SpeechStream
+from agent_server.core.stream import DRAIN_MARGIN_S, SpeechStream
 from agent_server.text.segmenter import Segmenter
 from synth.api import (
     SAMPLES_PER_SPEECH_TOKEN,
@@ -353,6 +355,150 @@ def test_a_faster_listener_holds_less_of_the_engines_audio() -> None:
     assert sent_s == pytest.approx(1.0, abs=0.05)  # played in about a second
     listener = engine.submitted[0].listener
     assert listener is not None and listener.buffered_s(10.25) == pytest.approx((sent_s - 0.25) * 2.0)
+
+
+# ---- draining: only when the listener would run dry ------------------------------------------------------
+
+PCM8K = StreamFormat("raw", "pcm_s16le", 8_000, frame_ms=20)
+FIRST_SENTENCE = "Hello there my friend. "  # one segment each
+TWO_SENTENCES = FIRST_SENTENCE + "And this is the second one. "
+
+
+def count_drains(stream: SpeechStream) -> list[int]:
+    """Each drain of the stream's encoder appends 1."""
+    drains: list[int] = []
+    encoder = stream._encoder
+    inner = encoder.drain
+
+    def drain() -> list[bytes]:
+        drains.append(1)
+        return inner()
+
+    encoder.drain = drain  # type: ignore[method-assign]
+    return drains
+
+
+def polls(stream: SpeechStream) -> bool:
+    """The session's tick calls `poll` (read through a call: mypy would keep an asserted property narrowed)."""
+    return stream.needs_poll
+
+
+def send_all(stream: SpeechStream, rec: Recorder, now_s: float) -> None:
+    """The writer got every frame emitted so far out at `now_s`."""
+    for frame in rec.of(AudioOut)[stream.frames_sent:]:
+        stream.on_frame_sent(now_s, frame.duration_ms)
+
+
+def pcm16_of(rec: Recorder) -> np.ndarray[Any, Any]:
+    return np.frombuffer(b"".join(f.payload for f in rec.of(AudioOut)), dtype="<i2")
+
+
+def test_a_boundary_whose_next_audio_comes_in_time_is_not_drained() -> None:
+    """Segment 0 ends (DONE) before segment 1's first audio arrives, as it always does when the next segment is a
+    phrase-cache replay (its audio is posted right behind that DONE): the listener holds a second of audio, so the
+    encoder is not drained and the stream is the one-shot resampling of both segments, seamless."""
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, fmt=PCM8K)
+    drains = count_drains(stream)
+    stream.push_text(TWO_SENTENCES, 0.0)
+    stream.end(0.0)
+    engine.chunk(0, 25, 0.1)  # 1 s
+    send_all(stream, rec, time.monotonic())
+    engine.event(0, EventKind.GENERATED)
+    engine.event(0, EventKind.DONE)
+    assert polls(stream)  # its tail waits for the listener's deadline
+    stream.poll(time.monotonic())
+    engine.chunk(1, 10, 0.3)  # the next audio pushes the tail out
+    assert not polls(stream)
+    engine.event(1, EventKind.GENERATED)
+    engine.event(1, EventKind.DONE)
+    assert stream.status == StreamStatus.COMPLETED and drains == []
+    pcm_24k = np.concatenate([np.full(25 * 960, 0.1, np.float32), np.full(10 * 960, 0.3, np.float32)])
+    one_shot = float_to_pcm16(soxr.resample(pcm_24k, 24_000, 8_000, quality=RESAMPLER_QUALITY))
+    assert np.array_equal(pcm16_of(rec), one_shot)
+    assert rec.of(SegmentStarted)[1].audio_offset_ms == 1000.0  # right where segment 0 ends
+
+
+def test_the_tail_is_drained_just_before_the_listener_runs_dry_and_the_timeline_counts_its_padding() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, fmt=PCM8K)
+    drains = count_drains(stream)
+    stream.push_text(FIRST_SENTENCE, 0.0)  # then the LLM pauses (no flush: that drains at once, below)
+    stream.poll(5.0)  # the segmenter's wait for more text is over: the sentence goes
+    assert len(engine.submitted) == 1
+    engine.chunk(0, 13, 0.1)  # 520 ms: 4160 samples at 8 kHz, some of them held by the resampler and the framer
+    sent_s = time.monotonic()
+    send_all(stream, rec, sent_s)
+    engine.event(0, EventKind.GENERATED)
+    engine.event(0, EventKind.DONE)
+    held = 4160 - stream.output_ms * 8
+    assert held > 0 and drains == []
+    dry_s = sent_s + stream.sent_ms / 1000.0  # a player that started at the first frame has played it all
+    stream.poll(dry_s - DRAIN_MARGIN_S - 0.01)  # it still holds more than the margin
+    assert drains == [] and polls(stream)
+    stream.poll(dry_s - DRAIN_MARGIN_S + 0.01)
+    assert drains == [1]
+    stream.poll(dry_s + 1.0)
+    assert drains == [1]  # once
+    out = pcm16_of(rec)
+    assert out.size % 160 == 0 and out.size >= 4160  # all of it, the last frame padded
+    assert not out[4160:].any()
+    stream.push_text("And this is the second one. ", 1.0)
+    stream.end(1.0)
+    engine.chunk(1, 5, 0.3)
+    engine.event(1, EventKind.GENERATED)
+    engine.event(1, EventKind.DONE)
+    assert drains == [1] and stream.status == StreamStatus.COMPLETED
+    second = rec.of(SegmentStarted)[1]
+    assert second.audio_offset_ms == out.size / 8  # after the padding: where its audio is
+    assert pcm16_of(rec)[out.size] != 0
+
+
+def test_a_tail_pending_at_the_end_goes_out_with_the_finish_not_a_drain() -> None:
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, fmt=PCM8K)
+    drains = count_drains(stream)
+    stream.push_text(FIRST_SENTENCE, 0.0)
+    stream.poll(5.0)
+    assert len(engine.submitted) == 1
+    engine.chunk(0, 25, 0.1)
+    send_all(stream, rec, time.monotonic())
+    engine.event(0, EventKind.GENERATED)
+    engine.event(0, EventKind.DONE)
+    assert polls(stream)
+    stream.end(0.1)
+    assert stream.status == StreamStatus.COMPLETED and drains == [] and not polls(stream)
+    out = pcm16_of(rec)
+    assert out.size == 8000 and out.all()  # the last frame is short: no padding at the very end
+
+
+def test_a_flush_with_nothing_after_it_drains_its_last_segment_when_it_ends() -> None:
+    """The client said "that is all for now": its speech must be all out when the protocol answers the flush
+    (Flushed, flush_done), so the last flushed segment's tail is drained at its end, not at the listener's
+    deadline; text after the flush takes that back."""
+    engine = ManualEngine()
+    stream, rec = make_stream(engine, fmt=PCM8K)
+    drains = count_drains(stream)
+    stream.push_text(FIRST_SENTENCE, 0.0)
+    stream.flush(0.0)
+    engine.chunk(0, 25, 0.1)
+    send_all(stream, rec, time.monotonic())
+    engine.event(0, EventKind.GENERATED)
+    engine.event(0, EventKind.DONE)
+    assert drains == [1]
+    stream.poll(time.monotonic() + 100.0)  # long dry: nothing is left to drain
+    assert drains == [1]
+    assert pcm16_of(rec).size == 8000  # all of it (1 s at 8 kHz, exactly 50 frames: nothing to pad)
+    stream.push_text("And this is the second one. ", 1.0)
+    stream.flush(1.0)
+    stream.push_text("And a third one follows it here. ", 1.0)  # text after the flush: not the end after all
+    engine.chunk(1, 25, 0.1)
+    send_all(stream, rec, time.monotonic())
+    engine.event(1, EventKind.GENERATED)
+    engine.event(1, EventKind.DONE)
+    assert drains == [1] and polls(stream)  # its tail waits for the listener's deadline
+    stream.poll(time.monotonic() + 100.0)
+    assert drains == [1, 1]
 
 
 # ---- the encode stage: compressed formats on the encoder pool ------------------------------------------

@@ -196,6 +196,9 @@ async def exchange(url: str, messages: list[dict[str, Any]]) -> tuple[list[dict[
             return got, ws.close_code
 
 
+ENCODER_HOLD_MS = 36.0  # what soxr HQ holds back of a segment's end at 16 kHz (~20-35 ms) until more audio comes
+
+
 def test_multi_stream_input_turns_voices_and_events(served: Served) -> None:
     url = served.ws + MULTI + "?output_format=pcm_16000&sync_alignment=true"
     messages: list[dict[str, Any]] = [
@@ -222,7 +225,9 @@ def test_multi_stream_input_turns_voices_and_events(served: Served) -> None:
     assert kinds.count("is_final_audio_for_turn") == 1 and kinds[-2:] == ["is_final_audio_for_turn", "is_final"]
     # Alignment times are relative to the message. LiveKit places a message where the audio before it ends;
     # Pipecat where the spans of the alignments before it (each one's last character's end) add up to. Both
-    # must put every character at the same time, inside the audio, never going back.
+    # must put every character at the same time, inside the audio, never going back. (A segment's alignment comes
+    # when its audio is all generated; the last few ms of that audio are still in the encoder then, the resampler's
+    # filter, and follow with the next segment's audio: a context is one stream, issue 35.)
     audio_clock_ms, span_clock_ms, last_ms = 0.0, 0.0, 0.0
     for message in got:
         if message.get("audio"):
@@ -234,11 +239,11 @@ def test_multi_stream_input_turns_voices_and_events(served: Served) -> None:
                 if char != " ":
                     at_ms = audio_clock_ms + start  # LiveKit's
                     assert abs(at_ms - (span_clock_ms + start)) <= 1, (audio_clock_ms, span_clock_ms)  # Pipecat's
-                    assert last_ms - 1 <= at_ms and at_ms + duration <= audio_clock_ms + 1
+                    assert last_ms - 1 <= at_ms and at_ms + duration <= audio_clock_ms + ENCODER_HOLD_MS
                     last_ms = at_ms
             if starts:
                 span_clock_ms += starts[-1] + durations[-1]
-    assert last_ms > 0.8 * audio_clock_ms
+    assert last_ms > 0.8 * audio_clock_ms and last_ms <= audio_clock_ms
 
 
 def test_without_sync_alignment_no_alignment_is_sent(served: Served) -> None:
