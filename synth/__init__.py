@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # (the server imports synth first; a process that imported torch earlier keeps libgomp's default).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from synth.api import EngineConfig
+from synth.api import EngineConfig, Priority
 
 if TYPE_CHECKING:
     from synth.engine import Engine
@@ -64,4 +64,4 @@ def build_engine(config: EngineConfig, *, render_audio: bool = True) -> Engine:
     return engine
 
 
-__all__ = ["DEFAULT_VOICE_ID", "EngineConfig", "build_engine", "default_voice"]
+__all__ = ["DEFAULT_VOICE_ID", "EngineConfig", "Priority", "build_engine", "default_voice"]

@@ -107,6 +107,13 @@ class EventKind(enum.IntEnum):
     FAILED = 13
 
 
+class Priority(enum.IntEnum):
+    """Who a segment serves. Order matters: a lower value is always admitted first."""
+
+    LIVE = 0  # a caller is listening
+    JOB = 1  # a long text behind 202 Accepted: only rows no live segment wants
+
+
 @dataclass(frozen=True, slots=True)
 class AudioChunk:
     """A piece of a segment's waveform: float32 mono at OUTPUT_SAMPLE_RATE_HZ."""
@@ -180,6 +187,7 @@ class SegmentRequest:
     first_audio_pending: bool = True
     # False: answer BUSY at once when no slot is free. True: wait in the (bounded) admission queue.
     may_wait: bool = True
+    priority: Priority = Priority.LIVE
     submitted_monotonic_s: float = 0.0
     # The listener's playback (shared by the segments of one context), read by the vocoder's chunk policy.
     listener: ListenerClock | None = None
