@@ -20,7 +20,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -156,6 +156,9 @@ class Hub:
         self._no_sessions = asyncio.Event()  # set while no session is registered
         self._no_sessions.set()
         self.engine_settled = asyncio.Event()  # set once the engine is loaded, or failed to load
+        self.became_ready = asyncio.Event()  # set once the server serves (the pre-warm list rendered)
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_hook_tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -198,6 +201,7 @@ class Hub:
         if self.status < ServerStatus.DRAINING:
             self.status = ServerStatus.DRAINING
             self.detail = "shutting down"
+            self._drain_hook_tasks = [asyncio.create_task(_logged(hook(), "drain_hook")) for hook in self._drain_hooks]
         log.info("drain_started", sessions=len(self.sessions), grace_s=grace_s)
         for session in list(self.sessions):
             session.begin_drain()
@@ -210,8 +214,14 @@ class Hub:
             for session in list(self.sessions):
                 session.close_now(Outcome.DRAIN_CUT, "server shutting down")
             await self._until_no_sessions(self.settings.close_timeout_s + 1.0)
+        await asyncio.gather(*self._drain_hook_tasks)
         log.info("drain_done", sessions_left=len(self.sessions), complete=self._drained_complete)
         return self._drained_complete
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook()` when the drain begins, beside the sessions' drain; the drain returns once it is done too
+        (the job runner stops there, handing its claims back: agent_server/jobs/service.py)."""
+        self._drain_hooks.append(hook)
 
     async def _until_no_sessions(self, timeout_s: float) -> None:
         """Return when the last session is gone, or after `timeout_s`."""
@@ -297,14 +307,15 @@ class Hub:
             if isinstance(event, StreamDone):
                 self.voices.release(voice)
 
-        source = self.stream_source(engine, spec, voice, CachePolicy() if spec.cache else NO_CACHE)
+        source = self.stream_source(engine, voice, spec.language, CachePolicy() if spec.cache else NO_CACHE)
         return SpeechStream(key, spec, engine=source, segmenter=self.make_segmenter(), post=self.post,
                             emit=emit_then_release, encoder_pool=self.encoders)
 
-    def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy,
+    def stream_source(self, engine: EngineLike, voice: Voice, language: str | None, policy: CachePolicy,
                       *, pin: bool = False) -> CachedSource:
-        """Where a stream's segments get their audio: the phrase cache, else the engine (phrase_cache.py)."""
-        context = KeyContext(engine.variant, self.weights_id, voice.voice_id, voice.version, spec.language)
+        """Where a stream's segments (and a job's: jobs/render.py) get their audio: the phrase cache, else the
+        engine (phrase_cache.py)."""
+        context = KeyContext(engine.variant, self.weights_id, voice.voice_id, voice.version, language)
         return CachedSource(engine, self.phrase_cache, context, policy, self.post, pin=pin)
 
     # ---- the pre-warm list ---------------------------------------------------------------------
@@ -329,7 +340,7 @@ class Hub:
                 done.set_result(event)
 
         try:
-            source = self.stream_source(engine, spec, voice, PREWARM, pin=True)
+            source = self.stream_source(engine, voice, spec.language, PREWARM, pin=True)
             stream = SpeechStream(f"prewarm/{next(self._prewarm_numbers)}", spec, engine=source,
                                   segmenter=self.make_segmenter(), post=self.post, emit=emit)
             stream.open()
@@ -446,6 +457,7 @@ class Hub:
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"
+            self.became_ready.set()
         log.info(
             "server_ready",
             variant=engine.variant,
@@ -516,6 +528,14 @@ class Hub:
     def _report_failure(self) -> None:
         if self.on_engine_failed is not None:
             self.on_engine_failed(self.detail)
+
+
+async def _logged(work: Awaitable[None], what: str) -> None:
+    """Await `work`; a failure is logged, never raised (a drain goes on whatever one hook does)."""
+    try:
+        await work
+    except Exception:
+        log.exception(f"{what}_failed")
 
 
 def _settle(future: asyncio.Future[EngineLike], result: EngineLike | BaseException) -> None:

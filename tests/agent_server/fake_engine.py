@@ -8,7 +8,12 @@ It runs its own thread like the real engine, so the server's thread hops are exe
 - `cancel` returns only once no further chunk of that request can reach the sink;
 - at most `max_slots` segments generate at once, `max_waiting` more wait; beyond that (or with
   `may_wait=False` and no free slot) the sink gets a BUSY event;
-- every submit and cancel is recorded (`submits`, `cancels`).
+- priorities (`SegmentRequest.priority`, issue 36), minimally: waiting segments are admitted by (priority, first
+  audio pending first, arrival), so a job segment never goes ahead of a live one; with `preempt_jobs` a live
+  segment that finds every slot taken takes the slot of the running job segment that has emitted the least (that
+  segment goes back to the head of the job queue and starts over: STARTED again, chunks from seq 0), and slots
+  held by job segments count as free when a live segment asks whether it must wait;
+- every submit, cancel, admission and preemption is recorded (`submits`, `cancels`, `admitted`, `preempted`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from synth.api import (
     EngineError,
     EngineLike,
     EventKind,
+    Priority,
     SegmentEvent,
     SegmentRequest,
     StepStats,
@@ -93,12 +99,15 @@ class FakeEngine(EngineLike):
     ready_delay_s: float = 0.0
     add_voice_delay_s: float = 0.0
     random_weights: bool = True
+    preempt_jobs: bool = True  # a live segment takes a job segment's slot (the job segment starts over later)
     voices: set[str] = field(default_factory=lambda: {"default"})
     # a voice's "conditioning" (export_voice / import_voice): a hash of its clip, so another clip differs
     voice_blobs: dict[str, bytes] = field(default_factory=lambda: {"default": b"fake-voice:default"})
 
     submits: list[SegmentRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)  # request ids in the order they took a slot
+    preempted: list[str] = field(default_factory=list)  # job segments whose slot a live one took
 
     def __post_init__(self) -> None:
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -281,7 +290,7 @@ class FakeEngine(EngineLike):
         seg = FakeSegment(request, seed, self.expected_tokens(request.text, seed, self.tokens_per_char))
         with self._lock:
             self._segments[request.request_id] = seg
-        free = len(self._running) < self.max_slots
+        free = self._slots_taken_from(request) < self.max_slots
         if request.request_id in self._cancelled:
             self._finish(seg, EventKind.CANCELLED, reason="cancelled")
         elif not free and (not request.may_wait or len(self._waiting) >= self.max_waiting):
@@ -289,17 +298,46 @@ class FakeEngine(EngineLike):
         else:
             self._waiting.append(seg)
 
+    def _slots_taken_from(self, request: SegmentRequest) -> int:
+        """The slots `request` finds taken: a live segment may take a job segment's (with `preempt_jobs`)."""
+        if self.preempt_jobs and request.priority == Priority.LIVE:
+            return sum(1 for seg in self._running if seg.request.priority == Priority.LIVE)
+        return len(self._running)
+
+    @staticmethod
+    def _admission_order(seg: FakeSegment) -> tuple[int, bool]:
+        # live before jobs; within a priority, segments whose session has heard nothing yet go first (that is TTFB)
+        return int(seg.request.priority), not seg.request.first_audio_pending
+
     def _admit(self) -> None:
-        # segments whose session has heard nothing yet go first (that is TTFB)
-        while self._waiting and len(self._running) < self.max_slots:
-            seg = next((s for s in self._waiting if s.request.first_audio_pending), self._waiting[0])
+        while self._waiting:
+            seg = min(self._waiting, key=self._admission_order)  # (min: the first of the best, in arrival order)
+            if len(self._running) >= self.max_slots and not self._preempt_for(seg):
+                return
             self._waiting.remove(seg)
             now_s = time.monotonic()
             seg.status = FakeStatus.RUNNING
             seg.started_s = now_s
             seg.next_due_s = now_s + self.first_chunk_delay_s + self._pace_s(self._chunk_tokens(seg))
             self._running.append(seg)
+            self.admitted.append(seg.request.request_id)
             self._deliver(seg, SegmentEvent(seg.request.request_id, EventKind.STARTED, now_s))
+
+    def _preempt_for(self, seg: FakeSegment) -> bool:
+        """Free a slot for a live `seg` by sending the job segment that has emitted the least back to the head of
+        the job queue (it starts over when admitted again). False: nothing to preempt."""
+        if not self.preempt_jobs or seg.request.priority != Priority.LIVE:
+            return False
+        jobs = [s for s in self._running if s.request.priority == Priority.JOB]
+        if not jobs:
+            return False
+        victim = min(jobs, key=lambda s: s.emitted_tokens)
+        self._running.remove(victim)
+        victim.status = FakeStatus.WAITING
+        victim.emitted_tokens = victim.chunks_sent = 0
+        self._waiting.appendleft(victim)
+        self.preempted.append(victim.request.request_id)
+        return True
 
     def _chunk_tokens(self, seg: FakeSegment) -> int:
         if seg.chunks_sent == 0:
