@@ -48,7 +48,9 @@ def create_app(
     settings: Settings | None = None,
     *,
     segmenter_factory: SegmenterFactory | None = None,
+    jobs_config: JobsConfig | None = None,
 ) -> Starlette:
+    """`jobs_config`: the jobs' settings (tests), else the ones `settings` gives."""
     settings = settings or Settings()
     if engine is None:
         hub = Hub(settings, engine_factory=default_engine_factory, segmenter_factory=segmenter_factory)
@@ -57,7 +59,7 @@ def create_app(
     else:
         hub = Hub(settings, engine_factory=engine, segmenter_factory=segmenter_factory)
 
-    jobs = JobService(hub, JobsConfig.from_settings(settings))  # raises ValueError (a bad --webhook-allow)
+    jobs = JobService(hub, jobs_config or JobsConfig.from_settings(settings))  # raises ValueError (a bad --webhook-allow)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -217,6 +217,9 @@ class JobRunner:
                     in_flight.add(asyncio.create_task(self._segment(job, pending.popleft())))
                 done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
+                    if not task.cancelled():
+                        task.exception()  # (read, each one: a second failure is not "never retrieved")
+                for task in done:
                     if task.result() in (SegmentWrite.JOB_FINISHED, SegmentWrite.JOB_GONE):
                         self.stats.jobs_stopped += 1
                         return False

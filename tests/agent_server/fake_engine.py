@@ -149,6 +149,11 @@ class FakeEngine(EngineLike):
         tokens = cls.expected_tokens(text, seed, tokens_per_char)
         return np.concatenate([cls.token_pcm(t) for t in tokens])
 
+    def running_progress(self) -> dict[str, int]:
+        """Request id -> speech tokens emitted so far, of each segment holding a slot now."""
+        with self._lock:
+            return {seg.request.request_id: seg.emitted_tokens for seg in self._running}
+
     def seed_of(self, request_id: str) -> int:
         with self._lock:
             return self._segments[request_id].seed
