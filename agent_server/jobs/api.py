@@ -36,11 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agent_server.core.outcomes import Outcome, http_status
 from agent_server.errors import UNAVAILABLE
 from agent_server.jobs.assembly import DEFAULT_POLL_S, AudioFiles, JobAudioAborted, Offload, job_audio
 from agent_server.jobs.byte_range import Unsatisfiable, parse_range
 from agent_server.jobs.model import (
     JOB_NOT_READY,
+    STATUS_UNPROCESSABLE,
     Job,
     JobError,
     JobStatus,
@@ -52,7 +54,6 @@ from agent_server.jobs.model import (
 from agent_server.jobs.request import (
     DEFAULT_MAX_JOB_CHARS,
     NOTHING_TO_SAY,
-    STATUS_UNPROCESSABLE,
     job_format,
     parse_job_request,
 )
@@ -65,11 +66,12 @@ log = structlog.get_logger("agent_server.jobs.api")
 JOBS_PATH = "/v1/jobs"
 STATUS_ACCEPTED = 202
 STATUS_PARTIAL = 206
-STATUS_CONFLICT = 409
-STATUS_TOO_LARGE = 413
-STATUS_QUOTA = 429
-STATUS_RANGE = 416
-STATUS_UNAVAILABLE = 503
+# error statuses: the one table of outcomes' (core/outcomes.py); STATUS_UNPROCESSABLE (422) for a field at fault
+STATUS_CONFLICT = http_status(Outcome.NO_RESULT)
+STATUS_TOO_LARGE = http_status(Outcome.TOO_LARGE)
+STATUS_QUOTA = http_status(Outcome.OVER_LIMIT)
+STATUS_RANGE = http_status(Outcome.OUT_OF_RANGE)
+STATUS_UNAVAILABLE = http_status(Outcome.NOT_READY)
 BODY_SLACK_BYTES = 64 * 1024  # a body may be this much bigger than its text at 4 UTF-8 bytes a character
 FILE_CHUNK_BYTES = 64 * 1024
 SEED_LIMIT = 2**63
