@@ -220,11 +220,15 @@ class JobService:
                             UNAVAILABLE, retry_after_s=30)
         return None
 
+    @property
+    def available(self) -> bool:
+        return self.config.enabled and self.started
+
     def status_json(self) -> dict[str, object]:
         return {
             "enabled": self.config.enabled,
             "store": "redis" if self.store.shared else "sqlite",
-            "available": self.config.enabled and self.failure is None,
+            "available": self.available,
             "failure": self.failure,
             "running": len(self.runner.running),
             "max_jobs": self.runner.max_jobs,

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent_server.jobs.assembly import encode_whole
 from agent_server.jobs.model import JobStatus
@@ -104,6 +105,16 @@ def audio_of(server: LiveServer, job_id: str, fmt_name: str, key: str | None = N
     return response.content
 
 
+def samples(server: LiveServer) -> dict[tuple[str, str], float]:
+    """/metrics: (sample name, its one label's value or "") -> value."""
+    text = httpx.get(server.http_url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, next(iter(sample.labels.values()), ""))] = sample.value
+    return out
+
+
 def job_requests(engine: FakeEngine) -> list[Any]:
     return [r for r in engine.submits if r.request_id.startswith("job/")]
 
@@ -129,6 +140,18 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         assert len(job_requests(engine)) == len(plan)  # the engine rendered nothing more
         assert jobs_of(server).render.stats.cache_hits == len(plan)
         assert audio_of(server, again, "mp3") == expected_file(TEXT, 11, "mp3")
+
+        scraped = samples(server)
+        audio_s = sum(FakeEngine.token_count(seg.text) for seg in plan) * 960 / 24_000 * 2
+        assert scraped[("tts_jobs_submitted_total", "accepted")] == 2
+        assert scraped[("tts_jobs_finished_total", "done")] == 2
+        assert scraped[("tts_jobs_segments_total", "stored")] == 2 * len(plan)
+        assert scraped[("tts_jobs_cache_hits_total", "")] == len(plan)
+        assert abs(scraped[("tts_jobs_audio_seconds_total", "")] - audio_s) < 1e-6
+        assert scraped[("tts_jobs_running", "")] == 0 and scraped[("tts_jobs_available", "")] == 1
+        feed = server.app.state.metrics.feed  # the dashboard's
+        feed.sample_if_due()
+        assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "preempted"}
 
 
 def test_a_live_segment_takes_a_job_segments_slot_and_the_job_still_sounds_uninterrupted(tmp_path: Path) -> None:
@@ -168,6 +191,7 @@ def test_a_live_segment_takes_a_job_segments_slot_and_the_job_still_sounds_unint
         after_live = engine.admitted[engine.admitted.index(live_ids[0]) + 1:]
         assert engine.preempted[0] in after_live  # the preempted job segment came back after the live one
         assert jobs_of(server).render.stats.preempted == 1
+        assert samples(server)[("tts_jobs_preempted_total", "")] == 1
         assert audio_of(server, job_id, "pcm") == expected_file(TEXT, 5, "pcm")
         # the phrase cache stored the preempted segment as it sounds whole, not with its first try in front
         again = submit(server, {"text": TEXT, "seed": 5, "output_format": "pcm"})
