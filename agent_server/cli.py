@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
-import re
 import signal
 import socket
 import ssl
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -33,8 +30,7 @@ from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.core.hub import Hub
 from agent_server.logging import configure_logging
-from agent_server.settings import CPU_WEIGHTS, CUDA_GRAPHS, DTYPES, ENV_VARS, LEND_THREADS, LOG_LEVELS, Settings
-from synth.api import VARIANTS
+from agent_server.settings import Group, Setting, Settings, SettingsError, number, optional_path, path, table, whole
 
 UVICORN_GRACEFUL_TIMEOUT_S = 5  # after our own drain, for whatever uvicorn still waits on
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the engine died; a supervisor should restart the process
@@ -44,168 +40,106 @@ EXIT_DRAIN_CUT = 75  # EX_TEMPFAIL: shut down, but the grace period ran out with
 WS_IMPLEMENTATION = "wsproto"
 ENGINE_FAILED_GRACE_S = 2.0  # after an engine failure: time for the sessions' error messages to go out
 GIL_SWITCH_INTERVAL_S = 0.001
-BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line, generated from the settings' table (agent_server/settings.py), one section per group."""
     parser = argparse.ArgumentParser(
         prog="agent-server",
-        description="Real-time voice-agent TTS server (Chatterbox). Every flag can also be set by the "
-        "environment variable shown; flags win.",
+        usage="agent-server [--flag value ...]",
+        description="Real-time voice-agent TTS server (Chatterbox). Every flag can also be set by the environment\n"
+        "variable shown; flags win.",
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=34, width=110),
     )
-
-    def add(flag: str, name: str, help_text: str, **kwargs: Any) -> None:
-        env = " or ".join(f"${v}" for v in ENV_VARS[name])
-        default = getattr(Settings(), name)
-        parser.add_argument(flag, dest=name, default=None, help=f"{help_text} (env {env}; default {default})", **kwargs)
-
-    add("--host", "host", "interface to listen on")
-    add("--port", "port", "TCP port", type=int)
-    add("--variant", "variant", "model variant", choices=VARIANTS)
-    add(
-        "--weights",
-        "weights",
-        "auto (a local checkpoint, else the hub, else random weights with a warning), random-tiny, "
-        "random-full, or a checkpoint directory",
-    )
-    add("--device", "device", "auto, cpu, cuda, cuda:N")
-    add("--dtype", "dtype", "T3 weights dtype", choices=DTYPES)
-    add("--cpu-weights", "cpu_weights", "CPU with float32: bf16 stores T3's projection weights as bfloat16 "
-        "(rounded once, fp32 math; 2-3x faster decoding of one segment)", choices=CPU_WEIGHTS)
-    add("--cpu-vocoder", "cpu_vocoder", "CPU with AVX512-BF16 or AMX: bf16 runs S3Gen's linear layers and "
-        "convolutions as bfloat16 products (fp32 in between; about 2x the audio per second, close to but not "
-        "bit-identical with fp32)", choices=CPU_WEIGHTS)
-    add("--cuda-graphs", "cuda_graphs", "capture the decode step and sampling as CUDA graphs per batch bucket at "
-        "start-up: auto (on with CUDA), on, off", choices=CUDA_GRAPHS)
-    add("--vocoder-graphs", "vocoder_graphs", "CUDA: replay the vocoder's renders as CUDA graphs, one per (batch, "
-        "length bucket), each captured when first met: auto (on with CUDA, eager if the start-up check fails), on, "
-        "off (off until measured on a GPU)", choices=CUDA_GRAPHS)
-    add("--threads", "threads", "CPU threads of the decode and the vocoder: auto (split the cores), N (split N) "
-        "or D,V")
-    add("--lend-threads", "lend_threads", "CPU: on: the decode's threads render a turn's first chunk (the decode "
-        "pauses for it) and whatever renders while the decode is idle, and decode steps run on the vocoder's threads "
-        "too while it has nothing to render, where that is faster on this machine; vocoder: only the first; off: "
-        "neither", choices=LEND_THREADS)
-    add("--max-sessions", "max_sessions", "open WebSocket sessions at most", type=int)
-    add("--max-slots", "max_slots", "segments the engine generates at once, or auto (as many as the GPU's free "
-        "memory holds; printed at start); a count that does not fit is refused", type=slot_count)
-    add(
-        "--queue-when-full",
-        "queue_when_full",
-        "when every slot is taken, queue a new context's first segment instead of answering busy",
-        action="store_const",
-        const=True,
-    )
-    add("--alignment-analyzer", "alignment_analyzer",
-        "multilingual only: chatterbox's alignment analyzer (no early stop, no runaway tail)",
-        action="store_const", const=True)
-    add("--tls-cert", "tls_certfile", "TLS certificate (PEM); serves wss:// and https:// with --tls-key")
-    add("--tls-key", "tls_keyfile", "TLS private key (PEM)")
-    add("--log-level", "log_level", "log level", choices=LOG_LEVELS)
-    add("--data-dir", "data_dir", "where uploaded voices are kept")
-    add("--metrics-port", "metrics_port", "also serve /metrics and /dashboard on this port (0: off)", type=int)
-    add("--metrics-host", "metrics_host", "the interface of --metrics-port (default: --host's); it asks for no "
-        "key: a private one")
-    add("--grpc-port", "grpc_port", "also serve NVIDIA Riva's TTS gRPC API on this port (0: off)", type=int)
-    add("--encoder-threads", "encoder_threads", "threads encoding MP3/Opus/AAC/FLAC output for all sessions",
-        type=int)
-    add("--shutdown-grace-s", "shutdown_grace_s", "on SIGTERM, how long in-flight speech may finish", type=float)
-    add("--engine-factory", "engine_factory", "module:callable building the engine (tests and development)")
-    add("--inactivity-timeout-s", "inactivity_timeout_s",
-        "close a native session idle this long with no open context (1..180 s)", type=float)
-    add("--handshake-timeout-s", "handshake_timeout_s",
-        "drop a connection that has not sent its request head (or WebSocket handshake) by then (0: never)", type=float)
-    add("--auth", "auth", "on, off, or auto (on when API keys are configured)", choices=("auto", "on", "off"))
-    add("--api-keys-file", "api_keys_file",
-        "file of API keys, one per line (also $AGENT_SERVER_API_KEYS, a comma list)")
-    add("--allowed-origins", "allowed_origins", "comma list of browser Origins allowed (empty: any)", type=comma_list)
-    add("--token-ttl-s", "token_ttl_s", "the longest life of a POST /v1/tokens token", type=float)
-    add("--metrics-auth", "metrics_auth", "require credentials for /metrics and /dashboard/stream too",
-        action="store_const", const=True)
-    add("--max-sessions-per-key", "max_sessions_per_key", "concurrent sessions per API key (0: no limit)", type=int)
-    add("--max-text-chars-per-minute-per-key", "max_text_chars_per_minute_per_key",
-        "text characters per minute per API key (0: no limit)", type=int)
-    add("--redis-url", "redis_url", "share keys, limits, voices and the phrase cache with other replicas "
-        "through this Redis (redis://[:password@]host:6379/0); none: in this process")
-    add("--redis-prefix", "redis_prefix", "prefix of every Redis key")
-    add("--shared-lease-ttl-s", "shared_lease_ttl_s",
-        "a dead replica's sessions stop counting against per-key limits within this", type=float)
-    add("--agent-check-port", "agent_check_port",
-        "serve HAProxy's agent check here: free capacity as a weight, drain, down (0: off)", type=int)
-    add("--max-contexts-per-session", "max_contexts_per_session",
-        "contexts open at once on one socket (multi-context protocols; past it: busy for that context)", type=int)
-    add("--max-text-piece-chars", "max_text_piece_chars", "characters in one text message", type=int)
-    add("--max-context-text-chars", "max_context_text_chars", "characters pushed into one context", type=int)
-    add("--max-message-bytes", "max_message_bytes", "one WebSocket message or HTTP body (past it: 1009 / 413)",
-        type=int)
-    add("--max-protocol-errors", "max_protocol_errors", "client errors per session before close 1008", type=int)
-    add("--outbox-max-items", "outbox_max_items", "frames and events waiting for one client's socket", type=int)
-    add("--slow-client-stall-s", "slow_client_stall_s",
-        "a client whose socket took nothing for this long is dropped (close 1008)", type=float)
-    add("--phrase-cache-mb", "phrase_cache_mb", "in-process phrase cache budget in MiB (0: off)", type=float)
-    add("--phrase-cache-ttl-s", "phrase_cache_ttl_s", "a phrase cache entry's life in Redis", type=float)
-    add("--cache-redis-url", "cache_redis_url", "the phrase cache's own Redis (allkeys-lru); default: --redis-url")
-    add("--prewarm", "prewarm_file", "JSON list of phrases rendered into the phrase cache at start-up, "
-        "before /readyz turns ready (reloaded on SIGHUP)")
+    defaults = Settings()
+    sections = {group: parser.add_argument_group(group.value) for group in Group}
+    environment_only = []
+    for name, row in table():
+        env = " or ".join(f"${v}" for v in row.env)
+        if row.flag is None:
+            environment_only.append(f"  {env}: {row.help}")
+            continue
+        help_text = f"{row.help} (env {env}; default {_shown(getattr(defaults, name))})"
+        if row.is_switch:
+            sections[row.group].add_argument(row.flag, dest=name, default=None, help=help_text, action="store_const",
+                                             const=True)
+        else:
+            metavar = row.metavar or ("{" + ",".join(row.choices) + "}" if row.choices else _metavar(name, row))
+            sections[row.group].add_argument(row.flag, dest=name, default=None, help=help_text, metavar=metavar,
+                                             type=_flag_reader(row))
+    parser.epilog = "environment only (a secret on a command line shows in `ps`):\n" + "\n".join(environment_only)
     return parser
 
 
-def slot_count(raw: str) -> int:
-    """--max-slots: a count, or "auto" (0)."""
-    return 0 if raw.strip().lower() == "auto" else int(raw)
+def _shown(default: object) -> str:
+    if default is None or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ",".join(str(item) for item in default)
+    return str(default)
 
 
-def comma_list(raw: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in raw.split(",") if item.strip())
+def _metavar(name: str, row: Setting) -> str:
+    if name.endswith("_s"):
+        return "SECONDS"
+    if name.endswith("port"):
+        return "PORT"
+    if name.endswith("_url"):
+        return "URL"
+    if row.read in (whole, number):
+        return "MIB" if name.endswith("_mb") else "N"
+    if row.read in (path, optional_path) or name.endswith("file"):
+        return "PATH"
+    return name.upper()
+
+
+def _flag_reader(row: Setting) -> Callable[[str], Any]:
+    """The row's reader, its refusal in argparse's form ("argument --port: 'x': not a whole number")."""
+
+    def read(raw: str) -> Any:
+        try:
+            return row.read(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{raw!r}: {exc}") from None
+
+    read.__name__ = row.flag or "value"
+    return read
 
 
 def settings_from(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Settings:
-    """Defaults < environment < flags. Raises SystemExit (via argparse) on a bad value."""
+    """Defaults < environment < flags. Raises SystemExit (via argparse) on a bad value, naming the flag or the
+    variable it came from."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
-    for name, env_names in ENV_VARS.items():
-        value = getattr(args, name, None)  # api_keys and token_secret have no flag: environment only
-        if value is None:
-            raw = next((environ[e] for e in env_names if environ.get(e)), None)
-            if raw is None:
-                continue
-            value = _convert(name, raw, fields[name].type, parser)
-        values[name] = Path(value) if name in ("data_dir", "api_keys_file", "prewarm_file") else value
+    source: dict[str, str] = {}  # setting -> the flag or variable its value came from
+    for name, row in table():
+        value = getattr(args, name, None)  # (a setting without a flag has no attribute)
+        if value is not None:
+            values[name], source[name] = value, row.flag or name
+            continue
+        env = next((e for e in row.env if environ.get(e)), None)
+        if env is None:
+            continue
+        try:
+            values[name], source[name] = row.read(environ[env]), f"${env}"
+        except ValueError as exc:
+            parser.error(f"${env}={environ[env]!r}: {exc}")
     try:
         return Settings(**values)
-    except ValueError as exc:
-        parser.error(_in_flag_names(str(exc), parser))
+    except SettingsError as exc:
+        parser.error(exc.render(lambda name: source.get(name) or flag_of(name)))
         raise  # unreachable: parser.error exits
 
 
-def _in_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
-    """A Settings error names its fields ("tls_certfile"): the operator knows the flags ("--tls-cert")."""
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
-    # a field's name: with an underscore anywhere, a plain word ("port") only where it starts the message
-    return re.sub(r"\b[a-z][a-z0-9_]*\b", lambda m: flags.get(m[0], m[0]) if "_" in m[0] or m.start() == 0
-                  else m[0], message)
-
-
-def _convert(name: str, raw: str, annotation: object, parser: argparse.ArgumentParser) -> Any:
-    kind = str(annotation)
-    if kind.startswith("tuple"):
-        return comma_list(raw)
-    if kind == "bool":
-        if raw.lower() not in BOOL_WORDS:
-            parser.error(f"{'/'.join(ENV_VARS[name])}={raw!r}: not one of {', '.join(BOOL_WORDS)}")
-        return BOOL_WORDS[raw.lower()]
-    try:
-        if name == "max_slots":
-            return slot_count(raw)
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-    except ValueError:
-        parser.error(f"{'/'.join(ENV_VARS[name])}={raw!r}: not a number")
-    return raw
+def flag_of(name: str) -> str:
+    """What an operator sets a setting with: its flag, else its first variable."""
+    row = dict(table()).get(name)
+    if row is None:
+        return name
+    return row.flag or f"${row.env[0]}"
 
 
 class GracefulServer(uvicorn.Server):
@@ -347,12 +281,12 @@ def _tls_problem(certfile: str | None, keyfile: str | None) -> str | None:
     """Why the certificate and key cannot serve TLS (a file missing or unreadable, not PEM, not a pair)."""
     if certfile is None or keyfile is None:
         return None
-    for flag, path in (("--tls-cert", certfile), ("--tls-key", keyfile)):
+    for flag, file in (("--tls-cert", certfile), ("--tls-key", keyfile)):
         try:
-            with open(path, "rb"):
+            with open(file, "rb"):
                 pass
         except OSError as exc:
-            return f"{flag} {path}: {exc.strerror or exc}"
+            return f"{flag} {file}: {exc.strerror or exc}"
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (ssl.SSLError, OSError, ValueError) as exc:

@@ -56,6 +56,7 @@ from agent_server.core.observers import (
     SessionOpened,
     SlowClientDropped,
 )
+from agent_server.core.port import ServingModel
 from agent_server.fleet.replica_metrics import ReplicaCollector
 from agent_server.jobs.service import JobService
 from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineLike, StepStats
@@ -260,7 +261,7 @@ class _HubCollector(Collector):
             sessions_f.add_metric([protocol], count)
         contexts_f.add_metric([], sum(s.live_streams for s in sessions))
         slots_f.add_metric([], float(status.get("slots_in_use", 0)))
-        max_slots_f.add_metric([], float(engine.max_slots if engine is not None else hub.settings.max_slots))
+        max_slots_f.add_metric([], float(ServingModel.of(engine, hub.settings).max_slots))
         waiting_f.add_metric([], float(status.get("waiting", 0)))
         ready_f.add_metric([], 1.0 if hub.ready else 0.0)
         random_f.add_metric([], 1.0 if engine is not None and engine.random_weights else 0.0)

@@ -191,6 +191,7 @@ class SegmentRequest:
     submitted_monotonic_s: float = 0.0
     # The listener's playback (shared by the segments of one context), read by the vocoder's chunk policy.
     listener: ListenerClock | None = None
+    model: Variant | None = None  # which loaded model speaks it (None: the default model)
 
 
 # CPU threads: the decode thread and the vocoder worker each run their own OpenMP team (synth/cpu_threads.py
@@ -241,6 +242,11 @@ class EngineError(RuntimeError):
     """Raised to callers for requests the engine cannot take (unknown voice, bad params, stopped)."""
 
 
+class EngineConfigError(EngineError):
+    """The engine cannot be built with this configuration on this machine (slots that do not fit the memory, with
+    the numbers): no restart fixes it, so the server exits as for a bad flag (models-contract.md)."""
+
+
 class EngineFull(EngineError):
     """A submit refused because the engine's inbox is full (its thread is behind): try again later. Nothing of
     the request was taken."""
@@ -268,9 +274,17 @@ class EngineLike:
     Every method is thread-safe and returns at once (none waits for the GPU).
     """
 
-    variant: Variant
+    variant: Variant  # the default model
     random_weights: bool  # True when the model runs on randomly initialised weights (audio is noise)
-    max_slots: int
+    max_slots: int  # every model's together
+
+    @property
+    def models(self) -> tuple[Variant, ...]:
+        """The loaded models, the default first."""
+        return (self.variant,)
+
+    def max_slots_of(self, model: Variant) -> int:
+        return self.max_slots if model == self.variant else 0
 
     def submit(self, request: SegmentRequest) -> None:
         """Queue a segment. Raises EngineError (unknown voice, bad params, engine stopped), EngineFull when the
@@ -292,12 +306,12 @@ class EngineLike:
         """Forget a voice; segments already using it keep their own reference."""
         raise NotImplementedError
 
-    def export_voice(self, voice_id: str) -> bytes:
-        """A voice's computed conditioning as bytes, for another process of the same weights (`import_voice`).
-        Raises EngineError for an unknown voice."""
+    def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
+        """A voice's computed conditioning for `model` (None: the default) as bytes, for another process of the
+        same weights (`import_voice`). Raises EngineError for an unknown voice."""
         raise NotImplementedError
 
-    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+    def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
         """Add (or replace) a voice from `export_voice`'s bytes, without running the voice encoders.
         Raises EngineError on bytes it cannot use."""
         raise NotImplementedError
@@ -331,8 +345,19 @@ class EngineLike:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelOverrides:
+    """One model's own values where it differs from the engine-wide ones (None: the engine-wide value)."""
+
+    max_slots: int | None = None  # 0: auto from free memory
+    weights: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     variant: Variant = "english"
+    # The models to load, the default first (empty: `variant` alone); each its own runner, cache and vocoder.
+    models: tuple[Variant, ...] = ()
+    per_model: Mapping[Variant, ModelOverrides] = field(default_factory=dict)
     # "auto": a local checkpoint if one is found (AGENT_SERVER_CHECKPOINT dir or the Hugging Face cache), else a hub
     # download, else random weights (with a loud warning). "random-tiny" / "random-full": random weights of the real
     # architecture at test / true size. Anything else: a local checkpoint directory in chatterbox's file layout.

@@ -43,6 +43,7 @@ from synth.api import (
     HARD_MAX_NEW_TOKENS,
     MAX_SEGMENT_TEXT_TOKENS,
     EngineConfig,
+    EngineConfigError,
     EngineError,
     EngineFull,
     EngineLike,
@@ -53,6 +54,7 @@ from synth.api import (
     SegmentRequest,
     StepStats,
     ThreadBudget,
+    Variant,
     max_tokens_for_text,
 )
 from synth.build import EngineParts
@@ -155,7 +157,7 @@ class Engine(EngineLike):
         try:
             self.slot_plan = parts.plan_slots(max_len, self.rows_per_slot, self.prefix_positions, self.vocoder)
         except gpu.SlotsDoNotFit as exc:
-            raise EngineError(str(exc)) from exc
+            raise EngineConfigError(str(exc)) from exc
         self.max_slots = self.slot_plan.slots if self.slot_plan is not None else config.max_slots
         if self.slot_plan is not None:
             log.info("%s", self.slot_plan.describe())
@@ -257,10 +259,10 @@ class Engine(EngineLike):
     def remove_voice(self, voice_id: str) -> None:
         self.voices.remove(voice_id)
 
-    def export_voice(self, voice_id: str) -> bytes:
+    def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
         return voice_to_bytes(self.voices.get(voice_id))
 
-    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+    def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
         self._register_voice(voice_from_bytes(voice_id, conditioning, self.device))
 
     def _register_voice(self, voice: Voice) -> None:

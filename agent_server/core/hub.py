@@ -392,7 +392,7 @@ class Hub:
             "ready": self.ready,
             "variant": model.variant,
             "random_weights": model.random_weights,
-            "weights": self.settings.weights,
+            "weights": str(self.settings.weights),
             "weights_source": engine_status.get("weights_source"),
             "engine": engine_status,
             "sessions": len(self.sessions),
@@ -472,7 +472,7 @@ class Hub:
         else:
             if self._engine_factory is None:
                 raise RuntimeError("no engine and no engine factory")
-            log.info("engine_loading", variant=self.settings.variant, weights=self.settings.weights)
+            log.info("engine_loading", models=",".join(self.settings.models), weights=str(self.settings.weights))
             engine = self._engine_factory(self.settings)
         if engine.random_weights:
             log.warning("random_weights", variant=engine.variant, message=RANDOM_WEIGHTS_WARNING)

@@ -32,7 +32,7 @@ class ServingModel:
     def of(cls, engine: EngineLike | None, settings: Settings) -> ServingModel:
         """The engine's facts once it is built, the configured ones before (the one place that chooses)."""
         if engine is None:
-            return cls(settings.variant, None, settings.max_slots)
+            return cls(settings.variant, None, sum(settings.max_slots.of(model) for model in settings.models))
         return cls(engine.variant, engine.random_weights, engine.max_slots)
 
 

@@ -193,12 +193,12 @@ class FakeEngine(EngineLike):
         self.voices.discard(voice_id)
         self.voice_blobs.pop(voice_id, None)
 
-    def export_voice(self, voice_id: str) -> bytes:
+    def export_voice(self, voice_id: str, model: Variant | None = None) -> bytes:
         if voice_id not in self.voices:
             raise EngineError(f"unknown voice {voice_id!r}")
         return self.voice_blobs.get(voice_id, b"fake-voice:" + voice_id.encode())
 
-    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
+    def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
         if not conditioning.startswith(b"fake-voice:"):
             raise EngineError("not a fake voice blob")
         self.voice_blobs[voice_id] = conditioning

@@ -30,7 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from agent_server.cli import settings_from
 from agent_server.core.observers import BusyRejected, ObservedEvent, SessionClosed, SlowClientDropped
 from agent_server.core.voices import encode_wav_pcm16
-from agent_server.settings import Settings
+from agent_server.settings import PerModel, Settings
 from synth.api import SAMPLES_PER_SPEECH_TOKEN
 
 from tests.agent_server.fake_engine import FakeEngine
@@ -616,7 +616,7 @@ def test_settings_from_flags_and_environment() -> None:
     env = {"PORT": "9123", "AGENT_SERVER_VARIANT": "turbo", "AGENT_SERVER_WEIGHTS": "random-tiny",
            "AGENT_SERVER_MAX_SESSIONS": "12", "AGENT_SERVER_DATA_DIR": "/tmp/x"}
     settings = settings_from([], env)
-    got = (settings.port, settings.variant, settings.weights, settings.max_sessions)
+    got = (settings.port, settings.variant, settings.weights.default, settings.max_sessions)
     assert got == (9123, "turbo", "random-tiny", 12)
     assert settings.data_dir == Path("/tmp/x")
     settings = settings_from(["--port", "9000", "--variant", "multilingual", "--log-level", "debug"], env)
@@ -657,8 +657,8 @@ def test_settings_from_flags_and_environment() -> None:
 def test_max_slots_auto_and_the_graph_modes_from_flags_and_environment() -> None:
     """--max-slots auto: as many slots as the GPU's free memory holds (the engine sizes them: EngineConfig 0)."""
     assert settings_from(["--max-slots", "auto"], {}).engine_config().max_slots == 0
-    assert settings_from([], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == 0
-    assert settings_from(["--max-slots", "48"], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == 48
+    assert settings_from([], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == PerModel(0)
+    assert settings_from(["--max-slots", "48"], {"AGENT_SERVER_MAX_SLOTS": "auto"}).max_slots == PerModel(48)
     assert settings_from(["--vocoder-graphs", "auto"], {}).engine_config().vocoder_graphs == "auto"
     for bad in (["--max-slots", "many"], ["--max-slots", "-1"], ["--vocoder-graphs", "sometimes"]):
         with pytest.raises(SystemExit):

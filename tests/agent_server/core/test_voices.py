@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 
 from agent_server.core.voices import VoiceError, VoiceStatus, VoiceStore, decode_wav, encode_wav_pcm16
 from agent_server.fleet.shared_state import RedisState
+from synth.api import Variant
 
 from tests.agent_server.fake_engine import FakeEngine
 from tests.services import RedisServer, redis_server
@@ -111,8 +112,8 @@ class CountingEngine(FakeEngine):
         super().add_voice(voice_id, wav, sample_rate_hz)
         self.computed.append(voice_id)
 
-    def import_voice(self, voice_id: str, conditioning: bytes) -> None:
-        super().import_voice(voice_id, conditioning)
+    def import_voice(self, voice_id: str, conditioning: bytes, model: Variant | None = None) -> None:
+        super().import_voice(voice_id, conditioning, model)
         self.imported.append(voice_id)
 
 
