@@ -59,7 +59,7 @@ def create_app(
     else:
         hub = Hub(settings, engine_factory=engine, segmenter_factory=segmenter_factory)
 
-    jobs = JobService(hub, jobs_config or JobsConfig.from_settings(settings))  # raises ValueError (a bad --webhook-allow)
+    jobs = JobService(hub, jobs_config or JobsConfig.from_settings(settings))  # ValueError: a bad --webhook-allow
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -313,7 +313,8 @@ class JobsCollector(Collector):
         unfinished = GaugeMetricFamily("tts_jobs_key_unfinished", "A key's unfinished jobs, fleet-wide (keys that "
                                        "submitted here lately, with per-key limits)", labels=["key_id"])
         chars = GaugeMetricFamily("tts_jobs_key_chars_today", "Characters a key submitted as jobs this UTC day, "
-                                  "fleet-wide (keys that submitted here lately, with per-key limits)", labels=["key_id"])
+                                  "fleet-wide (keys that submitted here lately, with per-key limits)",
+                                  labels=["key_id"])
         for key_id, usage in sorted(jobs.key_usage.items()):
             unfinished.add_metric([key_id], usage.unfinished_jobs)
             chars.add_metric([key_id], usage.chars_today)

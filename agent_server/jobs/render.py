@@ -84,10 +84,10 @@ class _Render:
 
 
 class EngineRender:
-    def __init__(self, hub: Hub, *, retry_s: float = RETRY_S, policy: CachePolicy = CachePolicy()) -> None:
+    def __init__(self, hub: Hub, *, retry_s: float = RETRY_S, policy: CachePolicy | None = None) -> None:
         self.hub = hub
         self.retry_s = retry_s
-        self.policy = policy
+        self.policy = policy or CachePolicy()
         self.stats = RenderStats()
         self._numbers = itertools.count(1)
         self._in_flight: set[_Render] = set()

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 import orjson
 
 from agent_server.audio.codecs import StreamFormat
-from agent_server.core.outcomes import Outcome, http_status
 from agent_server.core.events import build_params
+from agent_server.core.outcomes import Outcome, http_status
 from agent_server.errors import BAD_REQUEST, EMPTY_MESSAGE, TEXT_TOO_LONG, FieldError
 from agent_server.jobs.model import STATUS_UNPROCESSABLE, JobError
 from agent_server.protocols import native_wire as wire

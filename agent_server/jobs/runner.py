@@ -5,7 +5,8 @@
 
 One `JobRunner` per replica. It claims up to `max_jobs` jobs (`store.claim`: jobs abandoned by dead replicas
 first), and for each renders the segments its store does not hold yet, in order, up to `segments_in_flight` at a
-time (a number, or a function of the jobs running here: the app gives each job its share of the engine's rows): a job claimed again resumes from the first segment missing, and a segment stored meanwhile by someone else
+time (a number, or a function of the jobs running here: the app gives each job its share of the engine's rows): a
+job claimed again resumes from the first segment missing, and a segment stored meanwhile by someone else
 is not stored again (`SegmentWrite.ALREADY_STORED`). Each segment is encoded for storage (segment_audio.py) off the
 event loop. While it works it renews its claims every `renew_s`; a claim found LOST (another replica took the job:
 this one was presumed dead) or FINISHED (cancelled) stops that job's work at once: its renders are cancelled, which

@@ -79,7 +79,13 @@ class JobsConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> JobsConfig:
-        return cls(data_dir=settings.data_dir, redis_url=settings.redis_url, redis_prefix=settings.redis_prefix)
+        return cls(enabled=settings.jobs, data_dir=settings.data_dir,
+                   redis_url=settings.jobs_redis_url or settings.redis_url, redis_prefix=settings.redis_prefix,
+                   max_job_chars=settings.max_job_chars, job_ttl_s=settings.job_ttl_s,
+                   webhook_allow=settings.webhook_allow, webhook_secret=settings.webhook_secret,
+                   max_running_jobs_per_key=settings.max_running_jobs_per_key,
+                   job_chars_per_day_per_key=settings.job_chars_per_day_per_key, workers=settings.job_workers,
+                   visibility_s=settings.job_visibility_s, files_mb=settings.job_files_mb)
 
     @property
     def limits(self) -> KeyLimits:
@@ -97,7 +103,7 @@ class JobService:
         self.files = AudioFiles(config.data_dir / "jobs" / "files", max_bytes=int(config.files_mb * MIB))
         self.render = EngineRender(hub)
         self.runner = JobRunner(self.store, self.render, webhooks=WebhookSender(self.allow, self.secret_of),
-                                max_jobs=max(1, config.workers or hub.settings.max_slots or 1),
+                                max_jobs=max(1, config.workers or hub.settings.max_slots.default or 1),
                                 segments_in_flight=self._window)
         self.api = JobsApi(self.store, self.files, variant=lambda: hub.model.variant, key_of=key_of,
                            limits_for=lambda _key_id: config.limits, webhook_allow=self.allow,

@@ -79,7 +79,8 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
     runner = JobRunner(store, render, poll_s=0.02, clock=lambda: clock[0])
     api = JobsApi(store, AudioFiles(tmp_path / "files"), variant="english", key_of=lambda r: r.headers[KEY_HEADER],
                   limits_for=lambda key_id: limits, webhook_allow=allow, max_job_chars=max_job_chars,
-                  clock=lambda: clock[0], on_submitted=lambda _job: runner.wake(), on_cancelled=runner.cancelled, poll_s=0.01)
+                  clock=lambda: clock[0], on_submitted=lambda _job: runner.wake(), on_cancelled=runner.cancelled,
+                  poll_s=0.01)
     app = Starlette(routes=api.routes())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

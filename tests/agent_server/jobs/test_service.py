@@ -208,9 +208,8 @@ def test_the_webhook_arrives_signed_with_the_keys_secret(tmp_path: Path) -> None
         config = JobsConfig(data_dir=tmp_path, webhook_allow=("127.0.0.0/8",), webhook_secret="fleet-root-secret")
         try:
             with serving(tmp_path, FakeEngine(), config=config, api_keys=KEYS) as server:
-                job_id = await asyncio.to_thread(
-                    submit, server, {"text": "One short job. It says two things.", "webhook_url": receiver.url + "/hook"},
-                    KEYS[0])
+                body = {"text": "One short job. It says two things.", "webhook_url": receiver.url + "/hook"}
+                job_id = await asyncio.to_thread(submit, server, body, KEYS[0])
                 done = await asyncio.to_thread(wait_status, server, job_id, "done", KEYS[0])
                 deadline_s = time.monotonic() + 10
                 while not receiver.received:
