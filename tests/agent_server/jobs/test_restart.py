@@ -33,6 +33,7 @@ ENV = {
     "AGENT_SERVER_PHRASE_CACHE_MB": "0",
 }
 TIMEOUT_S = 300.0
+TAKE_OVER_S = 20.0  # well under --job-visibility-s (60 s): a restart takes over at once, not when leases run out
 
 
 def auth() -> dict[str, str]:
@@ -59,14 +60,14 @@ def wait_status(server: Replica, job_id: str, predicate: Any) -> dict[str, Any]:
         time.sleep(0.05)
 
 
-def resumed_lines(server: Replica, job_id: str) -> list[dict[str, Any]]:
+def lines_of(server: Replica, event: str, job_id: str) -> list[dict[str, Any]]:
     found = []
     for line in server.log().splitlines():
         try:
             item = orjson.loads(line)
         except orjson.JSONDecodeError:
             continue
-        if isinstance(item, dict) and item.get("event") == "job_resumed" and item.get("job_id") == job_id:
+        if isinstance(item, dict) and item.get("event") == event and item.get("job_id") == job_id:
             found.append(item)
     return found
 
@@ -105,9 +106,14 @@ def test_a_job_survives_kill_9_and_a_restart_of_the_embedded_server(tmp_path: Pa
     second = start_replica("second", data, ENV)
     try:
         wait_ready([second])
+        # at once: the one process on this directory takes over what the dead one was running (no visibility wait)
+        deadline_s = time.monotonic() + TAKE_OVER_S
+        while not lines_of(second, "job_claimed", job_id):
+            assert time.monotonic() < deadline_s, "the job was not taken over at start"
+            time.sleep(0.05)
         done = wait_status(second, job_id, lambda s: s["status"] == "done")
         assert done["segments_done"] == total
-        lines = resumed_lines(second, job_id)
+        lines = lines_of(second, "job_resumed", job_id)
         assert len(lines) == 1, lines
         stored = lines[0]["stored"]
         assert seen["segments_done"] <= stored < total and lines[0]["total"] == total
