@@ -6,7 +6,9 @@
 
 /healthz answers from the first moment; /readyz turns 200 once the model is loaded, warmed up and the
 stored voices are back. With `Settings.grpc_port`, the lifespan also serves NVIDIA Riva's TTS gRPC API
-(agent_server/core/grpc_server.py): its calls are sessions of the same hub.
+(agent_server/core/grpc_server.py): its calls are sessions of the same hub. Jobs (`/v1/jobs`,
+agent_server/jobs/service.py) start rendering once the server is ready and stop when the drain begins, before the
+engine stops.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from agent_server.core.hub import EngineFactory, Hub, SegmenterFactory
 from agent_server.core.session import websocket_route
 from agent_server.core.transport import SocketControlMiddleware
 from agent_server.fleet.auth import REVOKE_PATH, TOKEN_PATH, AuthMiddleware, issue_token, revoke_token
+from agent_server.jobs.service import JobsConfig, JobService
 from agent_server.protocols.native import NativeProtocol
 from agent_server.settings import Settings
 from synth.api import EngineLike
@@ -45,7 +48,9 @@ def create_app(
     settings: Settings | None = None,
     *,
     segmenter_factory: SegmenterFactory | None = None,
+    jobs_config: JobsConfig | None = None,
 ) -> Starlette:
+    """`jobs_config`: the jobs' settings (tests), else the ones `settings` gives."""
     settings = settings or Settings()
     if engine is None:
         hub = Hub(settings, engine_factory=default_engine_factory, segmenter_factory=segmenter_factory)
@@ -54,17 +59,21 @@ def create_app(
     else:
         hub = Hub(settings, engine_factory=engine, segmenter_factory=segmenter_factory)
 
+    jobs = JobService(hub, jobs_config or JobsConfig.from_settings(settings))  # ValueError: a bad --webhook-allow
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await hub.start()
+        await jobs.start()  # its runner waits for the server to be ready
         grpc_server = await start_grpc(hub, settings) if settings.grpc_port else None
         app.state.grpc = grpc_server
         try:
             yield
         finally:
-            await hub.drain(settings.shutdown_grace_s)  # at once when the server already drained
+            await hub.drain(settings.shutdown_grace_s)  # at once when the server already drained; jobs stop first
             if grpc_server is not None:
                 await grpc_server.stop()
+            await jobs.stop()
             await hub.stop()
 
     routes: list[BaseRoute] = [
@@ -75,6 +84,7 @@ def create_app(
         Route(REVOKE_PATH, revoke_token, methods=["POST"]),
         websocket_route(NATIVE_PATH, NativeProtocol),
         *voices.routes,
+        *jobs.routes(),  # /v1/jobs: long texts behind 202 Accepted
         *protocols.routes(),  # ElevenLabs, Cartesia, Deepgram, OpenAI drop-in endpoints
         *metrics.routes(),  # /, /dashboard, /dashboard/stream, /metrics, /static
     ]
@@ -83,6 +93,7 @@ def create_app(
     app = App(routes=routes, lifespan=lifespan, middleware=middleware)
     app.send_buffer_bytes = settings.socket_send_buffer_bytes
     app.state.hub = hub
+    app.state.jobs = jobs
     app.state.port = hub.port  # what the protocols' plain HTTP routes may use (core/port.py)
     app.state.observers = hub.observers  # metrics subscribe here: observers.subscribe(fn)
     metrics.install(app)
@@ -147,5 +158,6 @@ async def readyz(request: Request) -> Response:
 
 
 async def status(request: Request) -> Response:
-    return JSONResponse(_hub(request).status_json())
+    jobs: JobService = request.app.state.jobs
+    return JSONResponse({**_hub(request).status_json(), "jobs": jobs.status_json()})
 

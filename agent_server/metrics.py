@@ -5,7 +5,9 @@ apps). It is fed from three places:
 
 - the engine's stats listener (`on_step`, engine thread: a few lock-protected adds per step, nothing else);
 - the server's observers (`on_event`, event-loop thread): sessions, first audio, busy, finished contexts;
-- the hub's state, read at collect time (sessions and contexts open, engine slots in use and queue depth).
+- the hub's state, read at collect time (sessions and contexts open, engine slots in use and queue depth);
+- the jobs' counters and gauges (`tts_jobs_*`, agent_server/jobs/service.py), read at collect time too: the runner's,
+  the API's and the render's counts, and the queue depth and per-key usage the service refreshes in the background.
 
 The dashboard (`/dashboard`, pushed over server-sent events at `/dashboard/stream`) is computed from the
 very same registry: `DashboardFeed.sample()` collects it every `sample_period_s` and turns counter deltas
@@ -36,7 +38,7 @@ import orjson
 import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -55,7 +57,8 @@ from agent_server.core.observers import (
     SlowClientDropped,
 )
 from agent_server.fleet.replica_metrics import ReplicaCollector
-from synth.api import EngineLike, StepStats
+from agent_server.jobs.service import JobService
+from synth.api import OUTPUT_SAMPLE_RATE_HZ, EngineLike, StepStats
 
 log = structlog.get_logger("agent_server.metrics")
 
@@ -91,6 +94,7 @@ class Metrics:
         self,
         hub: Hub,
         *,
+        jobs: JobService | None = None,
         sample_period_s: float = SAMPLE_PERIOD_S,
         history_s: float = HISTORY_S,
         ttfa_window_s: float = TTFA_WINDOW_S,
@@ -125,19 +129,30 @@ class Metrics:
         self.busy = counter("tts_busy_rejections", "Refusals of a session or a context", ("protocol", "scope"))
         self.slow_clients = counter("tts_slow_clients_dropped", "Sessions closed: the client stopped reading", proto)
         # ---- engine (stats listener, engine thread) ----
-        self.steps = counter("tts_engine_steps", "Engine iterations that did work")
-        self.decode_step = histogram("tts_engine_decode_step_seconds", "One batched decode step", DECODE_STEP_BUCKETS_S)
-        self.prefill = histogram("tts_engine_prefill_seconds", "Prefills of one engine iteration", PREFILL_BUCKETS_S)
-        self.vocoder = histogram("tts_engine_vocoder_seconds", "Vocoder work of one iteration", VOCODER_BUCKETS_S)
-        self.decode_rows = counter("tts_engine_decode_rows", "T3 rows decoded, summed over steps (CFG: 2 a segment)")
-        self.slot_steps = counter("tts_engine_slot_steps", "Segments in slots, summed over steps (/ steps: mean)")
-        self.prefills = counter("tts_engine_prefills", "Segments prefilled")
-        self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced")
+        # (one StepStats per loaded model per iteration: each series by the model it stepped)
+        model = ("model",)
+        self.steps = counter("tts_engine_steps", "Engine iterations that did work, per model", model)
+        self.decode_step = histogram("tts_engine_decode_step_seconds", "One batched decode step",
+                                     DECODE_STEP_BUCKETS_S, model)
+        self.prefill = histogram("tts_engine_prefill_seconds", "Prefills of one engine iteration", PREFILL_BUCKETS_S,
+                                 model)
+        self.vocoder = histogram("tts_engine_vocoder_seconds", "Vocoder work of one iteration", VOCODER_BUCKETS_S,
+                                 model)
+        self.decode_rows = counter("tts_engine_decode_rows", "T3 rows decoded, summed over steps (CFG: 2 a segment)",
+                                   model)
+        self.slot_steps = counter("tts_engine_slot_steps", "Segments in slots, summed over steps (/ steps: mean)",
+                                  model)
+        self.prefills = counter("tts_engine_prefills", "Segments prefilled", model)
+        self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced", model)
+        self.preemptions = counter("tts_engine_preemptions", "Job segments whose rows the engine took back for live "
+                                   "ones (each starts over later; its caller hears one attempt)", model)
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         self._models: tuple[str, ...] = tuple(hub.settings.models)  # the configured ones (the engine's once built)
         r.register(_HubCollector(hub, self._protocols))
         r.register(ReplicaCollector(hub))  # shared state, phrase cache, agent weight (replica_metrics.py)
+        if jobs is not None:
+            r.register(JobsCollector(jobs))
         for protocol in DEFAULT_PROTOCOLS:
             self._init_labels(protocol)
 
@@ -161,20 +176,23 @@ class Metrics:
     # ---- inputs ----------------------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
-        """The engine's stats listener: engine thread, once per step. Keep it to a few counter adds."""
-        self.steps.inc()
+        """The engine's stats listener: engine thread, once per model per step. Keep it to a few counter adds."""
+        model = stats.model
+        self.steps.labels(model).inc()
         if stats.decode_rows:
-            self.decode_step.observe(stats.decode_ms / 1000.0)
-            self.decode_rows.inc(stats.decode_rows)
+            self.decode_step.labels(model).observe(stats.decode_ms / 1000.0)
+            self.decode_rows.labels(model).inc(stats.decode_rows)
         if stats.prefill_segments:
-            self.prefill.observe(stats.prefill_ms / 1000.0)
-            self.prefills.inc(stats.prefill_segments)
+            self.prefill.labels(model).observe(stats.prefill_ms / 1000.0)
+            self.prefills.labels(model).inc(stats.prefill_segments)
         if stats.vocoder_ms:
-            self.vocoder.observe(stats.vocoder_ms / 1000.0)
+            self.vocoder.labels(model).observe(stats.vocoder_ms / 1000.0)
         if stats.active_segments:
-            self.slot_steps.inc(stats.active_segments)
+            self.slot_steps.labels(model).inc(stats.active_segments)
         if stats.audio_s:
-            self.audio_produced.inc(stats.audio_s)
+            self.audio_produced.labels(model).inc(stats.audio_s)
+        if stats.preempted:
+            self.preemptions.labels(model).inc(stats.preempted)
 
     def on_event(self, event: ObservedEvent) -> None:
         """The observers hook (event-loop thread)."""
@@ -306,6 +324,62 @@ def _per_model(engine: EngineLike | None, status: dict[str, Any], hub: Hub) -> d
                              "waiting": status.get("waiting", 0)}}
 
 
+class JobsCollector(Collector):
+    """`tts_jobs_*`: read from the job service when collected (its counters are this replica's; the queue depth and
+    per-key usage are the fleet's, as its store last said)."""
+
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterable[Metric]:
+        jobs = self.jobs
+        runner, api, render = jobs.runner.stats, jobs.api.stats, jobs.render.stats
+
+        def counter(name: str, doc: str, values: dict[str, float], label: str = "") -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+            for value_label, value in values.items():
+                family.add_metric([value_label] if label else [], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        unfinished = GaugeMetricFamily("tts_jobs_key_unfinished", "A key's unfinished jobs, fleet-wide (keys that "
+                                       "submitted here lately, with per-key limits)", labels=["key_id"])
+        chars = GaugeMetricFamily("tts_jobs_key_chars_today", "Characters a key submitted as jobs this UTC day, "
+                                  "fleet-wide (keys that submitted here lately, with per-key limits)",
+                                  labels=["key_id"])
+        for key_id, usage in sorted(jobs.key_usage.items()):
+            unfinished.add_metric([key_id], usage.unfinished_jobs)
+            chars.add_metric([key_id], usage.chars_today)
+        return [
+            gauge("tts_jobs_available", "1 when jobs are on and their store opened", 1.0 if jobs.available else 0.0),
+            counter("tts_jobs_submitted", "Job submissions through this replica, by result",
+                    {"accepted": api.accepted, "refused_quota": api.refused_quota, "bad_request": api.bad_request},
+                    "result"),
+            counter("tts_jobs_finished", "Jobs this replica finished (done, failed) or cancelled, by status",
+                    {"done": runner.jobs_done, "failed": runner.jobs_failed, "cancelled": api.cancelled}, "status"),
+            gauge("tts_jobs_queue_depth", "Jobs submitted and not claimed yet, fleet-wide", jobs.queue_depth),
+            gauge("tts_jobs_running", "Jobs this replica is rendering", len(jobs.runner.running)),
+            counter("tts_jobs_segments", "Job segments this replica rendered, by what storing them did",
+                    {"stored": runner.segments_rendered, "already_stored": runner.segments_already_stored}, "result"),
+            counter("tts_jobs_audio_seconds", "Seconds of job audio this replica rendered and stored",
+                    {"": runner.audio_samples / OUTPUT_SAMPLE_RATE_HZ}),
+            counter("tts_jobs_cache_hits", "Job segments the phrase cache replayed instead of the engine",
+                    {"": render.cache_hits}),
+            counter("tts_jobs_claims_lost", "Jobs this replica stopped because another replica took them over",
+                    {"": runner.claims_lost}),
+            counter("tts_jobs_webhooks", "Webhook deliveries, by result",
+                    {"delivered": runner.webhooks_delivered, "failed": runner.webhooks_failed,
+                     "refused": runner.webhooks_refused}, "result"),
+            unfinished,
+            chars,
+        ]
+
+
 # ---- the dashboard feed ----------------------------------------------------------------------------
 
 
@@ -430,6 +504,12 @@ class DashboardFeed:
             "sessions": per_protocol("tts_sessions_active"),
             "contexts": int(cur.total("tts_contexts_active")),
             "audio_per_s": _rate(delta("tts_engine_audio_seconds_total"), dt_s),
+            "jobs": {
+                "queue": int(cur.total("tts_jobs_queue_depth")),
+                "running": int(cur.total("tts_jobs_running")),
+                "audio_per_s": _rate(delta("tts_jobs_audio_seconds_total"), dt_s),
+                "preempted": int(delta("tts_engine_preemptions_total")),
+            },
             "busy": {
                 "new": int(delta("tts_busy_rejections_total")),
                 "total": int(cur.total("tts_busy_rejections_total")),
@@ -517,7 +597,7 @@ def install(app: Starlette, **options: Any) -> Metrics:
     existing: Metrics | None = getattr(app.state, "metrics", None)
     if existing is not None:
         return existing
-    metrics = Metrics(app.state.hub, **options)
+    metrics = Metrics(app.state.hub, jobs=getattr(app.state, "jobs", None), **options)
     app.state.metrics = metrics
     app.state.observers.subscribe(metrics.on_event)
     inner = app.router.lifespan_context

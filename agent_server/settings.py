@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class Group(enum.Enum):
     LIMITS = "limits: sessions, text, messages, deadlines, flow control"
     FLEET = "fleet: replicas, Redis, the phrase cache, the load balancer"
     SECURITY = "security: API keys, tokens, origins"
+    JOBS = "jobs: long texts behind 202 Accepted, in the rows live speech leaves idle (POST /v1/jobs, docs/jobs.md)"
 
 
 class SettingsError(ValueError):
@@ -143,6 +145,22 @@ def optional_path(raw: str) -> Path | None:
 
 def comma_list(raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def on_off(raw: str) -> bool:
+    """A flag that takes a value (`--jobs off`), read as a switch's words."""
+    return switch(raw)
+
+
+def cidr_list(raw: str) -> tuple[str, ...]:
+    """A comma list of CIDR networks (`10.0.0.0/8,192.168.1.7`; a bare address is one host)."""
+    items = comma_list(raw)
+    for item in items:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a CIDR network") from None
+    return items
 
 
 def slot_count(raw: str) -> int:
@@ -262,7 +280,7 @@ def _models(value: tuple[Variant, ...]) -> Mapping[str, object]:
     return {"variant": value[0], "models": value}
 
 
-S, E, L, F, X = Group.SERVING, Group.ENGINE, Group.LIMITS, Group.FLEET, Group.SECURITY
+S, E, L, F, X, J = Group.SERVING, Group.ENGINE, Group.LIMITS, Group.FLEET, Group.SECURITY, Group.JOBS
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,6 +498,44 @@ class Settings:
                                         "before /readyz turns ready (reloaded on SIGHUP)", F, optional_path,
                                         flag="--prewarm", env=("AGENT_SERVER_PREWARM",))
 
+    # ---- jobs (agent_server/jobs/, docs/jobs.md) ----
+    jobs: bool = setting(True, "serve POST /v1/jobs and render jobs in idle rows (off: the jobs API answers 404 "
+                         "jobs_off)", J, on_off, flag="--jobs", env=("AGENT_SERVER_JOBS",), metavar="on|off")
+    # The jobs' records, queue and segment audio must not be evicted: a Redis with noeviction (or volatile-lru)
+    jobs_redis_url: str | None = setting(
+        None, "the jobs' own Redis (noeviction: job records must not be evicted); default: --redis-url; with neither, "
+        "jobs live in SQLite under --data-dir/jobs", J, optional_text, flag="--jobs-redis-url",
+        env=("AGENT_SERVER_JOBS_REDIS_URL",), secret=True)
+    max_job_chars: int = setting(200_000, "characters in one job's text", J, whole, flag="--max-job-chars",
+                                 env=("AGENT_SERVER_MAX_JOB_CHARS",), check=at_least(1))
+    job_ttl_s: float = setting(86_400.0, "a finished job's audio is kept this long (then GET answers 404 "
+                               "job_expired)", J, number, flag="--job-ttl-s", env=("AGENT_SERVER_JOB_TTL_S",),
+                               check=above(0))
+    job_workers: int = setting(0, "jobs rendered at once on this replica (0: the default model's --max-slots)", J,
+                               whole, flag="--job-workers", env=("AGENT_SERVER_JOB_WORKERS",),
+                               check=at_least(0, "0: max-slots"))
+    job_visibility_s: float = setting(60.0, "a replica's job claims pass to another replica when it has not renewed "
+                                      "them for this long (it died)", J, number, flag="--job-visibility-s",
+                                      env=("AGENT_SERVER_JOB_VISIBILITY_S",), check=above(0))
+    job_files_mb: float = setting(1024.0, "local disk cache of assembled job files in MiB (LRU)", J, number,
+                                  flag="--job-files-mb", env=("AGENT_SERVER_JOB_FILES_MB",), check=at_least(0))
+    max_running_jobs_per_key: int = setting(4, "unfinished (queued or running) jobs per API key (0: no limit)", J,
+                                            whole, flag="--max-running-jobs-per-key",
+                                            env=("AGENT_SERVER_MAX_RUNNING_JOBS_PER_KEY",),
+                                            check=at_least(0, "0: no limit"))
+    job_chars_per_day_per_key: int = setting(0, "job text characters per API key and UTC day (0: no limit)", J,
+                                             whole, flag="--job-chars-per-day-per-key",
+                                             env=("AGENT_SERVER_JOB_CHARS_PER_DAY_PER_KEY",),
+                                             check=at_least(0, "0: no limit"))
+    webhook_allow: tuple[str, ...] = setting((), "networks job webhooks may be sent to, a comma list of CIDRs "
+                                             "(default: none, no webhook is accepted)", J, cidr_list,
+                                             flag="--webhook-allow", env=("AGENT_SERVER_WEBHOOK_ALLOW",),
+                                             metavar="CIDR[,CIDR...]")
+    # the root of every key's webhook secret; no flag (a command line shows in `ps`)
+    webhook_secret: str = setting("", "root of per-key webhook secrets (unset: random per process; a fleet "
+                                  "needs it)", J, text, flag=None, env=("AGENT_SERVER_WEBHOOK_SECRET",),
+                                  secret=True)
+
     # ---- internal: no flag, no variable (tests and load tests set them) ----
     ws_ping_interval_s: float = 20.0
     ws_ping_timeout_s: float = 20.0
@@ -568,8 +624,17 @@ def _per_model_values_name_loaded_models(settings: Settings) -> None:
                     raise SettingsError(f"{{}} names {model}, which {{}} does not load", name, "models")
 
 
+def _fleet_webhooks_have_a_secret(settings: Settings) -> None:
+    """Replicas each drawing a random secret would sign one key's webhooks with different secrets."""
+    if settings.webhook_allow and not settings.webhook_secret and (settings.redis_url or settings.jobs_redis_url):
+        shared = "jobs_redis_url" if settings.jobs_redis_url else "redis_url"
+        raise SettingsError("{} with {} needs {} (the same on every replica)", "webhook_allow", shared,
+                            "webhook_secret")
+
+
 CROSS_CHECKS: tuple[Callable[[Settings], None], ...] = (
-    _tls_pair, _context_holds_a_piece, _analyzer_has_its_model, _per_model_values_name_loaded_models)
+    _tls_pair, _context_holds_a_piece, _analyzer_has_its_model, _per_model_values_name_loaded_models,
+    _fleet_webhooks_have_a_secret)
 
 # setting name -> environment variables that set it (the first one set wins)
 ENV_VARS: Mapping[str, tuple[str, ...]] = {name: row.env for name, row in table()}

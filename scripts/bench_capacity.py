@@ -24,6 +24,14 @@ Anything after `--` goes to every server (e.g. `-- --cpu-weights bf16 --threads 
 know a flag: then give it only where it applies, with --server-args-for LABEL="..."). --busy-cores K keeps K
 other processes spinning during the measured rounds (the "one core taken by another process" experiment).
 --weights random-tiny runs end to end in a minute (tests/synth/test_bench_capacity.py).
+
+--job-load K (issue 36: jobs fill the rows live calls leave idle): after the live rounds above (round A: live
+alone), K jobs of --job-chars characters are submitted through POST /v1/jobs (a backlog that outlasts the run);
+a jobs-only window of --job-window-s measures the saturation audio-s/s (the engine's, from /metrics); then for each
+N round B runs the same live sessions beside the backlog. Per N: live first audio p50/p95 B against A (target:
+B p95 <= 1.1x A p95), live audio-s/s, job audio-s/s (the engine's audio in the round minus the live audio
+received; also the job audio stored, counted as whole segments end), and "unused capacity used" = job audio-s/s /
+(saturation - live audio-s/s) (target >= 80 %). The jobs are cancelled at the end.
 """
 
 from __future__ import annotations
@@ -109,6 +117,22 @@ class RepoRun:
     rounds: list[RoundResult] = field(default_factory=list)
     engine_after: dict[str, Any] = field(default_factory=dict)  # /v1/status's engine after the rounds
     error: str = ""  # the server did not start (or died): why, with its log's tail
+    saturation: dict[str, float] = field(default_factory=dict)  # --job-load: the jobs-only window
+    job_rounds: list[JobRound] = field(default_factory=list)  # --job-load: round B per N
+
+
+@dataclass
+class JobRound:
+    """Round B of --job-load: the live sessions beside a job backlog, and what the jobs got meanwhile."""
+
+    live: RoundResult
+    wall_s: float  # the round, measured around it (the engine's and the stored audio are counted over this)
+    live_audio_s_per_wall_s: float
+    engine_audio_s_per_wall_s: float
+    job_audio_s_per_wall_s: float  # engine audio - live audio received
+    job_stored_audio_s_per_wall_s: float  # tts_jobs_audio_seconds_total (whole segments, as they end)
+    ttfa_p95_vs_alone: float | None  # B p95 / A p95
+    unused_capacity_used: float | None  # job audio-s/s / (saturation - live audio-s/s)
 
 
 # the engine's CUDA graph state, printed after a checkout's rounds (older checkouts lack it)
@@ -225,6 +249,99 @@ def http_json(url: str) -> Any:
         return json.loads(response.read())
 
 
+def metric_sums(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """The sum over label sets of each named series in the server's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+ENGINE_AUDIO = "tts_engine_audio_seconds_total"
+JOB_AUDIO = "tts_jobs_audio_seconds_total"
+JOBS_RUNNING = "tts_jobs_running"
+
+
+def job_text(chars: int, index: int) -> str:
+    sentences: list[str] = []
+    n = 0
+    while sum(len(x) + 1 for x in sentences) < chars:
+        n += 1
+        sentences.append(f"Chapter {index}, passage {n}: the long job keeps reading while the calls come and go.")
+    return " ".join(sentences)[:chars]
+
+
+def submit_jobs(port: int, count: int, chars: int) -> list[str]:
+    ids = []
+    for index in range(count):
+        body = orjson.dumps({"text": job_text(chars, index), "seed": index})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/jobs", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            ids.append(orjson.loads(answer.read())["id"])
+    return ids
+
+
+def cancel_jobs(port: int, ids: list[str]) -> None:
+    for job_id in ids:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/jobs/{job_id}", method="DELETE")
+        try:
+            urllib.request.urlopen(request, timeout=30).read()
+        except OSError:
+            pass
+
+
+def job_rounds(server: Server, run: RepoRun, args: argparse.Namespace, max_new: int, label: str,
+               save: Callable[[], None]) -> None:
+    """--job-load: the backlog, the jobs-only saturation window, then round B per N."""
+    ids = submit_jobs(server.port, args.job_load, args.job_chars)
+    try:
+        deadline_s = time.monotonic() + 120
+        while metric_sums(server.port, (JOBS_RUNNING,))[JOBS_RUNNING] < min(args.job_load, 1):
+            if time.monotonic() > deadline_s:
+                raise TimeoutError("no job started in 120 s")
+            time.sleep(0.2)
+        time.sleep(args.job_window_s / 4)  # the backlog's first segments reach the engine
+        before = metric_sums(server.port, (ENGINE_AUDIO, JOB_AUDIO))
+        started_s = time.monotonic()
+        time.sleep(args.job_window_s)
+        after = metric_sums(server.port, (ENGINE_AUDIO, JOB_AUDIO))
+        window_s = time.monotonic() - started_s
+        run.saturation = {"window_s": window_s,
+                          "engine_audio_s_per_wall_s": (after[ENGINE_AUDIO] - before[ENGINE_AUDIO]) / window_s,
+                          "job_stored_audio_s_per_wall_s": (after[JOB_AUDIO] - before[JOB_AUDIO]) / window_s}
+        saturation = run.saturation["engine_audio_s_per_wall_s"]
+        print(f"[{label}] jobs alone: {saturation:.3f} audio-s/s (engine), "
+              f"{run.saturation['job_stored_audio_s_per_wall_s']:.3f} stored", flush=True)
+        alone = {r.sessions: r for r in run.rounds}
+        for sessions in args.sessions:
+            before = metric_sums(server.port, (ENGINE_AUDIO, JOB_AUDIO))
+            started_s = time.monotonic()
+            live = asyncio.run(one_round(server.url, sessions, args, max_new))
+            wall_s = time.monotonic() - started_s
+            after = metric_sums(server.port, (ENGINE_AUDIO, JOB_AUDIO))
+            live_aps = live.audio_s / wall_s
+            engine_aps = (after[ENGINE_AUDIO] - before[ENGINE_AUDIO]) / wall_s
+            job_aps = max(0.0, engine_aps - live_aps)
+            a = alone.get(sessions)
+            ratio = (live.ttfa_p95_s / a.ttfa_p95_s if a is not None and a.ttfa_p95_s and live.ttfa_p95_s is not None
+                     else None)
+            room = saturation - live_aps
+            result = JobRound(live=live, wall_s=wall_s, live_audio_s_per_wall_s=live_aps,
+                              engine_audio_s_per_wall_s=engine_aps, job_audio_s_per_wall_s=job_aps,
+                              job_stored_audio_s_per_wall_s=(after[JOB_AUDIO] - before[JOB_AUDIO]) / wall_s,
+                              ttfa_p95_vs_alone=ratio, unused_capacity_used=job_aps / room if room > 0 else None)
+            run.job_rounds.append(result)
+            print(f"[{label}] N={sessions} + jobs: {format_row(live)}; jobs {job_aps:.3f} audio-s/s", flush=True)
+            save()
+    finally:
+        cancel_jobs(server.port, ids)
+
+
 def git_commit(repo: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -334,6 +451,12 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
                 run.rounds.append(result)
                 print(f"[{label}] N={sessions}: {format_row(result)}", flush=True)
                 save()
+        if args.job_load:
+            try:
+                job_rounds(server, run, args, max_new, label, save)
+            except (OSError, TimeoutError, KeyError, ValueError) as exc:
+                run.error = f"job load: {type(exc).__name__}: {exc}"
+                print(f"[{label}] {run.error}", flush=True)
         after = http_json(f"http://127.0.0.1:{server.port}/v1/status")
         run.engine_after = after.get("engine", after) if isinstance(after, dict) else {}
         graphs = {key: run.engine_after[key] for key in GRAPH_KEYS if key in run.engine_after}
@@ -371,6 +494,22 @@ def print_table(runs: list[RepoRun]) -> None:
             print(f"{run.label[:12]:12} {r.sessions:>3} {r.ok:>2}/{r.sessions:<2} {p50:>9} {p95:>9} "
                   f"{r.audio_s_per_wall_s:>10.3f} {ratio:>6} {r.underrun_mean_s:>9.2f} {r.underrun_p95_s:>8.2f} "
                   f"{r.underruns:>9}")
+    if not any(run.job_rounds for run in runs):
+        return
+    print(f"\n{'checkout':12} {'N':>3} {'p95 alone':>9} {'p95 jobs':>9} {'ratio':>6} {'live a-s/s':>10} "
+          f"{'jobs a-s/s':>10} {'saturation':>10} {'unused used':>11}")
+    for run in runs:
+        alone = {r.sessions: r for r in run.rounds}
+        saturation = run.saturation.get("engine_audio_s_per_wall_s", 0.0)
+        for j in run.job_rounds:
+            a = alone.get(j.live.sessions)
+            p95_a = "-" if a is None or a.ttfa_p95_s is None else f"{a.ttfa_p95_s:.2f}"
+            p95_b = "-" if j.live.ttfa_p95_s is None else f"{j.live.ttfa_p95_s:.2f}"
+            ratio = "-" if j.ttfa_p95_vs_alone is None else f"{j.ttfa_p95_vs_alone:.2f}"
+            used = "-" if j.unused_capacity_used is None else f"{100 * j.unused_capacity_used:.0f} %"
+            print(f"{run.label[:12]:12} {j.live.sessions:>3} {p95_a:>9} {p95_b:>9} {ratio:>6} "
+                  f"{j.live_audio_s_per_wall_s:>10.3f} {j.job_audio_s_per_wall_s:>10.3f} {saturation:>10.3f} "
+                  f"{used:>11}  (ok {j.live.ok}/{j.live.sessions})")
 
 
 def plot(runs: list[RepoRun], path: Path) -> bool:
@@ -438,6 +577,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-start-timeout-s", type=float, default=SERVER_START_TIMEOUT_S)
     parser.add_argument("--out", type=Path, default=Path("out/bench_capacity"), help="output path without suffix")
     parser.add_argument("--log-dir", type=Path, default=None, help="where the servers' logs go (default: --out's)")
+    parser.add_argument("--job-load", type=int, default=0, metavar="K",
+                        help="then the same rounds beside a backlog of K jobs (0: no jobs)")
+    parser.add_argument("--job-chars", type=int, default=20_000, help="characters of each job of --job-load")
+    parser.add_argument("--job-window-s", type=float, default=20.0, help="the jobs-only window (saturation)")
     args = parser.parse_args(argv)
     if min(args.sessions) < 1:
         parser.error("--sessions must be >= 1")
@@ -447,6 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         per_repo[label] = shlex.split(rest)
     if args.threads:
         extra = [*extra, "--threads", args.threads]
+    if args.job_load:
+        extra = [*extra, "--max-running-jobs-per-key", "0"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)

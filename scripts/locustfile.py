@@ -16,10 +16,17 @@ must give --run-time (at most MAX_RUN_TIME_S) and at most MAX_USERS users.
     agent-server --engine-factory tests.agent_server.fake_engine:make_engine &
     locust -f scripts/locustfile.py --headless -u 50 -r 10 --run-time 60s --host ws://127.0.0.1:8000
     # with auth on: AGENT_SERVER_API_KEY=... locust -f scripts/locustfile.py ...
+
+`JobSubmitter` (issue 36, docs/jobs.md) mixes jobs with the live sessions, one job user for every
+LOCUST_JOB_RATIO (default 4) speakers: it POSTs a 2,000-5,000 character job, polls its status with backoff,
+downloads the finished audio with a Range request and checks its Content-Length and Content-Range. Locust records
+`HTTP job submit`, `HTTP job done` (submission -> done, ms) and `HTTP job range`; a 429 (the key's job quota) is a
+failure named so. Live sessions only: `locust -f scripts/locustfile.py NativeSpeaker ...`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -138,6 +145,8 @@ def llm_pieces(text: str, rng: random.Random) -> list[str]:
 class NativeSpeaker(User):
     """One voice-agent session: turn after turn on one socket."""
 
+    weight = int(os.environ.get("LOCUST_JOB_RATIO", "4"))
+
     wait_time = between(0.5, 2.0)  # the user speaks between the agent's turns
     host = "ws://127.0.0.1:8000"
 
@@ -225,3 +234,88 @@ class NativeSpeaker(User):
     def _fail(self, name: str, ms: float, why: str) -> None:
         self.environment.events.request.fire(request_type="WS", name=name, response_time=ms,
                                              response_length=0, exception=RuntimeError(why), context={})
+
+
+JOB_SENTENCES = [
+    "Here is the summary of your call with the support team earlier today.",
+    "The technician will visit on Thursday between nine and noon, and will call you thirty minutes before.",
+    "Your reference number is four seven two, and the warranty covers the replacement part.",
+    "If anything changes, reply to the text message and we will find another time that suits you.",
+]
+JOB_TIMEOUT_S = 600.0
+RANGE_BYTES = 4096
+
+
+class JobSubmitter(User):
+    """A client of the jobs API: submit a long text, poll with backoff, fetch part of the finished file."""
+
+    weight = 1
+    wait_time = between(1.0, 5.0)
+    host = "ws://127.0.0.1:8000"
+
+    def on_start(self) -> None:
+        parsed = urlparse(self.host)
+        if parsed.hostname not in LOOPBACK_HOSTS:
+            raise StopUser()
+        self.address = (parsed.hostname, parsed.port or 8000)
+        self.rng = random.Random()
+        self.headers = {"Content-Type": "application/json"}
+        key = os.environ.get("AGENT_SERVER_API_KEY")
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        connection = http.client.HTTPConnection(*self.address, timeout=60)
+        try:
+            connection.request(method, path, body=body, headers={**self.headers, **(headers or {})})
+            response = connection.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            connection.close()
+
+    @task
+    def one_job(self) -> None:
+        target = self.rng.randint(2000, 5000)
+        sentences: list[str] = []
+        while sum(len(x) + 1 for x in sentences) < target:
+            sentences.append(self.rng.choice(JOB_SENTENCES))
+        body = json.dumps({"text": " ".join(sentences), "output_format": "mp3"}).encode()
+        started_s = time.monotonic()
+        try:
+            status, _, answer = self._request("POST", "/v1/jobs", body)
+            ms = (time.monotonic() - started_s) * 1000
+            if status != 202:
+                code = json.loads(answer).get("error", {}).get("code", "") if answer else ""
+                self._fire("job submit", ms, 0, f"{status} {code}")
+                return
+            self._fire("job submit", ms, len(answer))
+            job_id = json.loads(answer)["id"]
+            delay_s = 0.5
+            while True:
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 1.5, 10.0)
+                status, _, answer = self._request("GET", f"/v1/jobs/{job_id}")
+                seen = json.loads(answer) if status == 200 else {"status": f"http {status}"}
+                if seen["status"] == "done":
+                    self._fire("job done", (time.monotonic() - started_s) * 1000, len(answer))
+                    break
+                if seen["status"] not in ("queued", "running") or time.monotonic() - started_s > JOB_TIMEOUT_S:
+                    self._fire("job done", (time.monotonic() - started_s) * 1000, 0, f"ended {seen['status']}")
+                    return
+            range_s = time.monotonic()
+            status, headers, audio = self._request("GET", f"/v1/jobs/{job_id}/audio",
+                                                   headers={"Range": f"bytes=0-{RANGE_BYTES - 1}"})
+            ms = (time.monotonic() - range_s) * 1000
+            total = int(headers.get("content-range", "/0").rsplit("/", 1)[1] or 0)
+            expected = min(RANGE_BYTES, total)
+            if status != 206 or int(headers.get("content-length", -1)) != len(audio) or len(audio) != expected:
+                self._fire("job range", ms, 0, f"{status}, {len(audio)} bytes, headers {headers}")
+            else:
+                self._fire("job range", ms, len(audio))
+        except (OSError, ValueError, KeyError) as exc:
+            self._fire("job", (time.monotonic() - started_s) * 1000, 0, repr(exc))
+
+    def _fire(self, name: str, ms: float, length: int, why: str = "") -> None:
+        self.environment.events.request.fire(request_type="HTTP", name=name, response_time=ms, response_length=length,
+                                             exception=RuntimeError(why) if why else None, context={})

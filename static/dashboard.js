@@ -114,9 +114,14 @@ function render() {
   // and several s/s, so it is shown as the mean over the last AUDIO_RATE_WINDOW_S
   const span = Math.max(1, Math.round(AUDIO_RATE_WINDOW_S / hello.sample_period_s));
   const audioRate = rollingMean(col((s) => s.audio_per_s), span);
-  $("now-audio").innerHTML = `${audioRate[audioRate.length - 1].toFixed(2)}<small>s/s</small>`;
-  line("audio", t, [{ name: `audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: audioRate,
-                      fill: true }], {});
+  // job audio (stored as each segment ends): part of the engine's, drawn beside it
+  const jobRate = rollingMean(col((s) => (s.jobs ? s.jobs.audio_per_s : 0)), span);
+  $("now-audio").innerHTML = `${audioRate[audioRate.length - 1].toFixed(2)}<small>s/s</small> ` +
+    `${jobRate[jobRate.length - 1].toFixed(2)}<small>of it jobs</small>`;
+  line("audio", t, [
+    { name: `engine audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: audioRate, fill: true },
+    { name: "jobs", color: C.violet, values: jobRate },
+  ], {});
 
   // sessions
   const sessionsNow = Object.values(last.sessions).reduce((a, b) => a + b, 0);
@@ -129,6 +134,13 @@ function render() {
   line("waiting", t, [{ name: "segments waiting", color: C.warn, values: col((s) => s.waiting), fill: true }], { integer: true });
   $("now-busy").innerHTML = `${last.busy.total}<small>total</small>`;
   bars("busy", t, col((s) => s.busy.new), C.danger);
+  // jobs: the fleet's queue (submitted, not claimed yet) and the jobs this replica renders
+  const jobs = last.jobs || { queue: 0, running: 0 };
+  $("now-jobs").innerHTML = `${jobs.running}<small>running</small> ${jobs.queue}<small>queued</small>`;
+  line("jobs", t, [
+    { name: "queued (fleet)", color: C.warn, values: col((s) => (s.jobs ? s.jobs.queue : 0)), fill: true },
+    { name: "running here", color: C.accent, values: col((s) => (s.jobs ? s.jobs.running : 0)) },
+  ], { integer: true });
   protocols(last);
   models(t, last);
 }

@@ -21,7 +21,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -164,6 +164,9 @@ class Hub:
         self._no_sessions = asyncio.Event()  # set while no session is registered
         self._no_sessions.set()
         self.engine_settled = asyncio.Event()  # set once the engine is loaded, or failed to load
+        self.became_ready = asyncio.Event()  # set once the server serves (the pre-warm list rendered)
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_hook_tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class Hub:
         if self.status < ServerStatus.DRAINING:
             self.status = ServerStatus.DRAINING
             self.detail = "shutting down"
+            self._drain_hook_tasks = [asyncio.create_task(_logged(hook(), "drain_hook")) for hook in self._drain_hooks]
         log.info("drain_started", sessions=len(self.sessions), grace_s=grace_s)
         for session in list(self.sessions):
             session.begin_drain()
@@ -218,8 +222,14 @@ class Hub:
             for session in list(self.sessions):
                 session.close_now(Outcome.DRAIN_CUT, "server shutting down")
             await self._until_no_sessions(self.settings.close_timeout_s + 1.0)
+        await asyncio.gather(*self._drain_hook_tasks)
         log.info("drain_done", sessions_left=len(self.sessions), complete=self._drained_complete)
         return self._drained_complete
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook()` when the drain begins, beside the sessions' drain; the drain returns once it is done too
+        (the job runner stops there, handing its claims back: agent_server/jobs/service.py)."""
+        self._drain_hooks.append(hook)
 
     async def _until_no_sessions(self, timeout_s: float) -> None:
         """Return when the last session is gone, or after `timeout_s`."""
@@ -309,15 +319,17 @@ class Hub:
             if isinstance(event, StreamDone):
                 self.voices.release(voice)
 
-        source = self.stream_source(engine, spec, voice, CachePolicy() if spec.cache else NO_CACHE)
+        source = self.stream_source(engine, voice, spec.language, CachePolicy() if spec.cache else NO_CACHE,
+                                    model=spec.model)
         return SpeechStream(key, spec, engine=source, segmenter=self.make_segmenter(), post=self.post,
                             emit=emit_then_release, encoder_pool=self.encoders)
 
-    def stream_source(self, engine: EngineLike, spec: StreamSpec, voice: Voice, policy: CachePolicy,
-                      *, pin: bool = False) -> CachedSource:
-        """Where a stream's segments get their audio: the phrase cache, else the engine (phrase_cache.py)."""
-        model = spec.model or engine.variant
-        context = KeyContext(model, self.weights_ids[model], voice.voice_id, voice.version_of(model), spec.language)
+    def stream_source(self, engine: EngineLike, voice: Voice, language: str | None, policy: CachePolicy,
+                      *, model: Variant | None = None, pin: bool = False) -> CachedSource:
+        """Where a stream's segments (and a job's: jobs/render.py) get their audio: the phrase cache, else the
+        engine (phrase_cache.py). `model`: the serving model (None: the engine's default)."""
+        model = model or engine.variant
+        context = KeyContext(model, self.weights_ids[model], voice.voice_id, voice.version_of(model), language)
         return CachedSource(engine, self.phrase_cache, context, policy, self.post, pin=pin)
 
     # ---- the pre-warm list ---------------------------------------------------------------------
@@ -344,7 +356,7 @@ class Hub:
                 done.set_result(event)
 
         try:
-            source = self.stream_source(engine, spec, voice, PREWARM, pin=True)
+            source = self.stream_source(engine, voice, spec.language, PREWARM, model=spec.model, pin=True)
             stream = SpeechStream(f"prewarm/{next(self._prewarm_numbers)}", spec, engine=source,
                                   segmenter=self.make_segmenter(), post=self.post, emit=emit)
             stream.open()
@@ -480,6 +492,7 @@ class Hub:
         if self.status == ServerStatus.LOADING:
             self.status = ServerStatus.READY
             self.detail = "ready"
+            self.became_ready.set()
         log.info(
             "server_ready",
             model=engine.variant,
@@ -567,6 +580,14 @@ def _weights_ids(engine: EngineLike) -> dict[Variant, str]:
         own = per_model.get(model) if isinstance(per_model, dict) else None
         ids[model] = weights_identity({**status, **own} if isinstance(own, dict) else status, model)
     return ids
+
+
+async def _logged(work: Awaitable[None], what: str) -> None:
+    """Await `work`; a failure is logged, never raised (a drain goes on whatever one hook does)."""
+    try:
+        await work
+    except Exception:
+        log.exception(f"{what}_failed")
 
 
 def _settle(future: asyncio.Future[EngineLike], result: EngineLike | BaseException) -> None:

@@ -7,7 +7,10 @@ call. Transports render an outcome from this table only (core/transport.py, core
 speech base answers with its statuses (protocols/http_speech.py). docs/operations.md shows the same table, and
 tests/agent_server/core/test_outcomes.py holds the two against each other.
 
-Refusals of access (no key, a wrong key: fleet/auth.py) come before any session and are not outcomes.
+Refusals of access (no key, a wrong key: fleet/auth.py) come before any session and are not outcomes. The jobs API
+(agent_server/jobs/api.py) answers its requests from this table too: three rows exist for it (NOT_FOUND, NO_RESULT,
+OUT_OF_RANGE: a WebSocket or gRPC session never ends that way), and its other refusals are the rows every protocol
+shares (a field at fault is a 422 there, the native HTTP shape's answer to `bad_request`, as ElevenLabs' is).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class Outcome(enum.Enum):
     SLOW_CLIENT = "slow_client"  # the client took none of its audio for `slow_client_stall_s` (or fell behind)
     FAILED = "failed"  # the engine failed a segment, or its audio encoder failed
     INTERNAL_ERROR = "internal_error"  # a bug (an exception in a protocol's hook or the core)
+    NOT_FOUND = "not_found"  # what was asked for does not exist, or is no longer kept (a job, after --job-ttl-s)
+    NO_RESULT = "no_result"  # what was asked for has no result: the audio of a job that failed or was cancelled
+    OUT_OF_RANGE = "range_not_satisfiable"  # a byte range outside the file asked for
 
     @property
     def answer(self) -> Answer:
@@ -91,6 +97,9 @@ ANSWERS: Mapping[Outcome, Answer] = {
     Outcome.SLOW_CLIENT: Answer(CLOSE_POLICY, 400, "INVALID_ARGUMENT"),
     Outcome.FAILED: Answer(CLOSE_INTERNAL_ERROR, 503, "INTERNAL"),
     Outcome.INTERNAL_ERROR: Answer(CLOSE_INTERNAL_ERROR, 500, "INTERNAL"),
+    Outcome.NOT_FOUND: Answer(CLOSE_POLICY, 404, "NOT_FOUND"),
+    Outcome.NO_RESULT: Answer(CLOSE_POLICY, 409, "FAILED_PRECONDITION"),
+    Outcome.OUT_OF_RANGE: Answer(CLOSE_POLICY, 416, "OUT_OF_RANGE"),
 }
 _OF_STREAM: Mapping[StreamStatus, Outcome] = {
     StreamStatus.COMPLETED: Outcome.COMPLETED,

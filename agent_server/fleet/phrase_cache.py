@@ -51,6 +51,7 @@ from synth.api import (
     SAMPLES_PER_SPEECH_TOKEN,
     AudioChunk,
     EngineError,
+    EngineFull,
     EngineLike,
     EngineOutput,
     EventKind,
@@ -470,7 +471,9 @@ class CachedSource:
         self.cache.stats.misses += 1
         try:
             self._forward(request)
-        except EngineError as exc:  # the stream's submit returned long ago: fail the segment through its sink
+        except EngineFull as exc:  # the stream's submit returned long ago: busy through its sink, as a submit would be
+            request.sink(SegmentEvent(request.request_id, EventKind.BUSY, time.monotonic(), reason=str(exc)))
+        except EngineError as exc:  # ... and a refusal, failed through it
             request.sink(SegmentEvent(request.request_id, EventKind.FAILED, time.monotonic(), reason=str(exc)))
 
     def _replay(self, request: SegmentRequest, audio: CachedAudio, key: str) -> None:
@@ -507,6 +510,9 @@ class CachedSource:
             if isinstance(out, AudioChunk):
                 recording.pieces.append(out.pcm)
                 recording.speech_tokens += out.speech_tokens
+            elif out.kind == EventKind.STARTED:  # (again: the engine took a job segment's row back, it starts over)
+                recording.pieces.clear()
+                recording.speech_tokens = 0
             elif out.kind == EventKind.DONE:
                 try:
                     post(store, recording)

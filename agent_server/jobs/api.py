@@ -8,6 +8,7 @@
     GET    /v1/jobs/{id}/audio      ?output_format= (default: the job's) -> the audio:
                                     running: a growing stream (chunked) that ends with the job;
                                     done: the file with Content-Length, ETag and Range (206, 416)
+    GET    /v1/jobs/webhook-secret  -> {"secret"}: the key's webhook signing secret (with `secret_of`)
 
 Errors: the native HTTP shape `{"error": {"field", "message", "code"}}` with 400/404/409/413/422/429/503, a 429 with
 Retry-After. A job belongs to the key that made it: another key gets 404, as for a job that never was.
@@ -24,6 +25,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agent_server.core.outcomes import Outcome, http_status
 from agent_server.errors import UNAVAILABLE
 from agent_server.jobs.assembly import DEFAULT_POLL_S, AudioFiles, JobAudioAborted, Offload, job_audio
 from agent_server.jobs.byte_range import Unsatisfiable, parse_range
 from agent_server.jobs.model import (
     JOB_NOT_READY,
+    STATUS_UNPROCESSABLE,
     Job,
     JobError,
     JobStatus,
@@ -50,7 +54,6 @@ from agent_server.jobs.model import (
 from agent_server.jobs.request import (
     DEFAULT_MAX_JOB_CHARS,
     NOTHING_TO_SAY,
-    STATUS_UNPROCESSABLE,
     job_format,
     parse_job_request,
 )
@@ -63,27 +66,46 @@ log = structlog.get_logger("agent_server.jobs.api")
 JOBS_PATH = "/v1/jobs"
 STATUS_ACCEPTED = 202
 STATUS_PARTIAL = 206
-STATUS_CONFLICT = 409
-STATUS_TOO_LARGE = 413
-STATUS_QUOTA = 429
-STATUS_RANGE = 416
-STATUS_UNAVAILABLE = 503
+# error statuses: the one table of outcomes' (core/outcomes.py); STATUS_UNPROCESSABLE (422) for a field at fault
+STATUS_CONFLICT = http_status(Outcome.NO_RESULT)
+STATUS_TOO_LARGE = http_status(Outcome.TOO_LARGE)
+STATUS_QUOTA = http_status(Outcome.OVER_LIMIT)
+STATUS_RANGE = http_status(Outcome.OUT_OF_RANGE)
+STATUS_UNAVAILABLE = http_status(Outcome.NOT_READY)
 BODY_SLACK_BYTES = 64 * 1024  # a body may be this much bigger than its text at 4 UTF-8 bytes a character
 FILE_CHUNK_BYTES = 64 * 1024
 SEED_LIMIT = 2**63
 STORE_ERRORS = (RedisError, OSError, sqlite3.OperationalError)
+WEBHOOK_SECRET_PATH = JOBS_PATH + "/webhook-secret"
+
+
+@dataclass(slots=True)
+class ApiStats:
+    """Counters for the metrics (`tts_jobs_submitted_total`, `tts_jobs_finished_total{status="cancelled"}`)."""
+
+    accepted: int = 0
+    refused_quota: int = 0  # 429
+    bad_request: int = 0  # any other refusal of a submission (400, 413, 422)
+    cancelled: int = 0  # jobs cancelled through this replica
 
 
 class JobsApi:
-    def __init__(self, store: JobStore, files: AudioFiles, *, variant: str, key_of: Callable[[Request], str],
-                 limits_for: Callable[[str], KeyLimits], webhook_allow: AllowList,
+    def __init__(self, store: JobStore, files: AudioFiles, *, variant: str | Callable[[], str],
+                 key_of: Callable[[Request], str], limits_for: Callable[[str], KeyLimits], webhook_allow: AllowList,
                  max_job_chars: int = DEFAULT_MAX_JOB_CHARS, resolve: Resolver = system_resolver,
-                 clock: Callable[[], float] = time.time, on_submitted: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.time, on_submitted: Callable[[Job], None] | None = None,
                  on_cancelled: Callable[[str], None] | None = None, poll_s: float = DEFAULT_POLL_S,
-                 offload: Offload = asyncio.to_thread) -> None:
+                 offload: Offload = asyncio.to_thread, secret_of: Callable[[str], str] | None = None,
+                 unavailable: Callable[[], JobError | None] = lambda: None) -> None:
+        """`variant`: the model's (or a function giving it: the engine may load after the routes exist);
+        `secret_of`: a key's webhook secret (None: no webhook-secret route); `unavailable`: an error every request
+        gets while it says one (the store could not be opened)."""
         self.store = store
         self.files = files
-        self.variant = variant
+        self.stats = ApiStats()
+        self._variant = variant
+        self._secret_of = secret_of
+        self._unavailable = unavailable
         self.max_job_chars = max_job_chars
         self._key_of = key_of
         self._limits_for = limits_for
@@ -95,8 +117,15 @@ class JobsApi:
         self._poll_s = poll_s
         self._offload = offload
 
+    @property
+    def variant(self) -> str:
+        return self._variant if isinstance(self._variant, str) else self._variant()
+
     def routes(self) -> list[Route]:
+        secret = [Route(WEBHOOK_SECRET_PATH, self._guarded(self.webhook_secret), methods=["GET"])] if (
+            self._secret_of is not None) else []
         return [
+            *secret,  # (before /v1/jobs/{job_id})
             Route(JOBS_PATH, self._guarded(self.create), methods=["POST"]),
             Route(JOBS_PATH, self._guarded(self.list_jobs), methods=["GET"]),
             Route(JOBS_PATH + "/{job_id}", self._guarded(self.status), methods=["GET"]),
@@ -108,6 +137,9 @@ class JobsApi:
         """A JobError becomes its response; a store that cannot be reached, a 503."""
 
         async def endpoint(request: Request) -> Response:
+            unavailable = self._unavailable()
+            if unavailable is not None:
+                return error_response(unavailable)
             try:
                 response: Response = await handler(request)
                 return response
@@ -123,6 +155,16 @@ class JobsApi:
     # ---- POST /v1/jobs --------------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
+        try:
+            return await self._create(request)
+        except JobError as error:
+            if error.status_code == STATUS_QUOTA:
+                self.stats.refused_quota += 1
+            elif error.status_code < STATUS_UNAVAILABLE:
+                self.stats.bad_request += 1
+            raise
+
+    async def _create(self, request: Request) -> Response:
         key_id = self._key_of(request)
         parsed = parse_job_request(await self._body(request), variant=self.variant, max_job_chars=self.max_job_chars)
         limits = self._limits_for(key_id)
@@ -148,8 +190,9 @@ class JobsApi:
             raise JobError(STATUS_QUOTA, "", refusal.message, refusal.code, retry_after_s=refusal.retry_after_s)
         log.info("job_submitted", job_id=job.id, key_id=key_id, chars=job.text_chars, segments=len(plan),
                  output_format=job.output_format, webhook=job.webhook_url is not None)
+        self.stats.accepted += 1
         if self._on_submitted is not None:
-            self._on_submitted()
+            self._on_submitted(job)
         status_url = f"{JOBS_PATH}/{job.id}"
         body = {"id": job.id, "status": job.status.wire, "status_url": status_url, "audio_url": status_url + "/audio"}
         return JSONResponse(body, status_code=STATUS_ACCEPTED, headers={"Location": status_url})
@@ -190,10 +233,19 @@ class JobsApi:
             if after is not None:
                 job = after
             if changed:
+                self.stats.cancelled += 1
                 log.info("job_cancelled", job_id=job.id, segments_done=job.segments_done)
                 if self._on_cancelled is not None:
                     self._on_cancelled(job.id)
         return JSONResponse(job.status_json())
+
+    async def webhook_secret(self, request: Request) -> Response:
+        """The requesting key's webhook secret (what a receiver checks signatures with: jobs/webhooks.py)."""
+        if self._secret_of is None:
+            raise not_found("webhook-secret")
+        key_id = self._key_of(request)
+        return JSONResponse({"secret": self._secret_of(key_id), "key_id": key_id},
+                            headers={"Cache-Control": "no-store"})
 
     async def _job(self, request: Request) -> Job:
         job_id = request.path_params["job_id"]

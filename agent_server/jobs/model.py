@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from agent_server.core.outcomes import ANSWERS, Outcome, http_status
 from agent_server.errors import FieldError
 from synth.api import OUTPUT_SAMPLE_RATE_HZ
 
@@ -27,7 +28,8 @@ JOB_ID_PREFIX = "job_"
 JOB_ID_RANDOM_HEX = 10
 JOB_ID_TIME_HEX = 12  # milliseconds since the epoch: ids sort by creation (listing, newest first)
 MS_PER_S = 1000.0
-STATUS_NOT_FOUND = 404
+STATUS_NOT_FOUND = http_status(Outcome.NOT_FOUND)
+STATUS_UNPROCESSABLE = 422  # a field at fault: the native HTTP error shape's answer to `bad_request` (core/outcomes.py)
 
 # Error codes of the jobs API (besides errors.BAD_REQUEST and the other shared ones)
 JOB_NOT_FOUND = "job_not_found"
@@ -95,6 +97,14 @@ class JobError(FieldError):
         super().__init__(field, message, code, busy=status_code == 429)
         self.status_code = status_code
         self.retry_after_s = retry_after_s
+
+    @property
+    def outcome(self) -> Outcome:
+        """How the request ended, in the one table of outcomes (core/outcomes.py), whose HTTP status this is."""
+        if self.status_code == STATUS_UNPROCESSABLE:
+            return Outcome.BAD_INPUT
+        return next(outcome for outcome, answer in ANSWERS.items() if answer.http_status == self.status_code
+                    and outcome not in (Outcome.BUSY, Outcome.DRAIN_CUT, Outcome.FAILED, Outcome.SLOW_CLIENT))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"field": self.field, "message": self.message, "code": self.code}}

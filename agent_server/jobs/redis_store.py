@@ -301,6 +301,16 @@ class RedisJobStore(JobStore):
             unfinished, chars = await pipe.execute()
         return Usage(int(unfinished), int(chars or 0))
 
+    async def queue_depth(self) -> int:
+        """Stream entries no worker has taken yet (an entry is XDELed when its job finishes, and pending while a
+        worker holds it: a dead worker's claims count as taken until the visibility timeout hands them on)."""
+        length = int(await self._redis.xlen(self._queue))
+        try:
+            pending = await self._redis.xpending(self._queue, GROUP)
+        except ResponseError:  # no group yet: nothing was ever claimed
+            return length
+        return max(0, length - int(pending["pending"]))
+
     # ---- workers ------------------------------------------------------------------------------------
 
     async def claim(self, max_jobs: int, now_s: float) -> Claimed:

@@ -25,13 +25,13 @@ import orjson
 
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import build_params
+from agent_server.core.outcomes import Outcome, http_status
 from agent_server.errors import BAD_REQUEST, EMPTY_MESSAGE, TEXT_TOO_LONG, FieldError
-from agent_server.jobs.model import JobError
+from agent_server.jobs.model import STATUS_UNPROCESSABLE, JobError
 from agent_server.protocols import native_wire as wire
 from agent_server.protocols.vendor_formats import OPENAI_FORMATS, openai_format
 
-STATUS_BAD_REQUEST = 400
-STATUS_UNPROCESSABLE = 422
+STATUS_BAD_REQUEST = http_status(Outcome.BAD_INPUT)
 DEFAULT_MAX_JOB_CHARS = 200_000
 DEFAULT_OUTPUT_FORMAT = "pcm"  # the native protocol's default: PCM16 at 24 kHz
 JOB_FORMATS: tuple[str, ...] = tuple(OPENAI_FORMATS)  # mp3, opus, aac, flac, wav, pcm: every one at 24 kHz

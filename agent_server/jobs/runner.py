@@ -5,7 +5,8 @@
 
 One `JobRunner` per replica. It claims up to `max_jobs` jobs (`store.claim`: jobs abandoned by dead replicas
 first), and for each renders the segments its store does not hold yet, in order, up to `segments_in_flight` at a
-time: a job claimed again resumes from the first segment missing, and a segment stored meanwhile by someone else
+time (a number, or a function of the jobs running here: the app gives each job its share of the engine's rows): a
+job claimed again resumes from the first segment missing, and a segment stored meanwhile by someone else
 is not stored again (`SegmentWrite.ALREADY_STORED`). Each segment is encoded for storage (segment_audio.py) off the
 event loop. While it works it renews its claims every `renew_s`; a claim found LOST (another replica took the job:
 this one was presumed dead) or FINISHED (cancelled) stops that job's work at once: its renders are cancelled, which
@@ -16,6 +17,9 @@ the engine at job priority (live segments always admitted first), through the ph
 `job.seed + segment.index` (as a live context's segments are seeded), so a segment rendered again after a crash
 is the same audio. `render` raising `JobInterrupted` (the engine shutting down, a replica draining) hands the job
 back to the queue at once (`store.release`); any other exception fails the job with that segment's error.
+
+`stop()` (the replica drains or shuts down) cancels the work and hands each claim back at once (`store.release`),
+so another replica takes the job without waiting out the visibility timeout.
 
 When every segment is stored the job is DONE; the one `finish` call that changed it (on whichever replica) sends
 the webhook (done or failed), in the background. A replica that stops while a webhook is being retried drops it
@@ -46,6 +50,7 @@ log = structlog.get_logger("agent_server.jobs.runner")
 
 Pcm = npt.NDArray[np.float32]
 Render = Callable[[Job, JobSegment], Awaitable[Pcm]]
+Window = int | Callable[[int], int]  # segments in flight per job, or a function of the jobs running here
 DEFAULT_MAX_JOBS = 4
 DEFAULT_POLL_S = 1.0
 RECANCEL_S = 0.1
@@ -68,15 +73,16 @@ class RunnerStats:
     claims_lost: int = 0  # jobs this replica stopped because another took them
     jobs_stopped: int = 0  # jobs stopped because they finished elsewhere (cancelled)
     webhooks_delivered: int = 0
-    webhooks_failed: int = 0
+    webhooks_failed: int = 0  # the receiver never took it (every attempt failed, or it refused with a 4xx)
+    webhooks_refused: int = 0  # the URL was not allowed by the time of the delivery (--webhook-allow)
 
 
 class JobRunner:
     def __init__(self, store: JobStore, render: Render, *, webhooks: WebhookSender | None = None,
-                 max_jobs: int = DEFAULT_MAX_JOBS, segments_in_flight: int = 1, poll_s: float = DEFAULT_POLL_S,
+                 max_jobs: int = DEFAULT_MAX_JOBS, segments_in_flight: Window = 1, poll_s: float = DEFAULT_POLL_S,
                  renew_s: float | None = None, clock: Callable[[], float] = time.time,
                  offload: Offload = asyncio.to_thread) -> None:
-        if max_jobs < 1 or segments_in_flight < 1:
+        if max_jobs < 1 or (isinstance(segments_in_flight, int) and segments_in_flight < 1):
             raise ValueError("max_jobs and segments_in_flight must be >= 1")
         self.store = store
         self.stats = RunnerStats()
@@ -116,6 +122,11 @@ class JobRunner:
     @property
     def running(self) -> list[str]:
         return list(self._jobs)
+
+    def window(self) -> int:
+        """Segments each job may have in flight now (at least 1)."""
+        wanted = self.segments_in_flight
+        return max(1, wanted if isinstance(wanted, int) else wanted(len(self._jobs)))
 
     def cancelled(self, job_id: str) -> None:
         """The job was cancelled (here, through the API): stop its work now rather than at the next renewal, so
@@ -171,12 +182,13 @@ class JobRunner:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if self._stopping and current is not None and current.cancelling():
-                raise  # this replica is stopping (the work is cancelled with it)
+                await _shielded(self._release(claim))  # this replica is stopping: the next replica takes it at once
+                raise
             self.stats.jobs_stopped += int(not keeper.done())  # (`cancelled`; the keeper counts its own stops)
             return  # the claim is lost, or the job finished (cancelled here or elsewhere)
-        except JobInterrupted:
-            log.info("job_interrupted", job_id=job.id)
-            await self.store.release(claim)
+        except JobInterrupted as exc:
+            log.info("job_interrupted", job_id=job.id, reason=str(exc))
+            await _shielded(self._release(claim))
             return
         except Exception as exc:
             log.error("job_segment_failed", job_id=job.id, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -202,9 +214,12 @@ class JobRunner:
         in_flight: set[asyncio.Task[SegmentWrite]] = set()
         try:
             while pending or in_flight:
-                while pending and len(in_flight) < self.segments_in_flight:
+                while pending and len(in_flight) < self.window():
                     in_flight.add(asyncio.create_task(self._segment(job, pending.popleft())))
                 done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()  # (read, each one: a second failure is not "never retrieved")
                 for task in done:
                     if task.result() in (SegmentWrite.JOB_FINISHED, SegmentWrite.JOB_GONE):
                         self.stats.jobs_stopped += 1
@@ -225,6 +240,14 @@ class JobRunner:
         elif outcome == SegmentWrite.ALREADY_STORED:
             self.stats.segments_already_stored += 1
         return outcome
+
+    async def _release(self, claim: Claim) -> None:
+        try:
+            await self.store.release(claim)
+        except Exception as exc:  # the store unreachable: the claim comes back after the visibility timeout
+            log.warning("job_release_failed", job_id=claim.job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        log.info("job_released", job_id=claim.job.id)
 
     async def _keep(self, claim: Claim, work: asyncio.Task[bool]) -> None:
         """Renew the claim every `renew_s`; stop the work when the claim is no longer this replica's."""
@@ -271,6 +294,8 @@ class JobRunner:
         delivery = await webhooks.deliver(job.webhook_url, orjson.dumps(job.status_json()), job.key_id, event)
         if delivery.delivered:
             self.stats.webhooks_delivered += 1
+        elif delivery.refused is not None and not delivery.attempts:
+            self.stats.webhooks_refused += 1
         else:
             self.stats.webhooks_failed += 1
 
@@ -278,6 +303,17 @@ class JobRunner:
         """Wait for the webhooks in flight (tests, and a graceful shutdown that can afford it)."""
         while self._deliveries:
             await asyncio.gather(*list(self._deliveries), return_exceptions=True)
+
+
+async def _shielded(work: Awaitable[None]) -> None:
+    """Await `work` to its end even when this task is cancelled meanwhile (stop() cancels again and again)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            continue
+    task.result()
 
 
 async def _cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:

@@ -205,6 +205,13 @@ class SqliteJobStore(JobStore):
                                         (key_id, JobStatus.DONE)).fetchone()
         return Usage(int(unfinished), _chars_on(self.db, key_id, utc_day(now_s)))
 
+    async def queue_depth(self) -> int:
+        return await self._run(self._queue_depth)
+
+    def _queue_depth(self) -> int:
+        (queued,) = self.db.execute("SELECT count(*) FROM jobs WHERE status = ?", (JobStatus.QUEUED,)).fetchone()
+        return int(queued)
+
     # ---- workers ------------------------------------------------------------------------------------
 
     async def claim(self, max_jobs: int, now_s: float) -> Claimed:

@@ -135,6 +135,10 @@ class JobStore:
     async def usage(self, key_id: str, now_s: float) -> Usage:
         raise NotImplementedError
 
+    async def queue_depth(self) -> int:
+        """Jobs waiting for a worker: submitted and not claimed yet (metrics: `tts_jobs_queue_depth`)."""
+        raise NotImplementedError
+
     # ---- workers ------------------------------------------------------------------------------------
 
     async def claim(self, max_jobs: int, now_s: float) -> Claimed:

@@ -8,12 +8,17 @@ It runs its own thread like the real engine, so the server's thread hops are exe
 - `cancel` returns only once no further chunk of that request can reach the sink;
 - at most `max_slots` segments generate at once, `max_waiting` more wait; beyond that (or with
   `may_wait=False` and no free slot) the sink gets a BUSY event;
-- every submit and cancel is recorded (`submits`, `cancels`);
 - several models (models-contract.md): `loaded=("turbo", "multilingual")` loads those (the first the default), each
   with `max_slots` slots (or its own in `slots_of`); a segment's `SegmentRequest.model` picks one (None: the
   default). A model's tokens are a pure function of (model, text, seed), whatever else is loaded, so a model beside
   another speaks what it speaks alone (`expected_tokens(..., model=...)`; English's are the historical ones), and a
   voice's conditioning differs per model.
+- priorities (`SegmentRequest.priority`, issue 36), minimally: waiting segments are admitted by (priority, first
+  audio pending first, arrival), so a job segment never goes ahead of a live one; with `preempt_jobs` a live
+  segment that finds every slot taken takes the slot of the running job segment that has emitted the least (that
+  segment goes back to the head of the job queue and starts over: STARTED again, chunks from seq 0), and slots
+  held by job segments count as free when a live segment asks whether it must wait;
+- every submit, cancel, admission and preemption is recorded (`submits`, `cancels`, `admitted`, `preempted`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from synth.api import (
     EngineError,
     EngineLike,
     EventKind,
+    Priority,
     SegmentEvent,
     SegmentRequest,
     StepStats,
@@ -107,6 +113,7 @@ class FakeEngine(EngineLike):
     ready_delay_s: float = 0.0
     add_voice_delay_s: float = 0.0
     random_weights: bool = True
+    preempt_jobs: bool = True  # a live segment takes a job segment's slot (the job segment starts over later)
     voices: set[str] = field(default_factory=lambda: {"default"})
     # a voice's "conditioning" (export_voice / import_voice): a hash of its clip, so another clip differs
     voice_blobs: dict[str, bytes] = field(default_factory=lambda: {"default": b"fake-voice:default"})
@@ -114,6 +121,8 @@ class FakeEngine(EngineLike):
     submits: list[SegmentRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     conditioning_computed: dict[str, int] = field(default_factory=dict)  # model -> add_voice computations
+    admitted: list[str] = field(default_factory=list)  # request ids in the order they took a slot
+    preempted: list[str] = field(default_factory=list)  # job segments whose slot a live one took
 
     def __post_init__(self) -> None:
         if self.loaded:
@@ -164,6 +173,11 @@ class FakeEngine(EngineLike):
     def expected_pcm(cls, text: str, seed: int, tokens_per_char: float = 1.5, model: str = "english") -> NDArray[Any]:
         tokens = cls.expected_tokens(text, seed, tokens_per_char, model)
         return np.concatenate([cls.token_pcm(t) for t in tokens])
+
+    def running_progress(self) -> dict[str, int]:
+        """Request id -> speech tokens emitted so far, of each segment holding a slot now."""
+        with self._lock:
+            return {seg.request.request_id: seg.emitted_tokens for seg in self._running}
 
     def seed_of(self, request_id: str) -> int:
         with self._lock:
@@ -346,7 +360,7 @@ class FakeEngine(EngineLike):
         seg = FakeSegment(request, seed, tokens, model)
         with self._lock:
             self._segments[request.request_id] = seg
-        free = self._free_slot(model)
+        free = self._has_room(request, model)
         if request.request_id in self._cancelled:
             self._finish(seg, EventKind.CANCELLED, reason="cancelled")
         elif not free and (not request.may_wait or len(self._waiting) >= self.max_waiting):
@@ -354,23 +368,56 @@ class FakeEngine(EngineLike):
         else:
             self._waiting.append(seg)
 
+    def _has_room(self, request: SegmentRequest, model: Variant) -> bool:
+        """Whether `request` finds a slot of its model: a free one, or (a live segment, with `preempt_jobs`) one a
+        job segment of that model holds."""
+        taken = [seg for seg in self._running if seg.model == model]
+        if self.preempt_jobs and request.priority == Priority.LIVE:
+            taken = [seg for seg in taken if seg.request.priority == Priority.LIVE]
+        return len(taken) < self._slots[model]
+
     def _free_slot(self, model: Variant) -> bool:
         return sum(1 for seg in self._running if seg.model == model) < self._slots[model]
 
+    @staticmethod
+    def _admission_order(seg: FakeSegment) -> tuple[int, bool]:
+        # live before jobs; within a priority, segments whose session has heard nothing yet go first (that is TTFB)
+        return int(seg.request.priority), not seg.request.first_audio_pending
+
     def _admit(self) -> None:
-        # segments whose session has heard nothing yet go first (that is TTFB), each model in its own slots
+        # each model in its own slots; a job never goes ahead of a live segment of its model (that one has room
+        # whenever the job does)
         while True:
-            admissible = [s for s in self._waiting if self._free_slot(s.model)]
+            admissible = [s for s in self._waiting if self._has_room(s.request, s.model)]
             if not admissible:
                 return
-            seg = next((s for s in admissible if s.request.first_audio_pending), admissible[0])
+            seg = min(admissible, key=self._admission_order)  # (min: the first of the best, in arrival order)
+            if not self._free_slot(seg.model):
+                self._preempt_for(seg)
             self._waiting.remove(seg)
             now_s = time.monotonic()
             seg.status = FakeStatus.RUNNING
             seg.started_s = now_s
             seg.next_due_s = now_s + self.first_chunk_delay_s + self._pace_s(self._chunk_tokens(seg))
             self._running.append(seg)
+            self.admitted.append(seg.request.request_id)
             self._deliver(seg, SegmentEvent(seg.request.request_id, EventKind.STARTED, now_s))
+
+    def _preempt_for(self, seg: FakeSegment) -> bool:
+        """Free a slot for a live `seg` by sending the job segment that has emitted the least back to the head of
+        the job queue (it starts over when admitted again). False: nothing to preempt."""
+        if not self.preempt_jobs or seg.request.priority != Priority.LIVE:
+            return False
+        jobs = [s for s in self._running if s.request.priority == Priority.JOB and s.model == seg.model]
+        if not jobs:
+            return False
+        victim = min(jobs, key=lambda s: s.emitted_tokens)
+        self._running.remove(victim)
+        victim.status = FakeStatus.WAITING
+        victim.emitted_tokens = victim.chunks_sent = 0
+        self._waiting.appendleft(victim)
+        self.preempted.append(victim.request.request_id)
+        return True
 
     def _chunk_tokens(self, seg: FakeSegment) -> int:
         if seg.chunks_sent == 0:

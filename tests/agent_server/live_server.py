@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -82,14 +83,15 @@ def make_test_certificate(directory: Path) -> tuple[Path, Path]:
 
 @contextlib.contextmanager
 def live_server(
-    engine: EngineLike, settings: Settings, *, wait_ready: bool = True, extra_routes: Sequence[BaseRoute] = ()
+    engine: EngineLike, settings: Settings, *, wait_ready: bool = True, extra_routes: Sequence[BaseRoute] = (),
+    **app_options: Any,
 ) -> Iterator[LiveServer]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     settings = settings.replace(host="127.0.0.1", port=port)
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, **app_options)
     served = {getattr(route, "path", None) for route in app.router.routes}
     app.router.routes.extend(r for r in extra_routes if getattr(r, "path", None) not in served)
     server = build_server(app, settings)

@@ -30,8 +30,8 @@ TEXTS = [
     "Okay. The store opens at ten and closes at six on weekdays.",
 ]
 LONG_TEXT = "Right, let me read the whole list to you slowly, one item after another, so nothing gets lost. " * 2
-# backend: local|redis; result: hit_local|hit_remote|miss
-ALLOWED_LABELS = {"protocol", "model", "code", "reason", "scope", "le", "backend", "result"}
+# backend: local|redis; result: hit_local|hit_remote|miss; status: done|failed|cancelled (jobs)
+ALLOWED_LABELS = {"protocol", "model", "code", "reason", "scope", "le", "backend", "result", "status"}
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

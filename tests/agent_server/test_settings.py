@@ -258,3 +258,75 @@ def test_settings_built_in_code_name_their_fields() -> None:
     with pytest.raises(ValueError, match=r"port must be in 1\.\.65535"):
         Settings(port=0)
 
+
+
+# ---- jobs (issue 36): rows like any other, read by the job service ------------------------------------------------
+
+# (flag, text, variable, JobsConfig field, its value)
+JOB_FLAGS: list[tuple[str, str, str, str, object]] = [
+    ("--jobs", "off", "AGENT_SERVER_JOBS", "enabled", False),
+    ("--jobs-redis-url", "redis://j:6379/2", "AGENT_SERVER_JOBS_REDIS_URL", "redis_url", "redis://j:6379/2"),
+    ("--max-job-chars", "5000", "AGENT_SERVER_MAX_JOB_CHARS", "max_job_chars", 5000),
+    ("--job-ttl-s", "3600", "AGENT_SERVER_JOB_TTL_S", "job_ttl_s", 3600.0),
+    ("--job-workers", "3", "AGENT_SERVER_JOB_WORKERS", "workers", 3),
+    ("--job-visibility-s", "2.5", "AGENT_SERVER_JOB_VISIBILITY_S", "visibility_s", 2.5),
+    ("--job-files-mb", "64", "AGENT_SERVER_JOB_FILES_MB", "files_mb", 64.0),
+    ("--max-running-jobs-per-key", "9", "AGENT_SERVER_MAX_RUNNING_JOBS_PER_KEY", "max_running_jobs_per_key", 9),
+    ("--job-chars-per-day-per-key", "100000", "AGENT_SERVER_JOB_CHARS_PER_DAY_PER_KEY", "job_chars_per_day_per_key",
+     100000),
+    ("--webhook-allow", "10.0.0.0/8, 192.168.1.7", "AGENT_SERVER_WEBHOOK_ALLOW", "webhook_allow",
+     ("10.0.0.0/8", "192.168.1.7")),
+]
+
+
+@pytest.mark.parametrize(("flag", "raw", "env", "field", "value"), JOB_FLAGS, ids=[row[0] for row in JOB_FLAGS])
+def test_each_job_setting_reaches_the_job_service(flag: str, raw: str, env: str, field: str, value: object) -> None:
+    from agent_server.jobs.service import JobsConfig
+
+    default = JobsConfig.from_settings(Settings())
+    assert getattr(default, field) != value
+    for settings in (settings_from([flag, raw], {}), settings_from([], {env: raw})):
+        assert getattr(JobsConfig.from_settings(settings), field) == value
+    row = dict(table())[next(name for name, row in table() if row.flag == flag)]
+    assert row.group is Group.JOBS and row.env == (env,)
+
+
+def test_the_job_defaults_and_the_webhook_secret() -> None:
+    from agent_server.jobs.service import JobsConfig
+
+    config = JobsConfig.from_settings(Settings())
+    assert config == JobsConfig()  # the table's defaults are the service's
+    assert settings_from(["--jobs", "on"], {}).jobs is True
+    shared = settings_from(["--redis-url", "redis://r:6379/0"], {})
+    assert JobsConfig.from_settings(shared).redis_url == "redis://r:6379/0"  # --redis-url, unless the jobs' own
+    assert JobsConfig.from_settings(shared.replace(jobs_redis_url="redis://j:1/0")).redis_url == "redis://j:1/0"
+    secret = settings_from([], {"AGENT_SERVER_WEBHOOK_SECRET": "root-of-secrets"})
+    assert JobsConfig.from_settings(secret).webhook_secret == "root-of-secrets"
+    assert "root-of-secrets" not in repr(secret) and "root-of-secrets" not in repr(JobsConfig.from_settings(secret))
+    assert ENV_VARS["webhook_secret"] == ("AGENT_SERVER_WEBHOOK_SECRET",)
+    assert "--webhook-secret" not in {a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+
+
+def test_job_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = ["--redis-url", "redis://r:6379/0", "--webhook-allow", "10.0.0.0/8"]
+    said = {
+        "cidr": refusal(capsys, ["--webhook-allow", "10.0.0.0/8,intranet"]),
+        "fleet without a secret": refusal(capsys, fleet),
+        "jobs redis without a secret": refusal(capsys, [], {"AGENT_SERVER_JOBS_REDIS_URL": "redis://j:6379/0",
+                                                            "AGENT_SERVER_WEBHOOK_ALLOW": "10.0.0.0/8"}),
+        "switch": refusal(capsys, ["--jobs", "maybe"]),
+        "ttl": refusal(capsys, ["--job-ttl-s", "0"]),
+    }
+    assert said == {
+        "cidr": "agent-server: error: argument --webhook-allow: '10.0.0.0/8,intranet': 'intranet' is not a CIDR "
+                "network",
+        "fleet without a secret": "agent-server: error: --webhook-allow with --redis-url needs "
+                                  "$AGENT_SERVER_WEBHOOK_SECRET (the same on every replica)",
+        "jobs redis without a secret": "agent-server: error: $AGENT_SERVER_WEBHOOK_ALLOW with "
+                                       "$AGENT_SERVER_JOBS_REDIS_URL needs $AGENT_SERVER_WEBHOOK_SECRET (the same on "
+                                       "every replica)",
+        "switch": "agent-server: error: argument --jobs: 'maybe': not one of 1, true, yes, on, 0, false, no, off",
+        "ttl": "agent-server: error: --job-ttl-s must be > 0",
+    }
+    assert settings_from(fleet, {"AGENT_SERVER_WEBHOOK_SECRET": "s"}).webhook_allow == ("10.0.0.0/8",)
+    assert settings_from(["--webhook-allow", "127.0.0.0/8"], {}).webhook_allow == ("127.0.0.0/8",)  # embedded: ok

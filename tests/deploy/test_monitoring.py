@@ -180,7 +180,7 @@ def scrape(port: int, host: str = "127.0.0.1") -> Scrape:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
-    """The real server's /metrics (its metrics port) after an OpenAI HTTP request and a Deepgram WebSocket turn
+    """The real server's /metrics (its metrics port) after an OpenAI HTTP request, a Deepgram WebSocket turn and a job
     (native's series exist from the start)."""
     tmp_path = tmp_path_factory.mktemp("exported")
     metrics_port = free_port()
@@ -193,9 +193,16 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
             ws.send(json.dumps({"type": "Close"}))
             for _ in ws:
                 pass
-        deadline_s = time.monotonic() + 10
-        while (scraped := scrape(metrics_port)).value("tts_contexts_finished_total", protocol="deepgram") < 1:
-            assert time.monotonic() < deadline_s, "the Deepgram turn never finished"
+        job = httpx.post(f"http://127.0.0.1:{port}/v1/jobs", json={"text": "Hello there. A job."}, timeout=30)
+        assert job.status_code == 202, job.text
+        deadline_s = time.monotonic() + 20
+        while True:  # (the per-key usage is read every few seconds)
+            scraped = scrape(metrics_port)
+            if (scraped.value("tts_contexts_finished_total", protocol="deepgram") >= 1
+                    and scraped.value("tts_jobs_finished_total", status="done") >= 1
+                    and "tts_jobs_key_unfinished" in scraped.labels_of()):
+                break
+            assert time.monotonic() < deadline_s, "the Deepgram turn or the job never finished"
             time.sleep(0.05)
         yield scraped
 
@@ -417,6 +424,8 @@ def test_the_dashboard_shows_what_an_operator_expects() -> None:
     assert shown(r"tts_engine_slots_in_use") and shown(r"tts_engine_max_slots")
     assert shown(r"by \(protocol, scope\) \(rate\(tts_busy_rejections_total")
     assert shown(r"by \(instance\) \(rate\(tts_busy_rejections_total")
+    assert shown(r"rate\(tts_jobs_audio_seconds_total") and shown(r"tts_jobs_queue_depth")
+    assert shown(r"tts_jobs_running")
     # a dashboard that loads anywhere: its Prometheus is a variable, panel ids are unique, every panel is placed
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"

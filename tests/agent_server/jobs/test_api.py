@@ -79,7 +79,8 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
     runner = JobRunner(store, render, poll_s=0.02, clock=lambda: clock[0])
     api = JobsApi(store, AudioFiles(tmp_path / "files"), variant="english", key_of=lambda r: r.headers[KEY_HEADER],
                   limits_for=lambda key_id: limits, webhook_allow=allow, max_job_chars=max_job_chars,
-                  clock=lambda: clock[0], on_submitted=runner.wake, on_cancelled=runner.cancelled, poll_s=0.01)
+                  clock=lambda: clock[0], on_submitted=lambda _job: runner.wake(), on_cancelled=runner.cancelled,
+                  poll_s=0.01)
     app = Starlette(routes=api.routes())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -354,3 +355,18 @@ def test_a_store_that_cannot_be_reached_is_a_503(tmp_path: Path) -> None:
 
     scenario(tmp_path, body)
 
+
+
+def test_every_status_the_jobs_api_answers_is_a_row_of_the_outcome_table() -> None:
+    """The statuses come from core/outcomes.py (docs/operations.md shows the table); a field at fault is the one 422."""
+    from agent_server.core.outcomes import ANSWERS, Outcome
+    from agent_server.jobs import api, model, request
+
+    answered = {request.STATUS_BAD_REQUEST: Outcome.BAD_INPUT, model.STATUS_NOT_FOUND: Outcome.NOT_FOUND,
+                api.STATUS_CONFLICT: Outcome.NO_RESULT, api.STATUS_TOO_LARGE: Outcome.TOO_LARGE,
+                api.STATUS_RANGE: Outcome.OUT_OF_RANGE, api.STATUS_QUOTA: Outcome.OVER_LIMIT,
+                api.STATUS_UNAVAILABLE: Outcome.NOT_READY, model.STATUS_UNPROCESSABLE: Outcome.BAD_INPUT}
+    assert sorted(answered) == [400, 404, 409, 413, 416, 422, 429, 503]
+    for status, outcome in answered.items():
+        assert model.JobError(status, "", "why", "code").outcome is outcome
+        assert status == model.STATUS_UNPROCESSABLE or ANSWERS[outcome].http_status == status

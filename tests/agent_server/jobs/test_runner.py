@@ -21,7 +21,7 @@ from agent_server.jobs.request import job_format
 from agent_server.jobs.runner import JobInterrupted, JobRunner
 from agent_server.jobs.segment_audio import decode_segment, encode_segment
 from agent_server.jobs.sqlite_store import SqliteJobStore
-from agent_server.jobs.store import Claimed, JobStore, KeyLimits
+from agent_server.jobs.store import Claim, Claimed, JobStore, KeyLimits
 from agent_server.jobs.webhooks import SIGNATURE_HEADER, AllowList, WebhookSender, verify_signature, webhook_secret
 
 from tests.agent_server.jobs.conftest import fresh_prefix, make_job, make_plan, redis_client, run
@@ -122,7 +122,13 @@ def sender(receiver: Receiver) -> WebhookSender:
 
 
 async def killed(runner: JobRunner) -> None:
-    """What kill -9 leaves: the replica's tasks gone mid-work, no release, no more renewals."""
+    """What kill -9 leaves: the replica's tasks gone mid-work, no release, no more renewals (a stopping runner
+    hands its claims back: test_a_stopping_runner_hands_its_claims_back_at_once)."""
+
+    async def no_release(claim: Claim) -> None:
+        return None
+
+    runner.store.release = no_release  # type: ignore[method-assign]
     await runner.stop()
 
 
@@ -187,6 +193,35 @@ def test_a_killed_replicas_job_is_resumed_elsewhere_from_the_first_missing_segme
             done = await b.get(job.id)
             assert done is not None and (done.status, done.segments_done, done.claims) == (JobStatus.DONE, SEGMENTS, 2)
             assert await file_of(b, job.id, "wav") == expected_file(job, "wav")  # as an uninterrupted run's
+
+    run(scenario())
+
+
+def test_a_stopping_runner_hands_its_claims_back_at_once(redis: RedisServer) -> None:
+    """A replica that drains gives its jobs back: another one takes them at once, not a visibility timeout later."""
+    prefix = fresh_prefix()
+    long_visibility_s = 60.0
+
+    async def scenario() -> None:
+        client = redis_client(redis)
+        store_a = RedisJobStore(client, prefix=prefix, worker_id="replica-a", visibility_s=long_visibility_s)
+        store_b = RedisJobStore(client, prefix=prefix, worker_id="replica-b", visibility_s=long_visibility_s)
+        try:
+            job = make_job(1_796_000_000.0, seed=3)
+            await store_a.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+            engine_a = Engine()
+            engine_a.hang_from = 2
+            runner_a = JobRunner(store_a, engine_a.render, renew_s=RENEW_S, poll_s=0.02)
+            await runner_a.start()
+            await until(lambda: engine_a.hanging == 1)
+            await runner_a.stop()  # the drain
+            assert engine_a.cancelled == 1
+            claimed = await store_b.claim(1, job.created_at_s + 1.0)  # long before the visibility timeout
+            assert [c.job.id for c in claimed.claims] == [job.id]
+            assert claimed.claims[0].job.claims == 1  # a hand-back is not a failed claim
+            assert await store_b.stored_segments(job.id) == {0, 1}
+        finally:
+            await client.aclose()
 
     run(scenario())
 
