@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_server import metrics
 from agent_server.app import create_app
 from agent_server.settings import Settings
+from synth.api import StepStats, Variant
 
 from tests.agent_server.native_client import ContextLog, NativeClient
 from tests.browser.support import SECONDS_PER_TOKEN, StatsFakeEngine, metrics_server
@@ -97,6 +98,28 @@ def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
     assert REGISTRY.get_sample_value("tts_engine_steps_total") is None  # nothing in the global registry
     text = metrics.Metrics(apps[0].state.hub).exposition().decode()
     assert "tts_time_to_first_audio_seconds_bucket" in text
+
+
+def test_engine_series_are_per_model_and_count_preemptions(tmp_path: Path) -> None:
+    """A MultiEngine reports one StepStats per model per step: each engine series keeps the models apart (a step
+    of two models is not two steps of one), and the preemptions the engine hides from callers are counted."""
+    app = create_app(StatsFakeEngine(), Settings(data_dir=tmp_path))
+    registry = metrics.install(app)
+
+    def step(model: Variant, preempted: int) -> StepStats:
+        return StepStats(at_monotonic_s=0.0, decode_rows=4, active_segments=2, max_slots=8, waiting_segments=0,
+                         decode_ms=12.0, prefill_ms=0.0, prefill_segments=0, vocoder_ms=3.0, audio_s=0.08,
+                         preempted=preempted, model=model)
+
+    for stats in (step("turbo", 0), step("multilingual", 1), step("turbo", 2)):
+        registry.on_step(stats)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in registry.registry.collect() for s in family.samples}
+    assert samples[("tts_engine_steps_total", (("model", "turbo"),))] == 2
+    assert samples[("tts_engine_steps_total", (("model", "multilingual"),))] == 1
+    assert samples[("tts_engine_decode_rows_total", (("model", "multilingual"),))] == 4
+    assert samples[("tts_engine_preemptions_total", (("model", "turbo"),))] == 2
+    assert samples[("tts_engine_preemptions_total", (("model", "multilingual"),))] == 1
 
 
 # ---- a live server ---------------------------------------------------------------------------------
