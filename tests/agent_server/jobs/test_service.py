@@ -191,7 +191,6 @@ def test_a_live_segment_takes_a_job_segments_slot_and_the_job_still_sounds_unint
         after_live = engine.admitted[engine.admitted.index(live_ids[0]) + 1:]
         assert engine.preempted[0] in after_live  # the preempted job segment came back after the live one
         assert jobs_of(server).render.stats.preempted == 1
-        assert samples(server)[("tts_jobs_preempted_total", "")] == 1
         assert audio_of(server, job_id, "pcm") == expected_file(TEXT, 5, "pcm")
         # the phrase cache stored the preempted segment as it sounds whole, not with its first try in front
         again = submit(server, {"text": TEXT, "seed": 5, "output_format": "pcm"})
