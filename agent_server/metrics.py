@@ -155,6 +155,10 @@ class Metrics:
             r.register(JobsCollector(jobs))
         for protocol in DEFAULT_PROTOCOLS:
             self._init_labels(protocol)
+        for model in self._models:  # the engine's series exist (at 0) before its first step
+            for series in (self.steps, self.decode_step, self.prefill, self.vocoder, self.decode_rows,
+                           self.slot_steps, self.prefills, self.audio_produced, self.preemptions):
+                series.labels(model)
 
         self._engine: EngineLike | None = None
         # (when, first audio, model) over the dashboard's window
