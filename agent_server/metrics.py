@@ -130,22 +130,22 @@ class Metrics:
         self.slow_clients = counter("tts_slow_clients_dropped", "Sessions closed: the client stopped reading", proto)
         # ---- engine (stats listener, engine thread) ----
         # (one StepStats per loaded model per iteration: each series by the model it stepped)
-        model = ("model",)
-        self.steps = counter("tts_engine_steps", "Engine iterations that did work, per model", model)
+        by_model = ("model",)
+        self.steps = counter("tts_engine_steps", "Engine iterations that did work, per model", by_model)
         self.decode_step = histogram("tts_engine_decode_step_seconds", "One batched decode step",
-                                     DECODE_STEP_BUCKETS_S, model)
+                                     DECODE_STEP_BUCKETS_S, by_model)
         self.prefill = histogram("tts_engine_prefill_seconds", "Prefills of one engine iteration", PREFILL_BUCKETS_S,
-                                 model)
+                                 by_model)
         self.vocoder = histogram("tts_engine_vocoder_seconds", "Vocoder work of one iteration", VOCODER_BUCKETS_S,
-                                 model)
+                                 by_model)
         self.decode_rows = counter("tts_engine_decode_rows", "T3 rows decoded, summed over steps (CFG: 2 a segment)",
-                                   model)
+                                   by_model)
         self.slot_steps = counter("tts_engine_slot_steps", "Segments in slots, summed over steps (/ steps: mean)",
-                                  model)
-        self.prefills = counter("tts_engine_prefills", "Segments prefilled", model)
-        self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced", model)
+                                  by_model)
+        self.prefills = counter("tts_engine_prefills", "Segments prefilled", by_model)
+        self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced", by_model)
         self.preemptions = counter("tts_engine_preemptions", "Job segments whose rows the engine took back for live "
-                                   "ones (each starts over later; its caller hears one attempt)", model)
+                                   "ones (each starts over later; its caller hears one attempt)", by_model)
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         self._models: tuple[str, ...] = tuple(hub.settings.models)  # the configured ones (the engine's once built)
