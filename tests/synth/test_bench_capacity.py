@@ -72,11 +72,15 @@ def test_bench_capacity_with_a_job_load(tmp_path: Path) -> None:
     (beside,) = run["job_rounds"]
     live = beside["live"]
     assert live["sessions"] == 1 and live["ok"] + live["failed"] == 1
-    # (until synth's scheduler honours Priority, job segments may hold every row: a live session is then refused
-    # busy, and the round says so; docs/jobs.md "Live first")
-    assert live["ok"] == 1 or live["errors"] == ["busy: no free slot"], live["errors"]
-    if live["ok"]:
-        assert beside["ttfa_p95_vs_alone"] == pytest.approx(live["ttfa_p95_s"] / alone["ttfa_p95_s"])
+    # synth's scheduler honours Priority: job segments never keep a live session out (docs/jobs.md "Live first")
+    assert live["ok"] == 1, live["errors"]
+    assert beside["ttfa_p95_vs_alone"] == pytest.approx(live["ttfa_p95_s"] / alone["ttfa_p95_s"])
     assert beside["job_audio_s_per_wall_s"] > 0  # the backlog was rendering beside the live session
-    assert beside["unused_capacity_used"] is not None
+    # the share of the unused capacity the jobs took: None only when the live round left none unused (a short
+    # saturation window on a loaded machine can measure less than the live round's own audio-s/s)
+    room = run["saturation"]["engine_audio_s_per_wall_s"] - beside["live_audio_s_per_wall_s"]
+    if room > 0:
+        assert beside["unused_capacity_used"] == pytest.approx(beside["job_audio_s_per_wall_s"] / room)
+    else:
+        assert beside["unused_capacity_used"] is None
     assert "unused used" in proc.stdout
