@@ -116,8 +116,9 @@ function render() {
   const audioRate = rollingMean(col((s) => s.audio_per_s), span);
   // job audio (stored as each segment ends): part of the engine's, drawn beside it
   const jobRate = rollingMean(col((s) => (s.jobs ? s.jobs.audio_per_s : 0)), span);
-  $("now-audio").innerHTML = `${audioRate[audioRate.length - 1].toFixed(2)}<small>s/s</small> ` +
-    `${jobRate[jobRate.length - 1].toFixed(2)}<small>of it jobs</small>`;
+  // (a mean of float deltas can come out a hair below zero: never show "-0.00")
+  const rate = (values) => Math.max(0, values[values.length - 1]).toFixed(2);
+  $("now-audio").innerHTML = `${rate(audioRate)}<small>s/s</small> ${rate(jobRate)}<small>s/s from jobs</small>`;
   line("audio", t, [
     { name: `engine audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: audioRate, fill: true },
     { name: "jobs", color: C.violet, values: jobRate },
