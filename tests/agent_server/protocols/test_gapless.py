@@ -133,7 +133,10 @@ def test_a_listener_that_runs_dry_gets_the_whole_tail_in_time_and_the_stream_goe
     # the pause itself is no audio (the client's player waits); the drain's padding is (a frame, a codec's flush)
     max_drain_ms = MAX_DRAIN_MS if case.fmt.container not in ("raw", "wav") else MAX_EXCESS_MS  # (PCM: no frames)
     assert -LEAD_TOLERANCE_MS <= whole.excess_ms[0] <= max_drain_ms, whole.excess_ms
-    assert whole.tail_ms <= last_frame_ms(case) + LEAD_TOLERANCE_MS
+    # the stream's end: its last frame only, except that without a flush the listener clock may drain the codec
+    # once more before the context's end is read (on a loaded machine it was: MP3 padded 115-169 ms, seen in CI)
+    max_tail_ms = last_frame_ms(case) if flush else max(last_frame_ms(case), max_drain_ms)
+    assert whole.tail_ms <= max_tail_ms + LEAD_TOLERANCE_MS
 
 
 def test_the_cases_cover_every_format_and_rate_served() -> None:
