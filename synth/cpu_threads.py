@@ -220,6 +220,7 @@ class CoreLease:
         self._decode_stepping = False  # the decode thread is inside a step
         self._decode_idle = True  # no segment holds a slot (the decode thread waits for work)
         self._lent = False  # the vocoder holds the decode's threads
+        self._decode_wants = False  # the decode thread waits for the threads the vocoder holds
         self._vocoder_idle = True  # the vocoder worker has nothing to render (it waits for tokens or time)
         self._borrowing = False  # the decode's running step holds the vocoder's threads
         self._decode_team = False  # the decode thread keeps a team of more than its own count (pool to free)
@@ -228,6 +229,7 @@ class CoreLease:
         self.borrowed_steps = 0  # decode steps run on the vocoder's threads too
         self.render_waits = 0  # render ticks that waited for a borrowed step to end
         self.team_wait_timeouts = 0  # borrowing ticks that ran beside a decode team not freed in TEAM_WAIT_S
+        self.given_back = 0  # ticks that handed the decode's threads back before their end (`give_back`)
         self.gain = BorrowGain()
 
     # --- the decode thread --------------------------------------------------------------------------------
@@ -256,7 +258,9 @@ class CoreLease:
                 self.decode_waits += 1
                 if self._decode_team:  # the borrowing render waits for this team to go (TEAM_WAIT_S)
                     self._free_decode_team()
+                self._decode_wants = True  # (a stoppable render hands the threads back early: `give_back`)
                 self._cond.wait_for(lambda: not self._lent)
+                self._decode_wants = False
             self._decode_stepping = True
             step.could_borrow = self.decode_borrows and rows > 0 and self._vocoder_idle
             step.borrowed = borrow = step.could_borrow and self.gain.choose(step.rows_bucket)
@@ -299,6 +303,21 @@ class CoreLease:
         run on its threads too until the next render."""
         with self._cond:
             self._vocoder_idle = True
+
+    def give_back(self) -> bool:
+        """Inside a render tick holding the decode's threads (vocoder thread): when the decode thread waits for them,
+        hand them back now, and the tick goes on with the vocoder's own count (a job segment's render, between two
+        of its stages: render_checkpoints). True when it did."""
+        with self._cond:
+            if not (self._lent and self._decode_wants):
+                return False
+        torch.set_num_threads(self.vocoder_threads)
+        release_openmp_pool()  # the team formed with the decode's threads goes with them
+        with self._cond:
+            self._lent = False
+            self.given_back += 1
+            self._cond.notify_all()
+        return True
 
     @contextlib.contextmanager
     def render(self, urgent: bool) -> Iterator[int]:

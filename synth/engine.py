@@ -527,7 +527,8 @@ class Engine(EngineLike):
     def _stream_open(self, state: SegmentState, stream_id: int) -> StreamOpen:
         return StreamOpen(request_id=state.request_id, outlet=state.outlet, voice=state.voice,
                           seed=self._vocoder_seed(state), reproducible=state.request.params.seed is not None,
-                          listener=state.request.listener, admitted_s=state.admitted_s, stream_id=stream_id)
+                          listener=state.request.listener, admitted_s=state.admitted_s, stream_id=stream_id,
+                          live=state.is_live)
 
     @staticmethod
     def _vocoder_seed(state: SegmentState) -> int:

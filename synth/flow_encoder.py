@@ -47,6 +47,7 @@ from chatterbox.models.s3gen.transformer.upsample_encoder import (
 )
 
 from synth import invariant_ops as ops
+from synth.render_checkpoints import checkpoint
 
 # Prompt positions a window's first positions read through the convs: the pre-lookahead layer's second conv
 # (kernel 3, left-padded) reads 2 tokens back; the upsampling conv (kernel 5 after 2x nearest upsampling,
@@ -229,6 +230,7 @@ class PrefixCachedEncoder:
         prefix_kv = iter(prefix.layer_kv)
         for layer in self.token_layers:
             xs = self._layer(layer, xs, next(prefix_kv), token_keys_valid, self.embed_positions, layer_kv)
+            checkpoint()
         hidden = xs
         hidden_tail = prefix.hidden_tail
         up_in = torch.cat([hidden_tail, xs], dim=1).repeat_interleave(2, dim=1)  # [B, 2 (tail + W), 512]
@@ -238,6 +240,7 @@ class PrefixCachedEncoder:
         frame_keys_valid = token_keys_valid.repeat_interleave(2, dim=1)  # [B, 2 (P + W)]
         for layer in self.frame_layers:
             xs = self._layer(layer, xs, next(prefix_kv), frame_keys_valid, self.up_positions, layer_kv)
+            checkpoint()
         mu = self.proj(self.after_norm(xs))  # [B, 2W, 80]
         return mu, (None if layer_kv is None else (embedded, hidden, layer_kv))
 

@@ -39,6 +39,7 @@ from chatterbox.models.s3gen.decoder import (
 
 from synth import invariant_ops as ops
 from synth.flow_encoder import batch_rows
+from synth.render_checkpoints import checkpoint
 
 MASKED_BIAS = -1.0e10  # the library's mask_to_bias value for a masked key
 
@@ -180,12 +181,14 @@ class PrefixCachedEstimator:
         h = self._resnet(resnet, h, mask, time_emb, cursor)
         for block in transformers:
             h = self._transformer(block, h, bias, cursor)
+        checkpoint()
         skip = h
         h = self._causal_conv(downsample, h * mask, cursor)
         for resnet, transformers in self.mid:
             h = self._resnet(resnet, h, mask, time_emb, cursor)
             for block in transformers:
                 h = self._transformer(block, h, bias, cursor)
+            checkpoint()
         resnet, transformers, upsample = self.up
         h = self._resnet(resnet, torch.cat([h, skip], dim=2), mask, time_emb, cursor)
         for block in transformers:

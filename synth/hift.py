@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from chatterbox.models.s3gen.hifigan import HiFTGenerator
 
 from synth import invariant_ops as ops
+from synth.render_checkpoints import checkpoint
 
 SNAKE_EPSILON = 1e-9  # Snake's no_div_by_zero
 
@@ -45,6 +46,7 @@ class _ResBlock:
             xt = _conv_same(conv1, snake1(x))
             xt = _conv_same(conv2, snake2(xt))
             x = xt.add_(x)  # xt is the convolution's own new tensor
+            checkpoint()
         return x
 
 
@@ -93,6 +95,7 @@ class BatchedHift:
         x = mel
         for conv in self.f0_convs:
             x = F.elu(_conv_same(conv, x))
+            checkpoint()
         return torch.abs(self.f0_classifier(x)[:, :, 0])
 
     def source(self, f0: torch.Tensor, phases: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -113,6 +116,7 @@ class BatchedHift:
         """mel [B, M, 80]; phases [B, H]; noise [B, H, 480 M]; carried [B, C] (C <= 480 M) source samples of the
         previous call, of which the first carried_samples[b] replace row b's -> (wav [B, 480 M], source [B, 480 M])."""
         source = self.source(self.f0(mel), phases, noise)  # [B, S]
+        checkpoint()
         positions = torch.arange(carried.shape[1], device=mel.device)[None, :]
         head = torch.where(positions < carried_samples[:, None], carried, source[:, :carried.shape[1]])
         source = torch.cat([head, source[:, carried.shape[1]:]], dim=1)
@@ -132,6 +136,7 @@ class BatchedHift:
             pad = self.source_down_padding[level]
             si = self.source_downs[level](source_frames, padding=pad)
             x = x + self.source_resblocks[level](si)
+            checkpoint()
             blocks = self.resblocks[level * self.kernels_per_level:(level + 1) * self.kernels_per_level]
             xs = blocks[0](x)  # a new tensor: summed into in place
             for block in blocks[1:]:

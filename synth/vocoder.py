@@ -66,6 +66,7 @@ from synth.flow_encoder import (
 from synth.flow_estimator import PrefixCachedEstimator, StepPrefix
 from synth.hift import BatchedHift
 from synth.invariant_ops import row_invariant_default
+from synth.render_checkpoints import checkpoint
 from synth.render_graphs import DEFAULT_MAX_GRAPHS, GraphSet
 
 log = logging.getLogger(__name__)
@@ -547,6 +548,7 @@ class StreamingVocoder:
         mu = self._encode_fn(prefix.mu, prefix.embedded_tail, prefix.hidden_tail, prefix.layer_kv, prefix.key_mask,
                              torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device))
         mu = mu[:, :frames]  # [B, frames, 80]: the lookahead tokens' frames are not rendered (finalize=False)
+        checkpoint()
         frame_mask = (torch.arange(frames, device=device)[None, :]
                       < torch.from_numpy(rendered * MEL_FRAMES_PER_TOKEN).to(device)[:, None])
         frame_mask = frame_mask[:, :, None].to(self.dtype)  # [B, frames, 1]
@@ -591,6 +593,7 @@ class StreamingVocoder:
                 velocity = self._estimate_fn(x_r, mask_r, mu_r, time_emb, spks_r, cond_r, prefix.keys, prefix.values,
                                              prefix.conv_tails, prefix.key_mask)
             x = self._euler_step(x, velocity, step)
+            checkpoint()
         return x
 
     def _euler_step(self, x: torch.Tensor, velocity: torch.Tensor, step: int) -> torch.Tensor:

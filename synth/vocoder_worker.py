@@ -23,6 +23,7 @@ On a GPU the worker renders on its own CUDA stream, so its kernels overlap the d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -46,6 +47,7 @@ from synth.api import (
 )
 from synth.cpu_threads import CoreLease, use_threads
 from synth.outlet import Delivery, Outlet
+from synth.render_checkpoints import RenderInterrupted, stop_when
 from synth.vocoder import (
     PromptCache,
     RenderJob,
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 Pcm = npt.NDArray[np.float32]  # host float32 arrays: PCM, mels, carried sources
 
 SPEECH_TOKENS_PER_S = OUTPUT_SAMPLE_RATE_HZ / SAMPLES_PER_SPEECH_TOKEN  # 25
+JOB_TICK_MARGIN_FACTOR = 2.0  # live listeners hold twice a job tick's time before one starts (JobYield)
+JOB_TICK_AVERAGING = 0.3  # weight of the newest job tick in the recent job tick time (an EWMA)
 MAX_PENDING_STEPS = 1024  # feed messages (one per decode step) the worker may be behind before the decode waits
 IDLE_WAIT_S = 0.05  # nothing open: block this long on the inbox
 PENDING_WAIT_S = 0.01  # streams open but none due: re-check the listeners this often
@@ -102,6 +106,62 @@ class ChunkPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class JobYield:
+    """When job segments' chunks render: the vocoder's half of "live first, always" (the scheduler's half gives
+    live segments the rows). Nobody listens to a job segment as it renders, so its chunks render only in ticks no
+    live stream needs:
+
+    - never while a live segment awaits a turn's first audio (its stream is open, its voice ready, and its first
+      chunk not yet rendered): the first chunk would wait for the job's render;
+    - never while a live listener holds less than the margin: `live_margin_s`, or twice the recent job ticks'
+      wall time if that is longer (so that a job tick that starts never outlasts what a live listener holds);
+    - after every due live chunk (live streams render first);
+    - on a CPU, where a tick costs about the sum of its renders, one job chunk alone (`batch_with_live` False,
+      `max_job_streams` 1), and that render is stopped (`stoppable`, synth/render_checkpoints.py) at its next
+      stage boundary when a live turn's stream opens or a live listener falls under `stop_below_s`: the live chunk
+      waits for one stage of a job render (up to ~40 ms on one thread of CPU-2d with the tiny model), not for all
+      of it (a 96-token chunk: 440 ms), and the decode gets its cores for the turn's first ids. A stopped render
+      is rendered again later, to the same bits (nothing of it was applied). A job render that holds the decode's
+      idle threads (CoreLease) hands them back at its next stage boundary when the decode wants them;
+    - on a GPU a batched render costs about one render: job chunks fill the tick's rows beside live ones, and
+      nothing is stopped (a graphed render has no stage boundaries).
+    """
+
+    live_margin_s: float = 1.0
+    stop_below_s: float = 0.25
+    max_job_streams: int = 1
+    batch_with_live: bool = False
+    stoppable: bool = True
+
+    @staticmethod
+    def for_device(device: torch.device, max_batch: int) -> JobYield:
+        if device.type == "cuda":
+            return JobYield(max_job_streams=max_batch, batch_with_live=True, stoppable=False)
+        return JobYield()
+
+    def margin_s(self, job_tick_s: float) -> float:
+        """What every live listener must hold for a job tick to start, after job ticks of `job_tick_s` lately."""
+        return max(self.live_margin_s, JOB_TICK_MARGIN_FACTOR * job_tick_s)
+
+    def room(self, live_due: int, max_batch: int) -> int:
+        """Job streams a tick with `live_due` live streams may take (when `LiveNeeds` lets jobs in at all)."""
+        if self.batch_with_live:
+            return min(self.max_job_streams, max_batch - live_due)
+        return 0 if live_due else min(self.max_job_streams, max_batch)
+
+
+@dataclass(slots=True)
+class LiveNeeds:
+    """What the live streams need of the vocoder now (one pass over them, `VocoderWorker._due`)."""
+
+    awaiting_first_audio: bool = False  # a live turn waits for its first chunk
+    least_held_s: float = float("inf")  # the least audio a live listener holds
+
+    def lets_jobs_in(self, margin_s: float) -> bool:
+        return not self.awaiting_first_audio and self.least_held_s >= margin_s
+
+
+@dataclass(frozen=True, slots=True)
 class StreamOpen:
     """A segment's first message to the worker (sent with its first tokens)."""
 
@@ -113,6 +173,7 @@ class StreamOpen:
     listener: ListenerClock | None
     admitted_s: float
     stream_id: int = -1  # the id `TokenRun`s name it by (the engine's claim id), -1: none
+    live: bool = True  # False: a job segment (synth.api.Priority.JOB): rendered only when no live listener needs it
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -207,7 +268,7 @@ class RenderStats:
 class VocoderWorker:
     def __init__(self, vocoder: StreamingVocoder, policy: ChunkPolicy, *, threads: int, max_batch: int,
                  on_sink_failed: Callable[[str], None], max_pending_steps: int = MAX_PENDING_STEPS,
-                 lease: CoreLease | None = None) -> None:
+                 lease: CoreLease | None = None, job_yield: JobYield | None = None) -> None:
         if max_batch < 1 or threads < 1:
             raise ValueError("max_batch and threads must be >= 1")
         self.vocoder = vocoder
@@ -215,6 +276,7 @@ class VocoderWorker:
         self.threads = threads
         self.lease = lease if lease is not None else CoreLease(0, threads, enabled=False)
         self.max_batch = max_batch
+        self.job_yield = job_yield if job_yield is not None else JobYield.for_device(vocoder.device, max_batch)
         self._on_sink_failed = on_sink_failed
         self._inbox: queue.Queue[_Message] = queue.Queue()
         # Feeds are the one producer that can run ahead (the decode): each holds a slot until handled.
@@ -233,6 +295,10 @@ class VocoderWorker:
         self._preparer: threading.Thread | None = None
         self.failure = ""
         self.ticks = 0  # renders done (worker thread writes; tests read)
+        self.job_renders_stopped = 0  # job ticks stopped for live work (JobYield)
+        self.job_tick_s = 0.0  # recent job ticks' wall time (an EWMA; worker thread)
+        # set (engine thread) after feeding a live stream that awaits a turn's first audio; cleared by each drain
+        self._first_audio_opened = threading.Event()
         self.drains = 0  # inbox drains done
 
     # --- any thread --------------------------------------------------------------------------------------
@@ -262,6 +328,9 @@ class VocoderWorker:
             if self._stop.is_set():
                 return
         self._inbox.put(items)
+        now_s = time.monotonic()
+        if any(isinstance(item, StreamOpen) and item.live and _awaits_first_audio(item, now_s) for item in items):
+            self._first_audio_opened.set()  # after the put: a drain that clears it finds the open
 
     def cancel(self, request_id: str) -> None:
         """Drop the stream's pending renders (its Outlet already drops its output)."""
@@ -306,7 +375,7 @@ class VocoderWorker:
         gpu.bind_thread(device)
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         try:
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while not self._stop.is_set():
                     if not self._speeches:
                         self.lease.vocoder_idle()
@@ -326,6 +395,7 @@ class VocoderWorker:
                 self._fail(speech, f"vocoder failure: {self.failure}")
 
     def _drain(self, block: bool, timeout_s: float = IDLE_WAIT_S) -> None:
+        self._first_audio_opened.clear()
         try:
             message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
             while True:
@@ -458,15 +528,28 @@ class VocoderWorker:
         speech.waiting_tokens = []
 
     def _due(self, now_s: float) -> list[tuple[Speech, RenderJob]]:
-        """The streams whose next chunk can render now, most urgent first, at most max_batch. When some listener
-        holds nothing (a turn's first audio, or one that ran dry), the tick takes only those: on a CPU a tick
-        costs about the sum of its renders, and a first chunk must not wait for other streams' long ones."""
+        """The streams whose next chunk can render now, most urgent first, at most max_batch. When some live
+        listener holds nothing (a turn's first audio, or one that ran dry), the tick takes only those: on a CPU a
+        tick costs about the sum of its renders, and a first chunk must not wait for other streams' long ones.
+
+        Job segments (`StreamOpen.live` False: nobody listens as they render) come after the live ones, and only
+        when no live stream needs the vocoder (JobYield): their renders fill its idle time."""
         due: list[tuple[float, float, Speech, RenderJob]] = []
+        jobs: list[tuple[float, float, Speech, RenderJob]] = []
+        needs = LiveNeeds()
         for speech in self._speeches.values():
             stream = speech.stream
-            if stream is None:
+            if stream is None:  # its voice is being prepared: nothing to render, nothing held back meanwhile
+                continue
+            if not speech.spec.live:
+                job = stream.next_job(self.policy.chunk_tokens(speech.chunks_emitted, 0.0, True))
+                if job is not None:
+                    jobs.append((0.0, speech.spec.admitted_s, speech, job))
                 continue
             buffered_s = speech.buffered_s(now_s)
+            if speech.chunks_emitted == 0 and _awaits_first_audio(speech.spec, now_s):
+                needs.awaiting_first_audio = True
+            needs.least_held_s = min(needs.least_held_s, buffered_s)
             chunk = self.policy.chunk_tokens(speech.chunks_emitted, buffered_s, speech.spec.reproducible,
                                              stream.ready_tokens)
             job = stream.next_job(chunk)
@@ -475,28 +558,36 @@ class VocoderWorker:
         due.sort(key=lambda item: (item[0], item[1]))
         if due and due[0][0] <= 0.0:
             due = [item for item in due if item[0] <= 0.0]
+        if jobs and needs.lets_jobs_in(self.job_yield.margin_s(self.job_tick_s)):
+            jobs.sort(key=lambda item: item[1])  # the oldest job segment first: it ends (and is stored) first
+            due.extend(jobs[:self.job_yield.room(len(due), self.max_batch)])
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
 
     @staticmethod
     def _first_audio(tick: list[tuple[Speech, RenderJob]], now_s: float) -> bool:
-        """The tick renders a turn's first audio: a segment's first chunk for a listener that has been sent
-        nothing yet (no playback report; without a listener clock, any segment's first chunk). Someone waits in
-        silence for it (time to first audio), so it may borrow the decode's threads (CoreLease). Not a later
-        segment's first chunk after a dry spell: under load listeners run dry often, and pausing the decode for
-        each of those renders costs more audio than it saves (measured, BENCHMARKS.md)."""
-        for speech, _ in tick:
-            listener = speech.spec.listener
-            if speech.chunks_emitted == 0 and (listener is None or listener.buffered_s(now_s) is None):
-                return True
-        return False
+        """The tick renders a turn's first audio: a live segment's first chunk for a listener that has been sent
+        nothing yet (`_awaits_first_audio`). Someone waits in silence for it (time to first audio), so it may
+        borrow the decode's threads (CoreLease). Not a later segment's first chunk after a dry spell: under load
+        listeners run dry often, and pausing the decode for each of those renders costs more audio than it saves
+        (measured, BENCHMARKS.md). Never a job segment's: nobody waits for it."""
+        return any(speech.spec.live and speech.chunks_emitted == 0 and _awaits_first_audio(speech.spec, now_s)
+                   for speech, _ in tick)
 
     def _render(self, tick: list[tuple[Speech, RenderJob]], threads: int = 1) -> None:
         debug = log.isEnabledFor(logging.DEBUG)
         new_tokens = [job.new_tokens for _, job in tick] if debug else []  # (a render advances the streams)
         t0 = time.perf_counter()
         outputs: list[Pcm | None] = []
+        job_tick = not any(speech.spec.live for speech, _ in tick)
         try:
-            outputs.extend(self.vocoder.render([job for _, job in tick]))
+            with stop_when(self._job_render_yields) if job_tick and self.job_yield.stoppable else \
+                    contextlib.nullcontext():
+                outputs.extend(self.vocoder.render([job for _, job in tick]))
+        except RenderInterrupted:  # nothing of it was applied: its streams render the same chunk again later
+            self.job_renders_stopped += 1
+            log.debug("job render tick of %d streams stopped after %.0f ms for live work", len(tick),
+                      (time.perf_counter() - t0) * 1e3)
+            return
         except Exception:
             log.exception("batched render of %d streams failed; rendering them one by one", len(tick))
             outputs = []
@@ -508,6 +599,8 @@ class VocoderWorker:
                     self._fail(speech, f"vocoder failure: {type(exc).__name__}: {exc}")
                     outputs.append(None)
         elapsed_ms = (time.perf_counter() - t0) * 1e3
+        if job_tick:
+            self.job_tick_s += JOB_TICK_AVERAGING * (elapsed_ms / 1e3 - self.job_tick_s)
         audio_s = 0.0
         now_s = time.monotonic()
         if debug:  # per stream: request#chunk index:tokens rendered/audio its listener holds now
@@ -527,6 +620,17 @@ class VocoderWorker:
             self._stats.audio_s += audio_s
             self._stats.ticks += 1
             self._stats.streams += len(tick)
+
+    def _job_render_yields(self) -> bool:
+        """At a stage boundary of a job tick's render (render_checkpoints): the decode's threads go back if the decode
+        waits for them; the render stops if a live turn's stream has opened meanwhile, or a live listener holds less
+        than JobYield.stop_below_s."""
+        self.lease.give_back()
+        if self._first_audio_opened.is_set():
+            return True
+        now_s, floor_s = time.monotonic(), self.job_yield.stop_below_s
+        return any(speech.spec.live and speech.chunks_emitted and speech.buffered_s(now_s) < floor_s
+                   for speech in self._speeches.values())
 
     def _deliver(self, speech: Speech, pcm: Pcm, now_s: float) -> None:
         n_tokens = pcm.size // SAMPLES_PER_SPEECH_TOKEN
@@ -571,7 +675,7 @@ class VocoderWorker:
             if voice is None or self._stop.is_set():
                 return
             try:
-                with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     prepared = prepared_voices.get(voice.key)
                     if prepared is None:
                         prepared = self.vocoder.prepare_voice(voice.s3gen_ref)
@@ -594,9 +698,7 @@ class VocoderWorker:
             del voice, message  # hold no voice between preparations (a removed voice is freed)
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _awaits_first_audio(spec: StreamOpen, now_s: float) -> bool:
+    """A live segment whose listener has been sent nothing yet (no playback report; without a listener clock, any
+    segment): someone waits in silence for its first chunk (time to first audio)."""
+    return spec.listener is None or spec.listener.buffered_s(now_s) is None

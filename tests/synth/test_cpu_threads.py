@@ -120,6 +120,37 @@ def test_an_urgent_tick_waits_for_the_running_step_then_holds_the_decodes_thread
     assert lease.lent_ticks == 1 and lease.decode_waits == 1
 
 
+def test_a_tick_hands_the_decodes_threads_back_when_the_decode_waits_for_them() -> None:
+    """`give_back` (a stoppable job render, between two stages): nothing while the decode does not wait; once a
+    step waits for the lent threads, the tick drops to its own count and the step runs while the tick goes on."""
+    lease = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True)
+    saved = torch.get_num_threads()
+    stepped = threading.Event()
+    try:
+        use_threads(1)
+        with lease.render(urgent=False) as threads:  # the decode is idle: the tick borrows its threads
+            assert threads == 2 and torch.get_num_threads() == 2
+            assert not lease.give_back()  # nobody waits for them
+            assert torch.get_num_threads() == 2
+
+            def decode() -> None:
+                with lease.decode_step():
+                    stepped.set()
+
+            thread = _in_thread(decode)
+            deadline = time.monotonic() + 5
+            while not lease.give_back():  # the step waits (decode_waits) until the tick hands them back
+                assert time.monotonic() < deadline and not stepped.is_set()
+                time.sleep(0.01)
+            assert stepped.wait(5)  # the step ran inside the tick
+            assert torch.get_num_threads() == 1  # and the tick goes on with its own count
+            thread.join(5)
+        assert torch.get_num_threads() == 1
+        assert lease.given_back == 1 and lease.decode_waits == 1 and lease.lent_ticks == 1
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_a_tick_borrows_only_when_urgent_or_from_an_idle_decode() -> None:
     lease = CoreLease(decode_threads=1, vocoder_threads=1, enabled=True)
     saved = torch.get_num_threads()

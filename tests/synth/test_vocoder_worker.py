@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -13,9 +14,10 @@ import torch
 
 from synth.api import EventKind, ListenerClock
 from synth.outlet import Outlet
+from synth.render_checkpoints import RenderInterrupted, stop_when
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import Pcm, RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
-from synth.vocoder_worker import ChunkPolicy, Feed, Speech, StreamOpen, VocoderWorker
+from synth.vocoder_worker import JOB_TICK_MARGIN_FACTOR, ChunkPolicy, Feed, JobYield, Speech, StreamOpen, VocoderWorker
 
 from tests.synth.conftest import Collector
 from tests.synth.test_vocoder import reference_wav, utterance
@@ -61,10 +63,11 @@ def worker(setup: Setup) -> Iterator[VocoderWorker]:
 
 
 def open_stream(setup: Setup, collector: Collector, rid: str, voice: FakeVoice, seed: int,
-                listener: ListenerClock | None = None, reproducible: bool = True) -> StreamOpen:
+                listener: ListenerClock | None = None, reproducible: bool = True, live: bool = True,
+                admitted_s: float = 0.0) -> StreamOpen:
     outlet = Outlet(rid, collector.sink_for(rid), setup.lock, setup.registry)
     return StreamOpen(request_id=rid, outlet=outlet, voice=voice, seed=seed, reproducible=reproducible,
-                      listener=listener, admitted_s=0.0)
+                      listener=listener, admitted_s=admitted_s, live=live)
 
 
 def final(rid: str, tokens: list[int], total: int) -> Feed:
@@ -233,6 +236,160 @@ def test_the_listener_about_to_run_dry_renders_first(setup: Setup, worker: Vocod
     dry.chunks_emitted = 1
     (_, job), = narrow._due(now)
     assert job.stop == dry.stream.mel_tokens + setup.vocoder.max_chunk_tokens  # the largest render there is
+
+
+def test_job_chunks_render_only_in_ticks_no_live_stream_needs(setup: Setup) -> None:
+    """Priority in the vocoder (JobYield): two job segments (all their tokens at once) beside one live turn. On a
+    CPU: nothing of a job while the turn waits for its first audio (not even before the turn has a chunk's worth
+    of tokens); the turn's first chunk alone; no job beside a due live chunk, nor while the live listener holds
+    less than the margin; with no live chunk due and the listener holding enough, one job chunk per tick, the
+    oldest job first; the margin grows with the job ticks' time. On a GPU (batched renders): job chunks fill the
+    tick beside a live listener that holds enough, never beside one that holds less than the margin. A job's
+    first chunk never borrows the decode's threads."""
+    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    assert worker.job_yield == JobYield()  # a CPU vocoder
+    col, now = Collector(), 1000.0
+    listener = ListenerClock()
+    worker.feed([open_stream(setup, col, "job-new", setup.voices[0], 7, live=False, admitted_s=2.0),
+                 final("job-new", utterance(40, seed=7), 40),
+                 open_stream(setup, col, "job-old", setup.voices[0], 8, live=False, admitted_s=1.0),
+                 final("job-old", utterance(40, seed=8), 40),
+                 open_stream(setup, col, "turn", setup.voices[0], 9, listener, reproducible=False, admitted_s=3.0),
+                 Feed("turn", tuple(utterance(3, seed=9)))])
+    worker._drain(block=False)  # not started: driven by hand
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    for speech in worker._speeches.values():
+        worker._start_stream(speech, voice, setup.vocoder.prompt_cache(voice))
+
+    def tick(on: VocoderWorker = worker) -> list[str]:
+        return [speech.request_id for speech, _ in on._due(now)]
+
+    assert tick() == []  # the turn has 3 of its first 6 tokens: the jobs wait for its first chunk
+    worker.feed([Feed("turn", tuple(utterance(60, seed=10)))])
+    worker._drain(block=False)
+    assert tick() == ["turn"]
+    worker._render(worker._due(now))  # the turn's first chunk
+    listener.report(sent_audio_s=5.0, started_monotonic_s=now - 1.0)  # it holds 4 s, and 57 tokens are ready
+    assert tick() == ["turn"]  # due, though it holds plenty: live first, and alone on a CPU
+    while tick() == ["turn"]:
+        worker._render(worker._due(now))  # until too few of its tokens are ready for a chunk
+    assert tick() == ["job-old"]  # nothing live due: one job chunk, the oldest job's
+    assert not VocoderWorker._first_audio(worker._due(now), now)  # a job's first chunk borrows nothing
+    listener.report(sent_audio_s=1.8, started_monotonic_s=now - 1.0)  # holds 0.8 s, nothing due: no job either
+    assert tick() == []
+    listener.report(sent_audio_s=3.0, started_monotonic_s=now - 1.0)  # holds 2 s
+    assert tick() == ["job-old"]
+    worker.job_tick_s = 1.1  # job ticks took 1.1 s lately: a listener holding 2 s is too little
+    assert JOB_TICK_MARGIN_FACTOR * worker.job_tick_s > 2.0 and tick() == []
+    worker.job_tick_s = 0.0
+    job_old = worker._speeches["job-old"]
+
+    gpu = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None,
+                        job_yield=JobYield(max_job_streams=8, batch_with_live=True, stoppable=False))
+    gpu._speeches, gpu._by_stream = worker._speeches, worker._by_stream
+    assert tick(gpu) == ["job-old", "job-new"]
+    worker.feed([Feed("turn", tuple(utterance(40, seed=11)))])
+    worker._drain(block=False)  # 40 more tokens of the turn: due again, its listener holding 2 s
+    assert tick(gpu) == ["turn", "job-old", "job-new"]
+    listener.report(sent_audio_s=1.5, started_monotonic_s=now - 1.0)  # holds 0.5 s: under the margin
+    assert tick(gpu) == ["turn"]
+    assert job_old.chunks_emitted == 0 and col.chunks("turn")
+
+
+def test_a_stopped_render_leaves_its_streams_as_they_were(setup: Setup) -> None:
+    """render_checkpoints: a render stopped at any of its stage boundaries (encoder layers, Euler steps, HiFT's
+    levels) raises RenderInterrupted and applies nothing to its streams; rendering them afterwards gives the same
+    bits as streams never stopped."""
+    vocoder = setup.vocoder
+    voice = vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    tokens = utterance(40, seed=12)
+
+    def opened(seed: int) -> VocoderStream:
+        stream = vocoder.open(voice, seed=seed)
+        stream.prompt = vocoder.prompt_cache(voice)
+        stream.add(tokens, final=True)
+        return stream
+
+    def state(stream: VocoderStream) -> tuple[object, ...]:
+        return (stream.mel_tokens, stream.emitted_samples, stream.finished,
+                *(None if a is None else a.tobytes() for a in (stream.held_mel, stream.held_source, stream.held_wav)))
+
+    def chunks(streams: list[VocoderStream]) -> list[RenderJob]:
+        return [job for stream in streams if (job := stream.next_job(16)) is not None]
+
+    passed = [0]
+
+    def stop_at(checkpoint: int) -> Callable[[], bool]:  # stops at that checkpoint (0: never), counting them
+        def should_stop() -> bool:
+            passed[0] += 1
+            return passed[0] == checkpoint
+        passed[0] = 0
+        return should_stop
+
+    reference = [opened(seed) for seed in (21, 22)]
+    expected: list[list[Pcm]] = [[], []]
+    while jobs := chunks(reference):
+        for index, pcm_out in enumerate(vocoder.render(jobs)):
+            expected[index].append(pcm_out)
+    with stop_when(stop_at(0)):
+        vocoder.render(chunks([opened(seed) for seed in (21, 22)]))
+    checkpoints = passed[0]
+    assert checkpoints >= 20  # (10 Euler steps, the encoder's layers, HiFT's levels and blocks)
+    streams = [opened(seed) for seed in (21, 22)]
+    got: list[list[Pcm]] = [[], []]
+    for at in (1, checkpoints // 2, checkpoints):  # the encoder's first layer, mid-way, HiFT's last block
+        before = [state(stream) for stream in streams]
+        jobs = chunks(streams)
+        with pytest.raises(RenderInterrupted), stop_when(stop_at(at)):
+            vocoder.render(jobs)
+        assert [state(stream) for stream in streams] == before
+        for index, pcm_out in enumerate(vocoder.render(jobs)):
+            got[index].append(pcm_out)
+    while jobs := chunks(streams):
+        for index, pcm_out in enumerate(vocoder.render(jobs)):
+            got[index].append(pcm_out)
+    for want, have in zip(expected, got, strict=True):
+        assert np.concatenate(have).tobytes() == np.concatenate(want).tobytes()
+
+
+def test_a_job_render_stops_when_a_live_turn_opens_or_a_live_listener_runs_low(setup: Setup) -> None:
+    """On a CPU a job tick's render stops at its next stage boundary once a live turn's stream is fed (the engine
+    thread's `feed`), or once a live listener holds less than JobYield.stop_below_s; nothing of it reaches the job's
+    outlet, and the job renders that chunk later. A live tick is never stopped."""
+    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    col, now = Collector(), time.monotonic()
+    worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
+    worker._drain(block=False)
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    job_tick = worker._due(now)
+    assert [speech.request_id for speech, _ in job_tick] == ["job"]
+    turn = ListenerClock()
+    worker.feed([open_stream(setup, col, "turn", setup.voices[0], 9, turn, reproducible=False),
+                 Feed("turn", tuple(utterance(3, seed=9)))])  # the engine thread: a live turn's first ids
+    worker._render(job_tick)
+    assert worker.job_renders_stopped == 1 and not col.chunks("job") and worker.ticks == 0
+    worker._drain(block=False)  # (clears the flag) the turn now holds the jobs back until its first chunk
+    worker._start_stream(worker._speeches["turn"], voice, setup.vocoder.prompt_cache(voice))
+    assert worker._due(time.monotonic()) == []
+    worker._forget("turn")
+    worker._render(worker._due(time.monotonic()))  # the same job chunk, rendered to the end now
+    assert worker.job_renders_stopped == 1 and [c.seq for c in col.chunks("job")] == [0]
+
+    low = ListenerClock()
+    worker.feed([open_stream(setup, col, "low", setup.voices[0], 10, low, reproducible=False),
+                 Feed("low", tuple(utterance(30, seed=10)))])
+    worker._drain(block=False)
+    worker._start_stream(worker._speeches["low"], voice, setup.vocoder.prompt_cache(voice))
+    worker._render(worker._due(time.monotonic()))  # its first chunk: a live tick
+    low.report(sent_audio_s=3.0, started_monotonic_s=time.monotonic())  # holds 3 s
+    job_tick = [(speech, job) for speech, job in worker._due(time.monotonic()) if not speech.spec.live]
+    while not job_tick:  # (the live stream's due chunks first)
+        worker._render(worker._due(time.monotonic()))
+        job_tick = [(speech, job) for speech, job in worker._due(time.monotonic()) if not speech.spec.live]
+    low.report(sent_audio_s=0.1, started_monotonic_s=time.monotonic())  # now it holds 0.1 s
+    worker._render(job_tick)
+    assert worker.job_renders_stopped == 2 and [c.seq for c in col.chunks("job")] == [0]
 
 
 def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
