@@ -31,7 +31,8 @@ a jobs-only window of --job-window-s measures the saturation audio-s/s (the engi
 N round B runs the same live sessions beside the backlog. Per N: live first audio p50/p95 B against A (target:
 B p95 <= 1.1x A p95), live audio-s/s, job audio-s/s (the engine's audio in the round minus the live audio
 received; also the job audio stored, counted as whole segments end), and "unused capacity used" = job audio-s/s /
-(saturation - live audio-s/s) (target >= 80 %). The jobs are cancelled at the end.
+(saturation - live audio-s/s) (target >= 80 %). The jobs are cancelled at the end. A p95 over one session is that
+session's figure: --repeat R runs every round R times in a row and pools them (N x R first audios per round).
 """
 
 from __future__ import annotations
@@ -218,12 +219,18 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
 
 
 async def one_round(url: str, sessions: int, args: argparse.Namespace, max_new_tokens: int) -> RoundResult:
-    results = await asyncio.gather(*(one_session(url, i, args.text, args.chars_per_s, max_new_tokens, args.seed,
-                                                 args.session_timeout_s) for i in range(sessions)))
+    """N sessions at once, --repeat times one after the other; the figures pool every repetition's sessions (a
+    p95 of one session's first audio is that one figure: --repeat gives the percentiles samples)."""
+    results: list[SessionResult] = []
+    wall_s = 0.0
+    for _ in range(max(1, args.repeat)):
+        batch = await asyncio.gather(*(one_session(url, i, args.text, args.chars_per_s, max_new_tokens, args.seed,
+                                                   args.session_timeout_s) for i in range(sessions)))
+        started = min(r.first_text_s for r in batch)
+        ended = max((r.last_frame_s for r in batch if r.frames), default=started)
+        wall_s += max(ended - started, 1e-9)
+        results.extend(batch)
     ok = [r for r in results if r.ok]
-    started = min(r.first_text_s for r in results)
-    ended = max((r.last_frame_s for r in results if r.frames), default=started)
-    wall_s = max(ended - started, 1e-9)
     audio_s = sum(r.audio_s for r in results)
     ttfas = [r.ttfa_s for r in ok if r.ttfa_s is not None]
     dry = [r.underrun_s for r in ok]
@@ -475,7 +482,7 @@ def format_row(r: RoundResult) -> str:
     def s(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    return (f"ok {r.ok}/{r.sessions}, first audio p50 {s(r.ttfa_p50_s)} s p95 {s(r.ttfa_p95_s)} s, "
+    return (f"ok {r.ok}/{r.ok + r.failed}, first audio p50 {s(r.ttfa_p50_s)} s p95 {s(r.ttfa_p95_s)} s, "
             f"{r.audio_s_per_wall_s:.3f} audio-s/s, dry mean {r.underrun_mean_s:.2f} s p95 {r.underrun_p95_s:.2f} s "
             f"({r.underruns} times, {r.sessions_with_underrun} sessions)")
 
@@ -491,7 +498,7 @@ def print_table(runs: list[RepoRun]) -> None:
             ratio = f"{r.audio_s_per_wall_s / base:.2f}" if base else "-"
             p50 = "-" if r.ttfa_p50_s is None else f"{r.ttfa_p50_s:.2f}"
             p95 = "-" if r.ttfa_p95_s is None else f"{r.ttfa_p95_s:.2f}"
-            print(f"{run.label[:12]:12} {r.sessions:>3} {r.ok:>2}/{r.sessions:<2} {p50:>9} {p95:>9} "
+            print(f"{run.label[:12]:12} {r.sessions:>3} {r.ok:>2}/{r.ok + r.failed:<2} {p50:>9} {p95:>9} "
                   f"{r.audio_s_per_wall_s:>10.3f} {ratio:>6} {r.underrun_mean_s:>9.2f} {r.underrun_p95_s:>8.2f} "
                   f"{r.underruns:>9}")
     if not any(run.job_rounds for run in runs):
@@ -509,7 +516,7 @@ def print_table(runs: list[RepoRun]) -> None:
             used = "-" if j.unused_capacity_used is None else f"{100 * j.unused_capacity_used:.0f} %"
             print(f"{run.label[:12]:12} {j.live.sessions:>3} {p95_a:>9} {p95_b:>9} {ratio:>6} "
                   f"{j.live_audio_s_per_wall_s:>10.3f} {j.job_audio_s_per_wall_s:>10.3f} {saturation:>10.3f} "
-                  f"{used:>11}  (ok {j.live.ok}/{j.live.sessions})")
+                  f"{used:>11}  (ok {j.live.ok}/{j.live.ok + j.live.failed})")
 
 
 def plot(runs: list[RepoRun], path: Path) -> bool:
@@ -577,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-start-timeout-s", type=float, default=SERVER_START_TIMEOUT_S)
     parser.add_argument("--out", type=Path, default=Path("out/bench_capacity"), help="output path without suffix")
     parser.add_argument("--log-dir", type=Path, default=None, help="where the servers' logs go (default: --out's)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="run each round R times in a row; its figures pool them (first-audio percentiles)")
     parser.add_argument("--job-load", type=int, default=0, metavar="K",
                         help="then the same rounds beside a backlog of K jobs (0: no jobs)")
     parser.add_argument("--job-chars", type=int, default=20_000, help="characters of each job of --job-load")

@@ -115,7 +115,10 @@ class JobYield:
       chunk not yet rendered): the first chunk would wait for the job's render;
     - never while a live listener holds less than the margin: `live_margin_s`, or twice the recent job ticks'
       wall time if that is longer (so that a job tick that starts never outlasts what a live listener holds);
-    - after every due live chunk (live streams render first);
+    - after every due live chunk of a listener that holds less than `live_ahead_s` (or the margin, if longer):
+      those render first; a listener that holds more has seconds to spare, and its chunk renders after the job
+      chunk (on a CPU, in the next tick), so that a burst of live text rendered far ahead of its listeners leaves
+      the jobs their share;
     - on a CPU, where a tick costs about the sum of its renders, one job chunk alone (`batch_with_live` False,
       `max_job_streams` 1), and that render is stopped (`stoppable`, synth/render_checkpoints.py) at its next
       stage boundary when a live turn's stream opens or a live listener falls under `stop_below_s`: the live chunk
@@ -128,6 +131,7 @@ class JobYield:
     """
 
     live_margin_s: float = 1.0
+    live_ahead_s: float = 3.0
     stop_below_s: float = 0.25
     max_job_streams: int = 1
     batch_with_live: bool = False
@@ -558,9 +562,16 @@ class VocoderWorker:
         due.sort(key=lambda item: (item[0], item[1]))
         if due and due[0][0] <= 0.0:
             due = [item for item in due if item[0] <= 0.0]
-        if jobs and needs.lets_jobs_in(self.job_yield.margin_s(self.job_tick_s)):
+        margin_s = self.job_yield.margin_s(self.job_tick_s)
+        if jobs and needs.lets_jobs_in(margin_s):
             jobs.sort(key=lambda item: item[1])  # the oldest job segment first: it ends (and is stored) first
+            # live streams whose listeners hold the horizon or more can wait for a job tick (on a CPU, where a
+            # tick is one or the other); the others render first
+            horizon_s = max(self.job_yield.live_ahead_s, margin_s)
+            ahead = [item for item in due if item[0] >= horizon_s]
+            due = [item for item in due if item[0] < horizon_s]
             due.extend(jobs[:self.job_yield.room(len(due), self.max_batch)])
+            due.extend(ahead if self.job_yield.batch_with_live or len(due) == 0 else [])
         return [(speech, job) for _, _, speech, job in due[:self.max_batch]]
 
     @staticmethod

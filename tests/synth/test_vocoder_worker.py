@@ -242,8 +242,9 @@ def test_job_chunks_render_only_in_ticks_no_live_stream_needs(setup: Setup) -> N
     """Priority in the vocoder (JobYield): two job segments (all their tokens at once) beside one live turn. On a
     CPU: nothing of a job while the turn waits for its first audio (not even before the turn has a chunk's worth
     of tokens); the turn's first chunk alone; no job beside a due live chunk, nor while the live listener holds
-    less than the margin; with no live chunk due and the listener holding enough, one job chunk per tick, the
-    oldest job first; the margin grows with the job ticks' time. On a GPU (batched renders): job chunks fill the
+    less than the margin; with no live chunk due and the listener holding enough, or a listener holding more than
+    the horizon (`live_ahead_s`), one job chunk per tick, the oldest job first; the margin grows with the job
+    ticks' time. On a GPU (batched renders): job chunks fill the
     tick beside a live listener that holds enough, never beside one that holds less than the margin. A job's
     first chunk never borrows the decode's threads."""
     worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
@@ -269,8 +270,11 @@ def test_job_chunks_render_only_in_ticks_no_live_stream_needs(setup: Setup) -> N
     worker._drain(block=False)
     assert tick() == ["turn"]
     worker._render(worker._due(now))  # the turn's first chunk
-    listener.report(sent_audio_s=5.0, started_monotonic_s=now - 1.0)  # it holds 4 s, and 57 tokens are ready
-    assert tick() == ["turn"]  # due, though it holds plenty: live first, and alone on a CPU
+    listener.report(sent_audio_s=3.0, started_monotonic_s=now - 1.0)  # it holds 2 s, and 57 tokens are ready
+    assert tick() == ["turn"]  # due: live first, and alone on a CPU
+    listener.report(sent_audio_s=5.0, started_monotonic_s=now - 1.0)  # it holds 4 s: seconds to spare
+    assert tick() == ["job-old"]  # a job chunk first, the oldest job's; the turn's in the next tick
+    listener.report(sent_audio_s=3.0, started_monotonic_s=now - 1.0)  # 2 s again
     while tick() == ["turn"]:
         worker._render(worker._due(now))  # until too few of its tokens are ready for a chunk
     assert tick() == ["job-old"]  # nothing live due: one job chunk, the oldest job's
@@ -291,6 +295,8 @@ def test_job_chunks_render_only_in_ticks_no_live_stream_needs(setup: Setup) -> N
     worker.feed([Feed("turn", tuple(utterance(40, seed=11)))])
     worker._drain(block=False)  # 40 more tokens of the turn: due again, its listener holding 2 s
     assert tick(gpu) == ["turn", "job-old", "job-new"]
+    listener.report(sent_audio_s=5.0, started_monotonic_s=now - 1.0)  # holds 4 s: after the jobs in the batch
+    assert tick(gpu) == ["job-old", "job-new", "turn"]
     listener.report(sent_audio_s=1.5, started_monotonic_s=now - 1.0)  # holds 0.5 s: under the margin
     assert tick(gpu) == ["turn"]
     assert job_old.chunks_emitted == 0 and col.chunks("turn")
