@@ -26,6 +26,7 @@ from synth.api import (
     Variant,
 )
 from synth.build import S3GEN_SILENCE_TOKENS_TURBO
+from synth.cpu_threads import BorrowGain
 from synth.engine import Engine
 from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE
@@ -499,6 +500,7 @@ def test_a_lone_first_chunk_renders_on_lent_threads_with_the_same_pcm(engine: En
 def test_decode_steps_that_borrow_the_vocoders_threads_give_the_same_tokens_and_pcm(engine: Engine) -> None:
     """By default decode steps run on the vocoder's threads too while it has nothing to render (CoreLease +
     BorrowGain); a seeded segment's tokens and audio are those of an engine whose decode never borrows."""
+    engine.lease.gain = BorrowGain()  # fresh (what earlier tests taught it depends on the load): it tries borrowing
     borrowed_before = engine.lease.borrowed_steps
     both = _speak(engine, "both", TEXTS[1], seed=81)
     status = engine.status()
