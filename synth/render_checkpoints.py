@@ -56,6 +56,8 @@ def unstoppable() -> Iterator[None]:
 
 
 def checkpoint() -> None:
+    if torch.compiler.is_compiling():  # (first: traced, this is a constant, and the thread-local is never read)
+        return
     should_stop = getattr(_local, "should_stop", None)
-    if should_stop is not None and not torch.compiler.is_compiling() and should_stop():
+    if should_stop is not None and should_stop():
         raise RenderInterrupted

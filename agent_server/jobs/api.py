@@ -54,6 +54,7 @@ from agent_server.jobs.model import (
 from agent_server.jobs.request import (
     DEFAULT_MAX_JOB_CHARS,
     NOTHING_TO_SAY,
+    LanguageRoute,
     job_format,
     parse_job_request,
 )
@@ -90,20 +91,21 @@ class ApiStats:
 
 
 class JobsApi:
-    def __init__(self, store: JobStore, files: AudioFiles, *, variant: str | Callable[[], str],
+    def __init__(self, store: JobStore, files: AudioFiles, *, route: LanguageRoute,
                  key_of: Callable[[Request], str], limits_for: Callable[[str], KeyLimits], webhook_allow: AllowList,
                  max_job_chars: int = DEFAULT_MAX_JOB_CHARS, resolve: Resolver = system_resolver,
                  clock: Callable[[], float] = time.time, on_submitted: Callable[[Job], None] | None = None,
                  on_cancelled: Callable[[str], None] | None = None, poll_s: float = DEFAULT_POLL_S,
                  offload: Offload = asyncio.to_thread, secret_of: Callable[[str], str] | None = None,
                  unavailable: Callable[[], JobError | None] = lambda: None) -> None:
-        """`variant`: the model's (or a function giving it: the engine may load after the routes exist);
+        """`route`: the loaded model that speaks a job's language (request.LanguageRoute; read per request: the
+        engine may load after the routes exist);
         `secret_of`: a key's webhook secret (None: no webhook-secret route); `unavailable`: an error every request
         gets while it says one (the store could not be opened)."""
         self.store = store
         self.files = files
         self.stats = ApiStats()
-        self._variant = variant
+        self._route = route
         self._secret_of = secret_of
         self._unavailable = unavailable
         self.max_job_chars = max_job_chars
@@ -116,10 +118,6 @@ class JobsApi:
         self._on_cancelled = on_cancelled
         self._poll_s = poll_s
         self._offload = offload
-
-    @property
-    def variant(self) -> str:
-        return self._variant if isinstance(self._variant, str) else self._variant()
 
     def routes(self) -> list[Route]:
         secret = [Route(WEBHOOK_SECRET_PATH, self._guarded(self.webhook_secret), methods=["GET"])] if (
@@ -166,7 +164,7 @@ class JobsApi:
 
     async def _create(self, request: Request) -> Response:
         key_id = self._key_of(request)
-        parsed = parse_job_request(await self._body(request), variant=self.variant, max_job_chars=self.max_job_chars)
+        parsed = parse_job_request(await self._body(request), route=self._route, max_job_chars=self.max_job_chars)
         limits = self._limits_for(key_id)
         if 0 < limits.daily_chars < len(parsed.text):
             raise JobError(STATUS_UNPROCESSABLE, "text", f"{len(parsed.text)} characters: more than this key's daily "

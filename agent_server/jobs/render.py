@@ -122,7 +122,8 @@ class EngineRender:
         if engine is None or not hub.ready:
             raise JobInterrupted(f"the server is not serving ({hub.status.name.lower()})")
         try:
-            params = dataclasses.replace(build_params(engine.variant, job.sampling, (job.seed + segment.index) %
+            routed = hub.port.router.route(language=job.language)  # (a FieldError: no loaded model speaks it)
+            params = dataclasses.replace(build_params(routed.model, job.sampling, (job.seed + segment.index) %
                                                       SEED_MODULUS), max_new_tokens=segment.max_new_tokens)
             voice = hub.voices.acquire(job.voice)  # (a FieldError: this server has no such voice)
         except ValueError as exc:
@@ -130,12 +131,12 @@ class EngineRender:
         render = _Render(f"job/{job.id}/{segment.index}/{next(self._numbers)}",
                          asyncio.get_running_loop().create_future())
         self._in_flight.add(render)
-        source = hub.stream_source(engine, voice, job.language, self.policy)
+        source = hub.stream_source(engine, voice, routed.language, self.policy, model=routed.model)
         try:
             request = SegmentRequest(request_id=render.request_id, text=segment.text, sink=self._sink(render),
-                                     voice_id=job.voice, params=params, language=job.language,
+                                     voice_id=job.voice, params=params, language=routed.language,
                                      first_audio_pending=False, may_wait=True, priority=Priority.JOB,
-                                     submitted_monotonic_s=time.monotonic())
+                                     submitted_monotonic_s=time.monotonic(), model=routed.model)
             try:
                 source.submit(request)
             except EngineFull:

@@ -16,7 +16,7 @@ the `open` message they would make) and `speech.build_params`, so a job accepts 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +26,7 @@ import orjson
 from agent_server.audio.codecs import StreamFormat
 from agent_server.core.events import build_params
 from agent_server.core.outcomes import Outcome, http_status
+from agent_server.core.routing import DEFAULT_ROUTES, Routed, Router
 from agent_server.errors import BAD_REQUEST, EMPTY_MESSAGE, TEXT_TOO_LONG, FieldError
 from agent_server.jobs.model import STATUS_UNPROCESSABLE, JobError
 from agent_server.protocols import native_wire as wire
@@ -41,6 +42,16 @@ NOTHING_TO_SAY = "nothing_to_say"
 # the fields the native `open` message has under the same name and meaning
 OPEN_FIELDS = ("voice", "seed", "sampling", "language")
 BODY_FIELDS = frozenset({"text", "output_format", "webhook_url", *OPEN_FIELDS})
+
+# A job's language -> the loaded model that speaks it (and the language it is asked in), as the native protocol
+# routes a context without a model name (core/routing.py); raises FieldError (`language_not_served`).
+LanguageRoute = Callable[[str | None], Routed]
+
+
+def one_model(variant: str) -> LanguageRoute:
+    """The route of a server that loaded one model (the tests')."""
+    router = Router(DEFAULT_ROUTES, (variant,))  # type: ignore[arg-type]  # (a Variant name; checked by the router)
+    return lambda language: router.route(language=language)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +74,9 @@ def job_format(name: object, field: str = "output_format") -> StreamFormat:
                        BAD_REQUEST) from None
 
 
-def parse_job_request(body: bytes, *, variant: str, max_job_chars: int = DEFAULT_MAX_JOB_CHARS) -> JobRequest:
-    """Raises JobError (400 for a body that is no JSON object, 422 for a field at fault)."""
+def parse_job_request(body: bytes, *, route: LanguageRoute, max_job_chars: int = DEFAULT_MAX_JOB_CHARS) -> JobRequest:
+    """Raises JobError (400 for a body that is no JSON object, 422 for a field at fault: a language no loaded model
+    speaks among them)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -77,7 +89,7 @@ def parse_job_request(body: bytes, *, variant: str, max_job_chars: int = DEFAULT
     text = _text(obj.get("text"), max_job_chars)
     output_format = DEFAULT_OUTPUT_FORMAT if obj.get("output_format") is None else obj["output_format"]
     job_format(output_format)
-    opened = _open_fields(obj, variant)
+    opened = _open_fields(obj, route)
     return JobRequest(
         text=text,
         voice=opened.voice,
@@ -102,8 +114,9 @@ def _text(value: object, max_job_chars: int) -> str:
     return value
 
 
-def _open_fields(obj: Mapping[str, Any], variant: str) -> wire.Open:
-    """voice, seed, sampling, language through the native parser (one set of rules for live and jobs)."""
+def _open_fields(obj: Mapping[str, Any], route: LanguageRoute) -> wire.Open:
+    """voice, seed, sampling, language through the native parser and router (one set of rules for live and jobs):
+    the sampling is checked against the model the language routes to."""
     message: dict[str, Any] = {"type": "open", "context_id": "job"}
     message.update({name: obj[name] for name in OPEN_FIELDS if obj.get(name) is not None})
     parsed = wire.parse(orjson.dumps(message).decode())
@@ -111,10 +124,8 @@ def _open_fields(obj: Mapping[str, Any], variant: str) -> wire.Open:
         raise _unprocessable(parsed.field, parsed.message, parsed.code)
     if not isinstance(parsed, wire.Open):  # (an `open` parses to Open or an error)
         raise TypeError(f"the native parser made {type(parsed).__name__} of an open message")
-    if parsed.language not in (None, "en") and variant != "multilingual":
-        raise _unprocessable("language", f"the {variant!r} variant speaks English only")
     try:
-        build_params(variant, parsed.sampling, parsed.seed)
+        build_params(route(parsed.language).model, parsed.sampling, parsed.seed)
     except FieldError as error:
         raise _unprocessable(error.field, error.message, error.code) from None
     return parsed

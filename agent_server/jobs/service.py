@@ -105,7 +105,8 @@ class JobService:
         self.runner = JobRunner(self.store, self.render, webhooks=WebhookSender(self.allow, self.secret_of),
                                 max_jobs=max(1, config.workers or hub.settings.max_slots.default or 1),
                                 segments_in_flight=self._window)
-        self.api = JobsApi(self.store, self.files, variant=lambda: hub.model.variant, key_of=key_of,
+        self.api = JobsApi(self.store, self.files, route=lambda language: hub.port.router.route(language=language),
+                           key_of=key_of,
                            limits_for=lambda _key_id: config.limits, webhook_allow=self.allow,
                            max_job_chars=config.max_job_chars, on_submitted=self._submitted,
                            on_cancelled=self.runner.cancelled, secret_of=self.secret_of, unavailable=self._unavailable)

@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from agent_server.jobs.api import JobsApi
 from agent_server.jobs.assembly import AudioFiles, encode_whole
 from agent_server.jobs.model import Job, JobSegment, JobStatus
-from agent_server.jobs.request import job_format
+from agent_server.jobs.request import job_format, one_model
 from agent_server.jobs.runner import JobRunner
 from agent_server.jobs.segment_audio import decode_segment, encode_segment
 from agent_server.jobs.segments import plan_segments
@@ -77,8 +77,9 @@ async def serving(tmp_path: Path, *, limits: KeyLimits = NO_LIMITS, max_job_char
         return engine_audio(job, segment)
 
     runner = JobRunner(store, render, poll_s=0.02, clock=lambda: clock[0])
-    api = JobsApi(store, AudioFiles(tmp_path / "files"), variant="english", key_of=lambda r: r.headers[KEY_HEADER],
-                  limits_for=lambda key_id: limits, webhook_allow=allow, max_job_chars=max_job_chars,
+    api = JobsApi(store, AudioFiles(tmp_path / "files"), route=one_model("english"),
+                  key_of=lambda r: r.headers[KEY_HEADER], limits_for=lambda key_id: limits, webhook_allow=allow,
+                  max_job_chars=max_job_chars,
                   clock=lambda: clock[0], on_submitted=lambda _job: runner.wake(), on_cancelled=runner.cancelled,
                   poll_s=0.01)
     app = Starlette(routes=api.routes())

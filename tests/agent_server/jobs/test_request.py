@@ -6,14 +6,14 @@ import orjson
 import pytest
 
 from agent_server.jobs.model import Job, JobError, JobStatus, iso, new_job_id, valid_job_id
-from agent_server.jobs.request import JOB_FORMATS, JobRequest, job_format, parse_job_request
+from agent_server.jobs.request import JOB_FORMATS, JobRequest, job_format, one_model, parse_job_request
 from agent_server.jobs.segments import JOB_MAX_CHARS, JOB_MAX_NEW_TOKENS, plan_segments
 from agent_server.text.segmenter import weighted_len
 from synth.api import max_tokens_for_text
 
 
 def parse(obj: object, variant: str = "english", max_job_chars: int = 1_000) -> JobRequest:
-    return parse_job_request(orjson.dumps(obj), variant=variant, max_job_chars=max_job_chars)
+    return parse_job_request(orjson.dumps(obj), route=one_model(variant), max_job_chars=max_job_chars)
 
 
 def refusal(obj: object, variant: str = "english") -> JobError:
@@ -66,7 +66,7 @@ def test_a_bad_field_is_a_422_naming_it(obj: object, field: str) -> None:
 def test_a_body_that_is_no_json_object_is_a_400() -> None:
     for body in (b"", b"{", b"[]", b'"text"'):
         with pytest.raises(JobError) as caught:
-            parse_job_request(body, variant="english")
+            parse_job_request(body, route=one_model("english"))
         assert (caught.value.status_code, caught.value.field) == (400, "body")
 
 

@@ -154,6 +154,26 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "preempted"}
 
 
+def test_a_jobs_language_picks_the_model_as_the_native_protocol_does(tmp_path: Path) -> None:
+    """A server with Turbo (the default) and Multilingual: a job in French is spoken by Multilingual (its segments
+    ask for it, in French), a job without a language by Turbo; a language neither speaks is refused at submit with
+    the router's code, naming the field."""
+    engine = FakeEngine(max_slots=4, loaded=("turbo", "multilingual"))
+    with serving(tmp_path, engine) as server:
+        french = submit(server, {"text": "Bonjour. Comment allez-vous aujourd'hui?", "seed": 3, "language": "fr"})
+        plain = submit(server, {"text": "Good morning. How are you today?", "seed": 4})
+        wait_status(server, french, "done")
+        wait_status(server, plain, "done")
+        by_job = {job_id: [r for r in job_requests(engine) if r.request_id.startswith(f"job/{job_id}/")]
+                  for job_id in (french, plain)}
+        assert by_job[french] and {(r.model, r.language) for r in by_job[french]} == {("multilingual", "fr")}
+        assert by_job[plain] and {(r.model, r.language) for r in by_job[plain]} == {("turbo", None)}
+        refused = httpx.post(server.http_url + "/v1/jobs", json={"text": "Sawubona.", "language": "zu"}, timeout=10)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()
+        assert "language" in str(error) and "language_not_served" in str(error), error
+
+
 def test_a_live_segment_takes_a_job_segments_slot_and_the_job_still_sounds_uninterrupted(tmp_path: Path) -> None:
     """Two slots, both rendering job segments (long: 0.4 s of wall time per second of audio) that have emitted their
     first chunk; a live context opens:
