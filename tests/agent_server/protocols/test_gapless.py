@@ -133,9 +133,11 @@ def test_a_listener_that_runs_dry_gets_the_whole_tail_in_time_and_the_stream_goe
     # the pause itself is no audio (the client's player waits); the drain's padding is (a frame, a codec's flush)
     max_drain_ms = MAX_DRAIN_MS if case.fmt.container not in ("raw", "wav") else MAX_EXCESS_MS  # (PCM: no frames)
     assert -LEAD_TOLERANCE_MS <= whole.excess_ms[0] <= max_drain_ms, whole.excess_ms
-    # the stream's end: its last frame only, except that without a flush the listener clock may drain the codec
-    # once more before the context's end is read (on a loaded machine it was: MP3 padded 115-169 ms, seen in CI)
-    max_tail_ms = last_frame_ms(case) if flush else max(last_frame_ms(case), max_drain_ms)
+    # the stream's end: its last frame, or one drain's padding: on a loaded machine the second sentence's chunks
+    # can come later than its listener plays them, and the listener clock then drains the codec (by design) once
+    # more before the flush or the context's end is read (seen in CI: MP3 padded 115-169 ms without a flush, Opus
+    # 40 ms with one; the same cases pass on an idle machine with the last frame only)
+    max_tail_ms = max(last_frame_ms(case), max_drain_ms)
     assert whole.tail_ms <= max_tail_ms + LEAD_TOLERANCE_MS
 
 
