@@ -44,17 +44,6 @@ def stop_when(should_stop: Callable[[], bool]) -> Iterator[None]:
         _local.should_stop = previous
 
 
-@contextlib.contextmanager
-def unstoppable() -> Iterator[None]:
-    """Within the block no checkpoint stops anything (a render run from inside a stoppable one's predicate)."""
-    previous = getattr(_local, "should_stop", None)
-    _local.should_stop = None
-    try:
-        yield
-    finally:
-        _local.should_stop = previous
-
-
 def checkpoint() -> None:
     if torch.compiler.is_compiling():  # (first: traced, this is a constant, and the thread-local is never read)
         return
