@@ -370,13 +370,7 @@ class Engine(EngineLike):
             self.vocoder_worker.stop(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._ready.wait(0.05):
-                return True
-            if self._dead.is_set():
-                return False
-        return False
+        return wait_until_ready(self._ready, self._dead, timeout_s)
 
     # --- the thread --------------------------------------------------------------------------------------
 
@@ -738,3 +732,14 @@ class Engine(EngineLike):
             self.runner.prefix_for(voice, SamplingParams.defaults(self.variant).exaggeration)
         except Exception:
             log.exception("preparing voice %s failed", voice.voice_id)
+
+
+def wait_until_ready(ready: threading.Event, dead: threading.Event, timeout_s: float) -> bool:
+    """An engine thread's start-up: True once `ready` is set, False when `dead` is set first or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready.wait(0.05):
+            return True
+        if dead.is_set():
+            return False
+    return False

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from synth.api import EngineConfig, EngineConfigError, EngineError, EngineLike, SegmentRequest, StepStats, Variant
 from synth.cpu_threads import release_openmp_pool, use_threads
-from synth.engine import IDLE_WAIT_S, Engine
+from synth.engine import IDLE_WAIT_S, Engine, wait_until_ready
 from synth.request import Status
 
 log = logging.getLogger(__name__)
@@ -217,13 +216,7 @@ class MultiEngine(EngineLike):
                 engine.vocoder_worker.stop(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._ready.wait(0.05):
-                return True
-            if self._dead.is_set():
-                return False
-        return False
+        return wait_until_ready(self._ready, self._dead, timeout_s)
 
     # --- the thread --------------------------------------------------------------------------------------
 
