@@ -122,12 +122,12 @@ class JobYield:
     - on a CPU, where a tick costs about the sum of its renders, one job chunk alone (`batch_with_live` False,
       `max_job_streams` 1), and that render is stopped (`stoppable`, synth/render_checkpoints.py) at its next
       stage boundary when a live turn's stream opens or a live listener falls under `stop_below_s`: the live chunk
-      waits for one stage of a job render (up to ~40 ms on one thread of CPU-2d with the tiny model), not for all
+      waits for one stage of a job render (up to ~40 ms on one thread of CPU-4 with the tiny model), not for all
       of it (a 96-token chunk: 440 ms), and the decode gets its cores for the turn's first ids. A stopped render
       is rendered again later, to the same bits (nothing of it was applied). A job render that holds the decode's
       idle threads (CoreLease) hands them back at its next stage boundary when the decode wants them;
     - on a GPU a batched render costs about one render: job chunks fill the tick's rows beside live ones, and
-      nothing is stopped (a graphed render has no stage boundaries).
+      nothing is stopped (a live chunk beside them costs about what it costs alone).
     """
 
     live_margin_s: float = 1.0
