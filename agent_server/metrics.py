@@ -146,6 +146,9 @@ class Metrics:
         self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced", by_model)
         self.preemptions = counter("tts_engine_preemptions", "Job segments whose rows the engine took back for live "
                                    "ones (each starts over later; its caller hears one attempt)", by_model)
+        self.job_rows_paused = counter("tts_engine_job_rows_paused", "Job rows that sat out a decode step while a "
+                                       "live turn sampled its first chunk's ids (CPU; they resume where they stopped)",
+                                       by_model)
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         self._models: tuple[str, ...] = tuple(hub.settings.models)  # the configured ones (the engine's once built)
@@ -157,7 +160,8 @@ class Metrics:
             self._init_labels(protocol)
         for model in self._models:  # the engine's series exist (at 0) before its first step
             for series in (self.steps, self.decode_step, self.prefill, self.vocoder, self.decode_rows,
-                           self.slot_steps, self.prefills, self.audio_produced, self.preemptions):
+                           self.slot_steps, self.prefills, self.audio_produced, self.preemptions,
+                           self.job_rows_paused):
                 series.labels(model)
 
         self._engine: EngineLike | None = None
@@ -197,6 +201,8 @@ class Metrics:
             self.audio_produced.labels(model).inc(stats.audio_s)
         if stats.preempted:
             self.preemptions.labels(model).inc(stats.preempted)
+        if stats.job_rows_paused:
+            self.job_rows_paused.labels(model).inc(stats.job_rows_paused)
 
     def on_event(self, event: ObservedEvent) -> None:
         """The observers hook (event-loop thread)."""

@@ -274,6 +274,7 @@ class StepStats:
     audio_s: float  # seconds of audio emitted this step
     preempted: int  # job segments whose rows this step took back for live ones (Priority)
     model: Variant  # the model whose batch this is
+    job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids (SchedulerConfig)
 
 
 class EngineLike:
@@ -408,6 +409,9 @@ class EngineConfig:
     # Launch step k+1 before reading step k's ids, so that the host's work on them overlaps the device's:
     # "auto" (on with the decode's CUDA graphs), "on", "off". Never with the alignment analyzer.
     overlap_steps: str = "auto"
+    # CPU, fp32 with the C attention kernel: a step decodes only the rows its plan names (T3Runner.compact_rows), so
+    # job rows can sit out a live turn's first ids. False: every row of the bucket, as a GPU step (tests run it).
+    compact_steps: bool = True
     first_chunk_tokens: int = 12
     # Chunks after the first: for seeded requests (reproducible audio) this fixed schedule; otherwise sized by the
     # audio the listener holds, between first_chunk_tokens and the schedule's largest (synth/vocoder_worker.py).

@@ -1,9 +1,9 @@
 /* One decode step's attention for every row and head, float32, with the voice prefix read where it is shared.
  *
  * Built and loaded by synth/decode_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off: see there).
- * For row r and head h:
- *   keys j in [0, visible[r]): j < shared[r] from the row's voice prefix (prefix_k[r] + h * prefix_head[r] + j * dim),
- *                              else from the row's cache (cache_k + r * row_stride + h * head_stride + j * dim);
+ * For q's row r (cache row c = row_ids[r]: a step may decode any set of cache rows) and head h:
+ *   keys j in [0, visible[r]): j < shared[c] from the row's voice prefix (prefix_k[c] + h * prefix_head[c] + j * dim),
+ *                              else from the row's cache (cache_k + c * row_stride + h * head_stride + j * dim);
  *   scores s_j = (q . k_j) * scale, p = softmax(s), out = sum_j p_j v_j.
  * A row's cache holds a copy of the same prefix positions, so the values are the ones the row would read; what
  * changes is where they come from: rows on one voice read one prefix (cache-resident after the first row) instead
@@ -75,7 +75,8 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
 #endif
 }
 
-void decode_attention_f32(int64_t rows, int64_t heads, int64_t dim, float scale, const float *q, float *out,
+void decode_attention_f32(int64_t rows, const int64_t *row_ids, int64_t heads, int64_t dim, float scale,
+                          const float *q, float *out,
                           const float *cache_k, const float *cache_v, int64_t row_stride, int64_t head_stride,
                           const int64_t *prefix_k, const int64_t *prefix_v, const int64_t *prefix_head,
                           const int64_t *shared, const int64_t *visible, int64_t max_keys, float *scratch,
@@ -89,12 +90,13 @@ void decode_attention_f32(int64_t rows, int64_t heads, int64_t dim, float scale,
 #endif
             float *p = scratch + (int64_t)thread_slot * max_keys;
             const float *qrh = q + (r * heads + h) * dim;
+            int64_t row = row_ids[r];  /* the cache row of q's row r (a step may decode any set of rows) */
             int64_t n = visible[r] < max_keys ? visible[r] : max_keys;
-            int64_t split = shared[r] < n ? shared[r] : n;
-            const float *pk = (const float *)(intptr_t)prefix_k[r] + h * prefix_head[r];
-            const float *pv = (const float *)(intptr_t)prefix_v[r] + h * prefix_head[r];
-            const float *ck = cache_k + r * row_stride + h * head_stride;
-            const float *cv = cache_v + r * row_stride + h * head_stride;
+            int64_t split = shared[row] < n ? shared[row] : n;
+            const float *pk = (const float *)(intptr_t)prefix_k[row] + h * prefix_head[row];
+            const float *pv = (const float *)(intptr_t)prefix_v[row] + h * prefix_head[row];
+            const float *ck = cache_k + row * row_stride + h * head_stride;
+            const float *cv = cache_v + row * row_stride + h * head_stride;
             float top = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
                 const float *k = j < split ? pk + j * dim : ck + j * dim;

@@ -38,7 +38,8 @@ def _library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     lib = ckernel.build(SOURCE, flags, purpose="the CPU decode attention")
     fn = lib.decode_attention_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                   ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -96,11 +97,21 @@ class RowPrefixes:
 
 
 def attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor, prefixes: RowPrefixes,
-              layer: int, visible: torch.Tensor, n_keys: int, scale: float) -> torch.Tensor:
+              layer: int, visible: torch.Tensor, n_keys: int, scale: float,
+              row_ids: npt.NDArray[np.int64] | None = None) -> torch.Tensor:
     """q [R, H, 1, D] over each row's keys [0, visible[r]) (at most n_keys): positions below the row's `shared`
-    from its prefix, the others from cache_keys / cache_values [max_rows, H, max_len, D] (contiguous).
-    Returns [R, H, 1, D]."""
+    from its prefix, the others from cache_keys / cache_values [max_rows, H, max_len, D] (contiguous). q's row r is
+    cache row row_ids[r] (default: r). Returns [R, H, 1, D]."""
     rows, heads, _, dim = q.shape
+    cache_rows = min(cache_keys.shape[0], prefixes.shared.shape[0])
+    if row_ids is None:
+        if rows > cache_rows:
+            raise ValueError("more rows than the cache has")
+        row_ids = _identity(rows)
+    elif row_ids.shape != (rows,) or row_ids.dtype != np.int64 or not row_ids.flags.c_contiguous:
+        raise ValueError("row_ids must be a contiguous int64 array with one cache row per row of q")
+    elif rows and (int(row_ids.min()) < 0 or int(row_ids.max()) >= cache_rows):
+        raise ValueError("a row id is outside the cache")
     if not supports(dim):
         raise ValueError(f"head_dim must be a multiple of 16, at most {MAX_HEAD_DIM}")
     if not (cache_keys.is_contiguous() and cache_values.is_contiguous()):
@@ -110,10 +121,18 @@ def attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Ten
     out = torch.empty_like(q)
     threads = torch.get_num_threads()
     scratch = torch.empty(threads * n_keys, dtype=torch.float32)
-    shared: npt.NDArray[np.int64] = prefixes.shared[:rows]
     _library().decode_attention_f32(
-        rows, heads, dim, scale, q.data_ptr(), out.data_ptr(), cache_keys.data_ptr(), cache_values.data_ptr(),
+        rows, row_ids.ctypes.data, heads, dim, scale, q.data_ptr(), out.data_ptr(), cache_keys.data_ptr(),
+        cache_values.data_ptr(),
         cache_keys.stride(0), cache_keys.stride(1), prefixes.keys[layer].ctypes.data,
-        prefixes.values[layer].ctypes.data, prefixes.head_stride.ctypes.data, shared.ctypes.data,
+        prefixes.values[layer].ctypes.data, prefixes.head_stride.ctypes.data, prefixes.shared.ctypes.data,
         visible.data_ptr(), n_keys, scratch.data_ptr(), threads)
     return out
+
+
+@functools.cache
+def _identity(rows: int) -> npt.NDArray[np.int64]:
+    """Cache rows 0 .. rows - 1 (a step over the rows [0, rows) of a bucket)."""
+    ids = np.arange(rows, dtype=np.int64)
+    ids.flags.writeable = False
+    return ids

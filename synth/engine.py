@@ -167,7 +167,7 @@ class Engine(EngineLike):
         self.vocoder_graphs = GraphState(config.vocoder_graphs)
         self.runner: T3Runner = (runner_factory or parts.build_runner)(
             bundle.t3, max_rows=max_rows, max_len=max_len, device=self.device, dtype=parts.dtype,
-            bf16_weights=parts.bf16_weights, cuda_graphs=parts.decode_graphs)
+            bf16_weights=parts.bf16_weights, cuda_graphs=parts.decode_graphs, compact_steps=config.compact_steps)
         self.vocoder_tf32 = parts.vocoder_tf32
         self._vocoder_max_batch = parts.vocoder_max_batch()
         # text tokens one segment may have: its row keeps room for the BOS block and at least one speech token
@@ -185,7 +185,10 @@ class Engine(EngineLike):
             max_slots=self.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama,
-            track_states=config.alignment_analyzer), on_release=self.runner.release)
+            track_states=config.alignment_analyzer,
+            # on a CPU a job row slows every step of a live turn's first chunk; on a GPU it is nearly free
+            pause_jobs_below_ids=config.first_chunk_tokens if self.runner.compact_rows else 0),
+            on_release=self.runner.release)
         # step k+1 launched before step k's ids are read: "auto" with the decode's CUDA graphs (a step is then a few
         # launches the device runs while the host reads the step before; eager, the launches are the step, and a
         # probe of the eager sampler would see the step launched after a segment's end), never with the alignment
@@ -318,7 +321,8 @@ class Engine(EngineLike):
             "vocoder_tf32": self.vocoder_tf32,
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running),
-            "waiting": self.scheduler.n_waiting, "preemptions": self.scheduler.preemptions, "steps": self.steps,
+            "waiting": self.scheduler.n_waiting, "preemptions": self.scheduler.preemptions,
+            "job_rows_paused": self.scheduler.job_rows_paused, "steps": self.steps,
             "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
@@ -588,7 +592,7 @@ class Engine(EngineLike):
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
             prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
-            preempted=len(plan.preempted), model=self.variant))
+            preempted=len(plan.preempted), job_rows_paused=plan.job_rows_paused, model=self.variant))
 
     # --- setup -------------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ NULL_ID_MODULUS = 6000
 
 class NullRunner:
     shared_prefix_attention = False
+    compact_rows = False  # its steps never leave a row out (it keeps no rows)
     use_graphs = False
     graph_parity = ""
 

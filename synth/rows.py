@@ -32,15 +32,18 @@ class RowTable:
         self.decoding: BoolArray = np.zeros(max_rows, np.bool_)  # it decodes at the next step
         self.held: BoolArray = np.zeros(max_rows, np.bool_)  # its ids go to the vocoder only when its segment ends
         # cond rows
+        # its segment is a live turn's first (its session has heard nothing yet): what job rows may sit out for
+        self.first_audio: BoolArray = np.zeros(max_rows, np.bool_)
         self.n_tokens: IntArray = np.zeros(max_rows, np.int64)  # ids read back
         self.n_valid: IntArray = np.zeros(max_rows, np.int64)  # of them, ids the vocoder takes
         self.max_new: IntArray = np.zeros(max_rows, np.int64)  # the segment's limit
         self.tokens = np.zeros((max_rows, max_tokens), np.int32)  # [R, T] the ids read back, in order
 
-    def claim(self, rows: tuple[int, ...], gen: int, next_pos: int, max_new: int, held: bool = False) -> None:
+    def claim(self, rows: tuple[int, ...], gen: int, next_pos: int, max_new: int, held: bool = False,
+              first_audio: bool = False) -> None:
         """A segment admitted now: its first id is sampled at this step (from the prefill), so it decodes from
         the next one (`start_decoding`). `held`: a job segment (its ids are not streamed while it may be
-        preempted)."""
+        preempted). `first_audio`: a live turn's first segment."""
         if max_new > self.max_tokens:
             raise ValueError(f"max_new_tokens {max_new} > the table's {self.max_tokens}")
         index = list(rows)
@@ -51,6 +54,8 @@ class RowTable:
         self.decoding[index] = False
         self.held[index] = held
         cond = rows[0]
+        self.first_audio[index] = False
+        self.first_audio[cond] = first_audio  # on the cond row, beside its valid-id count
         self.n_tokens[cond] = self.n_valid[cond] = 0
         self.max_new[cond] = max_new
 
@@ -61,6 +66,7 @@ class RowTable:
         index = list(rows)
         self.gen[index] = FREE
         self.decoding[index] = False
+        self.first_audio[index] = False
 
     def tokens_of(self, cond_row: int) -> list[int]:
         return [int(t) for t in self.tokens[cond_row, :self.n_tokens[cond_row]]]

@@ -14,6 +14,13 @@
   it is never refused BUSY because jobs hold rows. Nothing of a preempted attempt was delivered: a JOB segment's
   ids are held back from the vocoder stream until its generation ends (`RowTable.held`), and the engine sends its
   STARTED event then too. `preemptions` counts them (and each StepPlan's `preempted`).
+- Job rows sit out a live turn's first ids (`pause_jobs_below_ids`, where the runner decodes any set of rows: the
+  CPU): while a live segment that is its session's first audio has fewer valid ids than that, job rows are left out
+  of the decode step and no job segment is admitted. On a CPU a step's cost grows with its rows (tiny Turbo, one
+  thread: 1.9 ms for one row, 5.1 ms for five), so four job rows beside a live turn would stretch its first chunk's
+  ids 2-3x. A row left out keeps its place: nothing of it advances (position, ids, and in the runner its cache,
+  generator and seen set), so it resumes where it stopped and samples what it would have. It costs the jobs a live
+  turn's first chunk of steps per turn, and nothing is lost. `job_rows_paused` counts the rows left out.
 - At most `prefill_budget` admissions per iteration so running segments keep their pace (live ones first, by the
   order above).
 - When no row is free, a request that may not wait (or any request once the queue is full) is refused; for a LIVE
@@ -63,6 +70,7 @@ class StepPlan:
     decode_segments: int = 0
     decode: list[SegmentState] = field(default_factory=list)  # the decoding segments, with `track_states` only
     preempted: list[SegmentState] = field(default_factory=list)  # job segments whose rows this step took back
+    job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids
 
     @property
     def is_empty(self) -> bool:
@@ -119,6 +127,9 @@ class SchedulerConfig:
     eos_token: int = EOS_DEFAULT
     first_token_may_be_eos: bool = False  # Turbo never EOS-checks its first token
     max_tokens: int = HARD_MAX_NEW_TOKENS  # the most ids one segment may sample
+    # job rows sit out while a live turn's first segment has fewer valid ids than this (0: never; only for a runner
+    # that decodes any set of rows and leaves the others as they are: T3Runner.compact_rows)
+    pause_jobs_below_ids: int = 0
     # keep `StepPlan.decode` and each running segment's `tokens` up to date every step (a Python loop over the
     # rows: only for the alignment analyzer, which reads them)
     track_states: bool = False
@@ -142,6 +153,7 @@ class Scheduler:
         self._admitted: list[SegmentState] = []  # this step's admissions, until `plan`
         self._preempted: list[SegmentState] = []  # this step's preemptions, until `plan`
         self.preemptions = 0  # job segments preempted so far
+        self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids, so far
 
     # --- queries -----------------------------------------------------------------------------------------
 
@@ -237,7 +249,13 @@ class Scheduler:
         admitted segments (claimed, not decoding yet) are prefilled."""
         table = self.table
         admitted, self._admitted = self._admitted, []
-        rows = np.flatnonzero(table.decoding)
+        decoding = table.decoding
+        paused = 0
+        if self._jobs_sit_out():
+            paused = int(np.count_nonzero(decoding & table.held))
+            decoding = decoding & ~table.held
+            self.job_rows_paused += paused
+        rows = np.flatnonzero(decoding)
         feed = table.feed[rows]
         pos = table.next_pos[rows]
         speech_pos = table.launched[rows]
@@ -253,7 +271,7 @@ class Scheduler:
                         decode_feed=feed, sample_rows=sample_rows, sample_gens=table.gen[sample_rows],
                         sample_next_pos=table.next_pos[sample_rows], rows_needed=rows_needed,
                         longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size),
-                        preempted=self._preempted)
+                        preempted=self._preempted, job_rows_paused=paused)
         self._preempted = []
         for state in admitted:  # their first id comes from this step's prefill: they decode from the next
             table.start_decoding(state.rows)
@@ -319,12 +337,19 @@ class Scheduler:
     def _fits(self, state: SegmentState) -> bool:
         return len(self.running) < self.config.max_slots and len(self._free_rows) >= self._rows_needed(state)
 
+    def _jobs_sit_out(self) -> bool:
+        """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`."""
+        below = self.config.pause_jobs_below_ids
+        table = self.table
+        return below > 0 and bool((table.first_audio & (table.n_valid < below)).any())
+
     def _can_start(self, state: SegmentState) -> bool:
-        """A free slot and rows now, or for a live segment, once job segments give theirs back."""
+        """A free slot and rows now, or for a live segment, once job segments give theirs back. A job segment
+        waits while job rows sit out."""
+        if not state.is_live:
+            return self._fits(state) and not self._jobs_sit_out()
         if self._fits(state):
             return True
-        if not state.is_live:
-            return False
         jobs = [s for s in self.running if not s.is_live]
         return bool(jobs) and len(self.running) - len(jobs) < self.config.max_slots and (
             len(self._free_rows) + sum(len(s.rows) for s in jobs) >= self._rows_needed(state))
@@ -349,7 +374,8 @@ class Scheduler:
         state.tokens = []
         for row in rows:
             self._row_owner[row] = state
-        self.table.claim(rows, state.gen, state.next_pos, state.max_new_tokens, held=not state.is_live)
+        self.table.claim(rows, state.gen, state.next_pos, state.max_new_tokens, held=not state.is_live,
+                         first_audio=state.is_live and state.request.first_audio_pending)
         self.running.append(state)
 
     def _release(self, state: SegmentState) -> None:

@@ -35,6 +35,9 @@ INT_FIELDS = (
     "keys",  # keys [0, keys) of the row are visible after the write (1 for idle rows)
     "partner",  # the row whose logits are this row's CFG uncond logits (itself without CFG)
     "reset",  # 1 on the step that samples a segment's first token: its seen-token set restarts at {BOS}
+    # not per row: a compact step's rows (T3Runner.compact_rows), the first `decode_rows_n` / `sample_rows_n` entries
+    "decode_rows",  # the rows it decodes (`plan.decode_rows`)
+    "sample_rows",  # the rows it samples (`plan.sample_rows`: cond rows, decoding and admitted)
 )
 # per-row float32 sampling parameters
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "cfg_weight")
@@ -113,6 +116,7 @@ class StepInputs:
         self._dev_int = {n: dev_ints[i] for i, n in enumerate(INT_FIELDS)}
         self._dev_float = {n: dev_floats[i] for i, n in enumerate(FLOAT_FIELDS)}
         self.ints["partner"][:] = np.arange(max_rows)
+        self.decode_rows_n = self.sample_rows_n = 0  # entries of "decode_rows" / "sample_rows" (`write_plan`)
         for name, value in FLOAT_DEFAULTS.items():
             self.floats[name][:] = value
         self.idle_rows(max_rows)
@@ -150,6 +154,9 @@ class StepInputs:
             ints["keys"][rows] = plan.decode_pos + 1
         for state in plan.prefill:
             ints["reset"][list(state.rows)] = 1
+        self.decode_rows_n, self.sample_rows_n = int(rows.size), int(plan.sample_rows.size)
+        ints["decode_rows"][:self.decode_rows_n] = rows
+        ints["sample_rows"][:self.sample_rows_n] = plan.sample_rows
 
     def upload(self) -> None:
         """The step's one host-to-device copy (on CUDA non-blocking, from the staging buffer not used last)."""

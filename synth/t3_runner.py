@@ -29,6 +29,13 @@ step's inputs come from the plan as numpy arrays over its rows (one write per fi
 row feeds the id its cond row sampled at the step before straight from the device buffer: no step needs the host to
 have read the one before, so the engine may launch step k+1 before it reads step k's ids (`StepOutput.result`).
 
+Compact steps (CPU, fp32, the C attention kernel, no alignment analyzer: `compact_rows`): a step decodes and samples
+only the rows its plan names, gathered, not every row of the bucket. Rows between them cost nothing, and a row left
+out of a step keeps everything it has: its cache (nothing is written), its generator (no draw) and its seen set. That
+is what lets the scheduler leave job rows out of a live turn's first steps (SchedulerConfig.pause_jobs_below_ids)
+and resume them later with the same ids. A row's bits are the same in a compact step as in a bucket (row-invariant
+projections and attention, below), so seeded tokens do not change.
+
 CUDA graphs (`capture_graphs`, start-up only): every (row bucket, key bucket) decode step and every row bucket's
 sampling, captured in thread-local mode, then `check_graphs` replays each beside the eager function on the same
 inputs. Any failure is reported to the caller, which serves eagerly (`drop_graphs`) or refuses to start.
@@ -54,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from chatterbox.models.t3 import T3
@@ -72,6 +80,7 @@ log = logging.getLogger(__name__)
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # a sampling hook: rewrites rows of the guided logits [rows, V] (the multilingual alignment analyzer)
+Compact = tuple[str, int]  # a compact step's rows: the StepInputs field that holds them, and how many
 EditGuided = Callable[[torch.Tensor], torch.Tensor]
 
 PREFIX_CACHE_ENTRIES = 64  # voice prefixes kept (per voice and exaggeration), least recently used dropped
@@ -176,7 +185,8 @@ def fuse_qkv_(t3: T3) -> list[torch.nn.Linear]:
 
 class T3Runner:
     def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
-                 packed_linears: bool = True, bf16_weights: bool = False, cuda_graphs: bool = False) -> None:
+                 packed_linears: bool = True, bf16_weights: bool = False, cuda_graphs: bool = False,
+                 compact_steps: bool = True) -> None:
         self.t3 = t3.to(device=device, dtype=dtype).eval()
         self.qkv = [] if t3.is_gpt else fuse_qkv_(self.t3)  # Llama: one q/k/v projection per layer
         split = {id(m) for layer in ([] if t3.is_gpt else self.t3.tfmr.layers)
@@ -254,6 +264,12 @@ class T3Runner:
         self._prefixes: OrderedDict[tuple[str, float], PrefixKV] = OrderedDict()
         self.bos_positions = 1 if self.is_gpt else 2
         self.analyzer = False  # the multilingual alignment analyzer per segment (`use_analyzer`)
+        self.compact_steps = compact_steps
+
+    @property
+    def compact_rows(self) -> bool:
+        """Steps decode and sample only their plan's rows (the module docstring); else every row of the bucket."""
+        return self.compact_steps and self.shared_prefix_attention and not self.analyzer and not self.use_graphs
 
     @property
     def usable_len(self) -> int:
@@ -383,11 +399,24 @@ class T3Runner:
         prefill_ms = (time.perf_counter() - t0) * 1e3
         n_rows, n_keys = self._write_inputs(plan)
         self.inputs.upload()  # the step's one host-to-device copy
+        if self.compact_rows:
+            return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms)
         if plan.decode_rows.size:
             self.decode(n_rows, n_keys, capture=self.analyzer and any(s.aligner is not None for s in plan.decode))
         if prefill_logits is not None:
             self.place_logits([item.row for item in items], prefill_logits)
         self.sample(n_rows, self._analyzer_edit(plan, items) if self.analyzer else None)
+        return self._read_back(plan, n_rows, prefill_ms)
+
+    def _execute_compact(self, plan: StepPlan, items: list[PrefillItem], prefill_logits: torch.Tensor | None,
+                         n_rows: int, n_keys: int, prefill_ms: float) -> StepOutput:
+        """`execute` over the plan's rows only: it decodes its decoding rows and samples its sample rows (cond rows;
+        CFG uncond rows are read as partners), as uploaded (StepInputs.write_plan: "decode_rows", "sample_rows")."""
+        if plan.decode_rows.size:
+            self.decode(n_rows, n_keys, compact=("decode_rows", self.inputs.decode_rows_n))
+        if prefill_logits is not None:
+            self.place_logits([item.row for item in items], prefill_logits)
+        self.sample(n_rows, compact=("sample_rows", self.inputs.sample_rows_n))
         return self._read_back(plan, n_rows, prefill_ms)
 
     def _write_inputs(self, plan: StepPlan) -> tuple[int, int]:
@@ -486,20 +515,25 @@ class T3Runner:
         """(row bucket, key bucket) holding rows [0, highest_row] and `longest_row_keys` keys per row."""
         return bucket(self.row_buckets, highest_row + 1), bucket(self.key_buckets, longest_row_keys)
 
-    def decode(self, n_rows: int, n_keys: int, capture: bool = False) -> torch.Tensor:
+    def decode(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None) -> torch.Tensor:
         """One token for every row in [0, n_rows) (a row bucket), from the uploaded `inputs`: writes and
-        returns logits [n_rows, V] fp32 (a view of the static `logits`)."""
-        if capture and self.capture_heads:
+        returns logits [n_rows, V] fp32 (a view of the static `logits`). `compact` (`compact_rows`): only the
+        rows of this input field (its first n entries)."""
+        if compact is not None:
+            self._decode_eager(n_rows, n_keys, capture, compact=compact)
+        elif capture and self.capture_heads:
             self._decode_eager(n_rows, n_keys, capture=True)
         else:
             self._decode_graph(n_rows, n_keys)()
         return self.logits[:n_rows]
 
-    def sample(self, n_rows: int, edit_guided: EditGuided | None = None) -> torch.Tensor:
+    def sample(self, n_rows: int, edit_guided: EditGuided | None = None, compact: Compact | None = None
+               ) -> torch.Tensor:
         """Sample every row in [0, n_rows) from `logits` with its own parameters and generator: writes and
-        returns the ids [n_rows] (a view of the static `sampled`)."""
-        if edit_guided is not None:
-            self._sample_eager(n_rows, edit_guided)
+        returns the ids [n_rows] (a view of the static `sampled`). `compact` (`compact_rows`): only the rows of
+        this input field (its first n entries)."""
+        if edit_guided is not None or compact is not None:
+            self._sample_eager(n_rows, edit_guided, compact=compact)
         else:
             self._sample_graph(n_rows)()
         return self.sampled[:n_rows]
@@ -630,17 +664,22 @@ class T3Runner:
             self._graph_pool = graph.pool()
         return graph
 
-    def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False) -> None:
-        """The decode step over static buffers: no host value read, no allocation that depends on the batch."""
+    def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None) -> None:
+        """The decode step over static buffers: no host value read, no allocation that depends on the batch.
+        `compact`: decode only the rows that input field names, not the bucket [0, n_rows)."""
         inp, cache, scale = self.inputs, self.cache, self.scale
-        feed = inp.device_int("feed")[:n_rows]  # [R]: the row whose last sampled id it feeds, -1: `token`
+        rows, row_ids = self._step_rows(compact)
+        take = _taker(n_rows, row_ids)
+        feed = take(inp.device_int("feed"))  # [R]: the row whose last sampled id it feeds, -1: `token`
         token = torch.where(feed >= 0, self.sampled.index_select(0, feed.clamp(min=0)),
-                            inp.device_int("token")[:n_rows])  # [R]
-        pos = inp.device_int("pos")[:n_rows]  # [R]
-        write = inp.device_int("write")[:n_rows]  # [R]
-        keys_visible = inp.device_int("keys")[:n_rows]  # [R]
-        rows = self._row_index[:n_rows]
-        embeds = self.speech_embeds(token, inp.device_int("speech_pos")[:n_rows]).to(self.dtype)  # [R, 1, dim]
+                            take(inp.device_int("token")))  # [R]
+        pos = take(inp.device_int("pos"))  # [R]
+        write = take(inp.device_int("write"))  # [R]
+        keys_visible = take(inp.device_int("keys"))  # [R]
+        cache_rows = row_ids if row_ids is not None else self._row_index[:n_rows]
+        if compact is not None and (capture or not self.shared_prefix_attention):
+            raise ValueError("a compact step needs the C attention kernel and no captured heads")
+        embeds = self.speech_embeds(token, take(inp.device_int("speech_pos"))).to(self.dtype)  # [R, 1, dim]
         mask = (self._key_index[None, :n_keys] < keys_visible[:, None])[:, None, None, :]  # [R, 1, 1, L]
         hidden_keys = self._key_index[None, :n_keys] >= keys_visible[:, None]  # [R, L]: ~mask, computed once
         hidden = hidden_keys[:, None, None, :]  # [R, 1, 1, L]
@@ -651,7 +690,7 @@ class T3Runner:
             self.captured_decode = {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write(layer, rows, write, k[:, :, 0], v[:, :, 0])
+            cache.write(layer, cache_rows, write, k[:, :, 0], v[:, :, 0])
             keys, values = all_keys[layer], all_values[layer]  # [R, H, L, D]
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
                 if captured_layer == layer:
@@ -660,11 +699,22 @@ class T3Runner:
                     self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
             if self.shared_prefix_attention:
                 return decode_attention.attention(q, cache.keys[layer], cache.values[layer], self.row_prefixes, layer,
-                                                  keys_visible, n_keys, scale)
+                                                  keys_visible, n_keys, scale, row_ids=rows)
             return self._attention(q, keys, values, mask, hidden)  # [R, H, 1, D]
 
         last = self._layers(embeds, pos[:, None], attend)
-        self.logits[:n_rows].copy_(self._lin(self.t3.speech_head, last[:, -1]))
+        logits = self._lin(self.t3.speech_head, last[:, -1])
+        if row_ids is not None:
+            self.logits.index_copy_(0, row_ids, logits.float())
+        else:
+            self.logits[:n_rows].copy_(logits)
+
+    def _step_rows(self, compact: Compact | None) -> tuple[npt.NDArray[np.int64] | None, torch.Tensor | None]:
+        """A compact step's rows, on the host and uploaded (None, None: the whole bucket)."""
+        if compact is None:
+            return None, None
+        field, n = compact
+        return self.inputs.ints[field][:n], self.inputs.device_int(field)[:n]
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                    hidden: torch.Tensor) -> torch.Tensor:
@@ -685,28 +735,39 @@ class T3Runner:
         out = torch.matmul(probs, values)
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
-    def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None) -> None:
-        """Sampling over static buffers, every row with its own parameters, seen set and generator."""
+    def _sample_eager(self, n_rows: int, edit_guided: EditGuided | None = None, compact: Compact | None = None
+                      ) -> None:
+        """Sampling over static buffers, every row with its own parameters, seen set and generator. `compact`: only
+        the rows that input field names; the others keep their seen sets and generators as they are."""
         inp = self.inputs
-        logits = self.logits[:n_rows]  # [R, V] fp32
-        seen = self.seen[:n_rows]  # [R, V]
-        reset = inp.device_int("reset")[:n_rows].bool()  # [R]: a segment's first token: seen = {BOS}
+        rows, row_ids = self._step_rows(compact)
+        take = _taker(n_rows, row_ids)
+        logits = take(self.logits)  # [R, V] fp32
+        seen = take(self.seen)  # [R, V] (a copy in a compact step: written back below)
+        reset = take(inp.device_int("reset")).bool()  # [R]: a segment's first token: seen = {BOS}
         seen.logical_and_(~reset[:, None])
         seen[:, self.start_speech_token].logical_or_(reset)
-        params = RowParams(**{name: inp.device_float(name)[:n_rows, None] for name in FLOAT_FIELDS})
-        noise = self.noise[:n_rows]
-        for row in range(n_rows):  # one draw per row from the row's own generator, as torch.multinomial draws it
+        params = RowParams(**{name: take(inp.device_float(name))[:, None] for name in FLOAT_FIELDS})
+        # one draw per row from the row's own generator, as torch.multinomial draws it
+        for row in (range(n_rows) if rows is None else rows.tolist()):
             self._noise_rows[row].exponential_(1.0, generator=self.generators[row])
+        noise = take(self.noise)
         if self.is_gpt:
             tokens = sample_gpt2(logits, seen, params, noise)
             # inference_turbo penalises BOS only for its first token; afterwards only generated ids count
-            first = inp.device_int("speech_pos")[:n_rows] == 0
+            first = take(inp.device_int("speech_pos")) == 0
             seen.logical_and_(~first[:, None])
         else:
-            uncond = logits.index_select(0, inp.device_int("partner")[:n_rows])  # [R, V]
+            # a partner outside the bucket is an error (tests/synth/test_t3_runner.py); a compact step reads any row
+            partners = logits if row_ids is None else self.logits
+            uncond = partners.index_select(0, take(inp.device_int("partner")))  # [R, V]
             tokens = sample_llama(logits, uncond, seen, params, noise, edit_guided)
         seen.scatter_(1, tokens[:, None], True)
-        self.sampled[:n_rows].copy_(tokens)
+        if row_ids is not None:
+            self.seen.index_copy_(0, row_ids, seen)
+            self.sampled.index_copy_(0, row_ids, tokens)
+        else:
+            self.sampled[:n_rows].copy_(tokens)
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
                     collect: bool = False, capture: bool = False
@@ -847,3 +908,10 @@ class T3Runner:
         if self._gelu_tanh:
             return F.gelu(x, approximate="tanh")
         return cast(torch.Tensor, self.t3.tfmr.h[0].mlp.act(x))
+
+
+def _taker(n_rows: int, row_ids: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows of a per-row buffer for one step: the bucket [0, n_rows) (views), or the compact step's rows (copies)."""
+    if row_ids is None:
+        return lambda buffer: buffer[:n_rows]
+    return lambda buffer: buffer.index_select(0, row_ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +89,23 @@ def test_a_rows_bits_do_not_depend_on_its_batch_bucket_or_threads() -> None:
                 assert torch.equal(part, full[:rows]), (threads, rows, n_keys)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_any_set_of_cache_rows_gives_each_row_the_bits_it_has_in_the_full_batch() -> None:
+    """A step that decodes only some rows (the runner's compact CPU step: job rows sitting out a live turn's first
+    ids, or idle rows between running ones) passes their cache rows: q's row r reads cache row row_ids[r], its own
+    prefix and its own length, and gets the bits it gets in the batch of every row."""
+    cache_k, cache_v, _, prefixes, _, visible = setup()
+    q = torch.randn(MAX_ROWS, HEADS, 1, DIM, generator=torch.Generator().manual_seed(5))
+    full = decode_attention.attention(q, cache_k[1], cache_v[1], prefixes, 1, visible, 80, SCALE)
+    for picked in ([3], [1, 4], [0, 2, 5], [5, 0]):
+        ids = np.array(picked, dtype=np.int64)
+        part = decode_attention.attention(q[ids], cache_k[1], cache_v[1], prefixes, 1, visible[ids], 80, SCALE,
+                                          row_ids=ids)
+        assert torch.equal(part, full[ids]), picked
+    with pytest.raises(ValueError, match="outside the cache"):
+        decode_attention.attention(q[:1], cache_k[1], cache_v[1], prefixes, 1, visible[:1], 80, SCALE,
+                                   row_ids=np.array([MAX_ROWS], dtype=np.int64))
 
 
 def test_the_lane_tree_as_vector_halves_gives_the_bits_of_the_tree_through_memory(

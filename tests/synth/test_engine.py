@@ -423,10 +423,11 @@ def test_a_warm_up_that_fails_leaves_the_engine_not_ready_with_the_reason() -> N
         eng.stop()
 
 
-def _ops_per_decode_step(variant: str, sessions: int, voices: int) -> Counter[str]:
+def _ops_per_decode_step(variant: str, sessions: int, voices: int, compact: bool) -> Counter[str]:
     """The aten ops of one steady-state engine step (every segment decoding, none admitted), driven on this
     thread (the engine thread is not started)."""
-    eng = make_engine(variant, render_audio=False, max_slots=8)  # type: ignore[arg-type]
+    eng = make_engine(variant, render_audio=False, max_slots=8, compact_steps=compact)  # type: ignore[arg-type]
+    assert eng.runner.compact_rows == (compact and TEST_DEVICE == "cpu")
     bundle = tiny_bundle(variant)  # type: ignore[arg-type]
     for v in range(voices):
         eng.voices.add(synthetic_voice(bundle, f"v{v}", 40 + v))
@@ -445,16 +446,21 @@ def _ops_per_decode_step(variant: str, sessions: int, voices: int) -> Counter[st
     return counter.ops
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["bucket", "compact"])
 @pytest.mark.parametrize("variant", ["english", "turbo"])
-def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(variant: str) -> None:
+def test_ops_per_decode_step_do_not_grow_with_voices_or_rows_inside_a_bucket(variant: str, compact: bool) -> None:
     """One attention call per layer over a prefix copied into each row: 8 segments on 8 voices run the same
     ops as on 1 voice, and 5 segments (same row bucket) the same as 8. No op reads a device value back
-    (`.item()` is `_local_scalar_dense`); the step's one host sync, `.tolist()`, dispatches no op."""
-    one_voice = _ops_per_decode_step(variant, 8, 1)
-    eight_voices = _ops_per_decode_step(variant, 8, 8)
-    fewer_rows = _ops_per_decode_step(variant, 5, 2)
-    assert sum(one_voice.values()) == sum(eight_voices.values()) == sum(fewer_rows.values())
-    assert one_voice == eight_voices == fewer_rows
+    (`.item()` is `_local_scalar_dense`); the step's one host sync, `.tolist()`, dispatches no op. The CPU's compact
+    step (only the plan's rows, no bucket) differs by one op per segment, the draw from its own generator."""
+    one_voice = _ops_per_decode_step(variant, 8, 1, compact)
+    eight_voices = _ops_per_decode_step(variant, 8, 8, compact)
+    fewer_rows = _ops_per_decode_step(variant, 5, 2, compact)
+    assert one_voice == eight_voices
+    if compact:
+        assert one_voice - fewer_rows == Counter({"aten.exponential_": 3}) and not fewer_rows - one_voice
+    else:
+        assert one_voice == fewer_rows
     assert one_voice["aten._local_scalar_dense"] == 0
 
 

@@ -18,7 +18,7 @@ from synth.api import AudioChunk, EventKind, Priority, SamplingParams, SegmentEv
 from synth.engine import Engine
 from synth.request import Status
 
-from tests.synth.conftest import Collector, make_engine, tiny_bundle
+from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, tiny_bundle
 
 JOB_TEXTS = ["The first job segment, read back later.", "A second one, somewhat longer than that.",
              "And a third, to fill the batch."]
@@ -103,3 +103,43 @@ def test_a_live_arrival_preempts_a_job_that_restarts_silently_with_the_same_toke
         assert np.array_equal(_pcm(got, rid), _pcm(alone, f"alone-{k}")), f"{rid}: audio differs from its run alone"
     events = [e for e in got.events["job-2"] if isinstance(e, SegmentEvent | AudioChunk)]
     assert isinstance(events[0], SegmentEvent) and events[0].kind == EventKind.STARTED
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU policy: only the CPU's compact step leaves rows out "
+                    "(on a GPU a job row costs a live turn next to nothing)")
+def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_with_the_same_tokens_and_audio(engine: Engine) -> None:
+    """While a live turn's first segment samples its first chunk's ids, the job rows are left out of the decode
+    step (on a CPU each row costs the step time); they resume where they stopped, each with its own cache, generator
+    and seen set untouched, so every segment samples and says exactly what it says alone."""
+    assert engine.runner.compact_rows and engine.scheduler.config.pause_jobs_below_ids == 6
+    alone = Collector()
+    for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
+                         ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
+        engine.submit(request)
+        _step_until_done(engine, alone, [rid])
+
+    got = Collector()
+    engine.submit(_job(got, "job-0", 0))
+    engine.submit(_job(got, "job-1", 1))
+    for _ in range(4):
+        engine._step()
+    jobs = list(engine.scheduler.running)
+    assert len(jobs) == 2 and all(not s.is_live for s in jobs)
+    engine.submit(_request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE))
+    engine._step()  # the live segment is prefilled into the free row: nothing is preempted
+    live = next(s for s in engine.scheduler.running if s.is_live)
+    before = [engine.scheduler.tokens_sampled(s) for s in jobs]
+    paused_steps = 0
+    while engine.scheduler.tokens_sampled(live) < 5 and live.status == Status.RUNNING:
+        engine._step()
+        paused_steps += 1
+    assert paused_steps >= 3 and engine.scheduler.preemptions == 0
+    # the job rows sat out those steps (one step already in flight may still have carried them)
+    assert [engine.scheduler.tokens_sampled(s) for s in jobs] <= [b + 1 for b in before]
+    assert engine.scheduler.job_rows_paused >= 2 * (paused_steps - 1)
+    assert engine.status()["job_rows_paused"] == engine.scheduler.job_rows_paused
+    _step_until_done(engine, got, ["job-0", "job-1", "live"])
+
+    for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):
+        assert got.tokens(rid) == alone.tokens(reference), f"{rid}: tokens differ from its run alone"
+        assert np.array_equal(_pcm(got, rid), _pcm(alone, reference)), f"{rid}: audio differs from its run alone"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from synth.api import EventKind, SegmentEvent, SegmentRequest, Variant
+from synth.api import EventKind, Priority, SegmentEvent, SegmentRequest, Variant
 from synth.engine import Engine
 from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE
@@ -35,6 +35,7 @@ from tests.synth.test_reference_equivalence import (
 )
 
 VARIANTS: list[Variant] = ["english", "turbo"]
+MAX_STEPS = 2000  # a hand-stepped engine gives up here
 
 
 @dataclass
@@ -220,3 +221,33 @@ def test_overlapped_steps_say_the_reference_tokens(peaky: Peaky, schedule: str) 
         collector.wait_done([c.request_id for c in peaky.cases])
         peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, schedule)
         assert not engine.scheduler.running
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU policy: only the CPU's compact step leaves rows out")
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "bucket"])
+def test_job_rows_sitting_out_a_live_turns_first_ids_say_the_reference_tokens(peaky: Peaky, compact: bool) -> None:
+    """Every case but the last as a job segment; once they decode, the last arrives as a live turn's first segment,
+    in the row above theirs. On the CPU's compact step the job rows sit out its first chunk's ids (nothing of them
+    is written or drawn meanwhile) and then resume; the bucket step (compact_steps=False) never pauses. Either way
+    every case says its reference tokens, and the compact engine did pause."""
+    *jobs, last = peaky.cases
+    engine = _engine(peaky.bundle, peaky.variant, len(peaky.cases), compact_steps=compact)
+    assert engine.runner.compact_rows == compact
+    collector = Collector()
+    with torch.no_grad():
+        for case in jobs:
+            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
+        for _ in range(3):
+            engine._step()
+        assert len(engine.scheduler.running) == len(jobs)
+        engine.submit(_request(last, collector))  # live, its session's first audio
+        for _ in range(MAX_STEPS):
+            if engine.scheduler.idle:
+                break
+            engine._step()
+    assert engine.scheduler.idle and engine.scheduler.preemptions == 0
+    if compact:
+        assert engine.scheduler.job_rows_paused >= len(jobs) * (1 if peaky.variant == "turbo" else 2) * 3
+    else:
+        assert engine.scheduler.job_rows_paused == 0
+    peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, "job rows sat out")
