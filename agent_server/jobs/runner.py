@@ -81,13 +81,15 @@ class JobRunner:
     def __init__(self, store: JobStore, render: Render, *, webhooks: WebhookSender | None = None,
                  max_jobs: int = DEFAULT_MAX_JOBS, segments_in_flight: Window = 1, poll_s: float = DEFAULT_POLL_S,
                  renew_s: float | None = None, clock: Callable[[], float] = time.time,
-                 offload: Offload = asyncio.to_thread) -> None:
+                 offload: Offload = asyncio.to_thread, on_done: Callable[[Job], None] | None = None) -> None:
+        """`on_done`: told each job this replica finished DONE (the service makes its file then)."""
         if max_jobs < 1 or (isinstance(segments_in_flight, int) and segments_in_flight < 1):
             raise ValueError("max_jobs and segments_in_flight must be >= 1")
         self.store = store
         self.stats = RunnerStats()
         self._render = render
         self._webhooks = webhooks
+        self._on_done = on_done
         self.max_jobs = max_jobs
         self.segments_in_flight = segments_in_flight
         self.poll_s = poll_s
@@ -277,6 +279,8 @@ class JobRunner:
             self.stats.jobs_failed += 1
         log.info("job_finished", job_id=job_id, status=job.status.wire, segments=job.segments_done,
                  audio_s=round(job.audio_seconds, 2), error=error)
+        if job.status == JobStatus.DONE and self._on_done is not None:
+            self._on_done(job)
         self._notify(job)
 
     def _notify(self, job: Job) -> None:

@@ -41,7 +41,7 @@ from agent_server.jobs.assembly import AudioFiles
 from agent_server.jobs.model import STATUS_NOT_FOUND, Job, JobError
 from agent_server.jobs.redis_store import RedisJobStore
 from agent_server.jobs.render import EngineRender
-from agent_server.jobs.request import DEFAULT_MAX_JOB_CHARS
+from agent_server.jobs.request import DEFAULT_MAX_JOB_CHARS, job_format
 from agent_server.jobs.runner import JobRunner
 from agent_server.jobs.sqlite_store import SqliteJobStore
 from agent_server.jobs.store import DEFAULT_JOB_TTL_S, DEFAULT_VISIBILITY_S, JobStore, KeyLimits, Usage
@@ -104,7 +104,7 @@ class JobService:
         self.render = EngineRender(hub)
         self.runner = JobRunner(self.store, self.render, webhooks=WebhookSender(self.allow, self.secret_of),
                                 max_jobs=max(1, config.workers or hub.settings.max_slots.default or 1),
-                                segments_in_flight=self._window)
+                                segments_in_flight=self._window, on_done=self._prepare_file)
         self.api = JobsApi(self.store, self.files, route=lambda language: hub.port.router.route(language=language),
                            key_of=key_of,
                            limits_for=lambda _key_id: config.limits, webhook_allow=self.allow,
@@ -163,6 +163,7 @@ class JobService:
 
     async def stop(self) -> None:
         await self.stop_work()
+        await self.files.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -172,6 +173,10 @@ class JobService:
             self.started = False
         if self._redis is not None:
             await self._redis.aclose()
+
+    def _prepare_file(self, job: Job) -> None:
+        """A job this replica finished: its file in its own format, made now (AudioFiles.prepare)."""
+        self.files.prepare(self.store, job, job.output_format, job_format(job.output_format))
 
     async def _run_when_ready(self) -> None:
         await self.hub.became_ready.wait()

@@ -154,6 +154,31 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "preempted"}
 
 
+def test_the_replica_that_finishes_a_job_makes_its_file_before_anyone_asks(tmp_path: Path) -> None:
+    """Clients poll for `done` and then ask for a range: the file of the job's own format is made when the job
+    finishes (not on that first request, which locust measured at ~4 s on a loaded server), and the request is
+    served from it, byte for byte the uninterrupted run's; another format is still made on request."""
+    engine = FakeEngine(max_slots=4)
+    with serving(tmp_path, engine) as server:
+        files = jobs_of(server).files
+        job_id = submit(server, {"text": TEXT, "seed": 5, "output_format": "mp3"})
+        wait_status(server, job_id, "done")
+        made = files.directory / f"{job_id}.mp3"
+        deadline_s = time.monotonic() + 30
+        while not made.exists():
+            assert time.monotonic() < deadline_s, "the finished job's file was not made"
+            time.sleep(0.02)
+        assert files.prepared == 1
+        built = made.stat().st_ino  # a build writes a new file and renames it over the old
+        expected = expected_file(TEXT, 5, "mp3")
+        response = httpx.get(f"{server.http_url}/v1/jobs/{job_id}/audio", headers={"Range": "bytes=100-"},
+                             timeout=30)
+        assert response.status_code == 206 and response.content == expected[100:]
+        assert made.stat().st_ino == built and files.prepared == 1  # served from it, not made again
+        assert audio_of(server, job_id, "wav") == expected_file(TEXT, 5, "wav")  # made on request
+        assert not (files.directory / f"{job_id}.flac").exists()
+
+
 def test_a_jobs_language_picks_the_model_as_the_native_protocol_does(tmp_path: Path) -> None:
     """A server with Turbo (the default) and Multilingual: a job in French is spoken by Multilingual (its segments
     ask for it, in French), a job without a language by Turbo; a language neither speaks is refused at submit with
