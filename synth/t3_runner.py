@@ -79,8 +79,8 @@ log = logging.getLogger(__name__)
 
 # attend(layer, q, k, v) -> attention output; q, k, v: [B, H, S, D] for the new positions
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# a sampling hook: rewrites rows of the guided logits [rows, V] (the multilingual alignment analyzer)
 Compact = tuple[str, int]  # a compact step's rows: the StepInputs field that holds them, and how many
+# a sampling hook: rewrites rows of the guided logits [rows, V] (the multilingual alignment analyzer)
 EditGuided = Callable[[torch.Tensor], torch.Tensor]
 
 PREFIX_CACHE_ENTRIES = 64  # voice prefixes kept (per voice and exaggeration), least recently used dropped
