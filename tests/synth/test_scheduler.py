@@ -377,3 +377,43 @@ def test_shared_admissions_go_by_rank_across_models_then_to_the_model_served_lea
     assert shared.admit(3) == [2, 1] and b.plan().prefill == [b_later]  # b's later segment before a's job
     assert job.status == Status.WAITING and all(s.status == Status.RUNNING for s in burst)
     assert shared.admit(8) == [1, 0] and job in a.running
+
+
+def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped() -> None:
+    """pause_jobs_below_ids=3: while a live first segment has < 3 valid ids, the job rows are left out of the plan
+    (their positions stay) and no job segment is admitted; then they decode again from where they stopped. A live
+    segment whose session has heard audio (not its first) pauses nothing; with 0 (a GPU) nothing ever pauses."""
+    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    job = _job("j")
+    sched.add(job)
+    _run(sched, 3)
+    job_row = job.rows[0]
+    pos_before = int(sched.table.next_pos[job_row])
+    live, queued = _state("live"), _job("queued")  # a CFG segment: its valid ids are counted on its cond row
+    assert sched.add(live) and sched.add(queued)
+    plan = sched.schedule()  # the live segment is prefilled; the job row sits out already
+    assert plan.prefill == [live] and job_row not in plan.decode_rows.tolist() and plan.job_rows_paused == 1
+    _update(sched, plan, [7] * plan.sample_rows.size)
+    for _ in range(2):  # its 2nd and 3rd ids: the job still sits out, the queued job waits
+        plan = sched.schedule()
+        assert plan.decode_rows.tolist() == list(live.rows) and plan.prefill == [] and plan.job_rows_paused == 1
+        _update(sched, plan, [7] * plan.sample_rows.size)
+    assert int(sched.table.next_pos[job_row]) == pos_before and queued.status == Status.WAITING
+    plan = sched.schedule()  # 3 valid ids: the job decodes again, at its old position, and the queued one starts
+    assert job_row in plan.decode_rows.tolist() and plan.prefill == [queued] and plan.job_rows_paused == 0
+    assert int(plan.decode_pos[plan.decode_rows.tolist().index(job_row)]) == pos_before
+    assert sched.job_rows_paused == 3
+
+    later = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    job = _job("j")
+    later.add(job)
+    _run(later, 2)
+    later.add(_state("second", cfg=False, first=False))  # its session has heard audio
+    assert job.rows[0] in later.schedule().decode_rows.tolist() and later.job_rows_paused == 0
+
+    gpu = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4)
+    job = _job("j")
+    gpu.add(job)
+    _run(gpu, 2)
+    gpu.add(_state("live", cfg=False))
+    assert job.rows[0] in gpu.schedule().decode_rows.tolist() and gpu.job_rows_paused == 0
