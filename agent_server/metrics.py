@@ -149,6 +149,9 @@ class Metrics:
         self.job_rows_paused = counter("tts_engine_job_rows_paused", "Job rows that sat out a decode step while a "
                                        "live turn sampled its first chunk's ids (CPU; they resume where they stopped)",
                                        by_model)
+        self.job_steps_withdrawn = counter("tts_engine_job_steps_withdrawn", "Steps of job rows only that stopped "
+                                           "mid-step for a live turn's first segment (CPU; decoded again later)",
+                                           by_model)
         # ---- read from the hub at collect time ----
         self._protocols: set[str] = set(DEFAULT_PROTOCOLS)
         self._models: tuple[str, ...] = tuple(hub.settings.models)  # the configured ones (the engine's once built)
@@ -161,7 +164,7 @@ class Metrics:
         for model in self._models:  # the engine's series exist (at 0) before its first step
             for series in (self.steps, self.decode_step, self.prefill, self.vocoder, self.decode_rows,
                            self.slot_steps, self.prefills, self.audio_produced, self.preemptions,
-                           self.job_rows_paused):
+                           self.job_rows_paused, self.job_steps_withdrawn):
                 series.labels(model)
 
         self._engine: EngineLike | None = None
@@ -203,6 +206,8 @@ class Metrics:
             self.preemptions.labels(model).inc(stats.preempted)
         if stats.job_rows_paused:
             self.job_rows_paused.labels(model).inc(stats.job_rows_paused)
+        if stats.job_steps_withdrawn:
+            self.job_steps_withdrawn.labels(model).inc(stats.job_steps_withdrawn)
 
     def on_event(self, event: ObservedEvent) -> None:
         """The observers hook (event-loop thread)."""

@@ -275,6 +275,7 @@ class StepStats:
     preempted: int  # job segments whose rows this step took back for live ones (Priority)
     model: Variant  # the model whose batch this is
     job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids (SchedulerConfig)
+    job_steps_withdrawn: int = 0  # 1: a jobs-only step stopped mid-step for a live turn (Scheduler.withdraw)
 
 
 class EngineLike:

@@ -7,6 +7,10 @@ request's sink (called on this thread; sinks must not block). Each iteration:
     -> read the ids of the step before or of this one (the one host sync) -> apply cancels that landed meanwhile
     -> update -> hand new speech tokens to the vocoder worker -> stats
 
+A live turn's first segment submitted while a step of job rows only runs (`StepPlan.jobs_only`) sets `turn_arrived`;
+on a CPU the runner stops that step at its next layer and the scheduler withdraws it (Scheduler.withdraw), so the
+turn is admitted at once instead of after the whole job step.
+
 This file imports no torch (tests/test_layering.py): the runner (synth/t3_runner.py) owns the tensors behind
 `execute(plan) -> StepOutput`, the scheduler (synth/scheduler.py) the per-row counters as numpy arrays, so a step's
 host work is a fixed number of operations whatever the rows; Python runs per segment only for its admission, first
@@ -210,6 +214,9 @@ class Engine(EngineLike):
         self.max_inbox_items = self.max_slots + config.max_waiting
         self._live: dict[str, SegmentState] = {}  # request_id -> state while T3 owns it, engine thread only
         self._in_flight: StepOutput | None = None  # a launched step whose ids are not read yet (overlap_steps)
+        # a live turn's first segment is in the inbox since the last drain: a jobs-only step stops at its next layer
+        # (several models share one: synth/models.py)
+        self.turn_arrived = threading.Event()
         self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
         self._outlets: dict[str, Outlet] = {}  # request_id -> outlet until its terminal event
         self._stats_listener: Callable[[StepStats], None] | None = None
@@ -239,6 +246,8 @@ class Engine(EngineLike):
             self._emit(state, self._event(state, EventKind.FAILED, reason=DUPLICATE_REQUEST_ID))
             return
         self._inbox.put(state)
+        if state.is_live and request.first_audio_pending:
+            self.turn_arrived.set()  # after the put: the drain that clears it sees the segment
 
     def cancel(self, request_id: str) -> None:
         with self._emit_lock:
@@ -322,7 +331,8 @@ class Engine(EngineLike):
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running),
             "waiting": self.scheduler.n_waiting, "preemptions": self.scheduler.preemptions,
-            "job_rows_paused": self.scheduler.job_rows_paused, "steps": self.steps,
+            "job_rows_paused": self.scheduler.job_rows_paused,
+            "job_steps_withdrawn": self.scheduler.job_steps_withdrawn, "steps": self.steps,
             "ready": self.ready, "alive": self.alive,
             "failure": self.failure, "decode_threads": self.threads.decode, "vocoder_threads": self.threads.vocoder,
             "vocoder_ticks": self.vocoder_worker.ticks if self.vocoder_worker is not None else 0,
@@ -340,7 +350,8 @@ class Engine(EngineLike):
         return {
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running), "waiting": self.scheduler.n_waiting,
-            "preemptions": self.scheduler.preemptions, "weights_source": self.bundle.source,
+            "preemptions": self.scheduler.preemptions, "job_rows_paused": self.scheduler.job_rows_paused,
+            "job_steps_withdrawn": self.scheduler.job_steps_withdrawn, "weights_source": self.bundle.source,
             "random_weights": self.random_weights, "preset": self.bundle.size, "dtype": self.config.dtype,
             "cuda_graphs_state": self.graphs.state, "vocoder_graphs_state": self.vocoder_graphs.state,
         }
@@ -415,6 +426,10 @@ class Engine(EngineLike):
             plan = schedule()
             t0 = time.perf_counter()
             done = self._launch(plan)
+            if done is not None and done.interrupted:  # a live turn arrived: its rows decode that step again later
+                self.scheduler.withdraw(done.plan)
+                self._record(done.plan, 0.0, done.prefill_ms, withdrawn=True)
+                return
             result = done.result() if done is not None else None  # the one host sync
             t1 = time.perf_counter()
             if leased is not None and plan.decode_rows.size:
@@ -433,7 +448,9 @@ class Engine(EngineLike):
         now = time.monotonic()
         for state in plan.prefill:
             state.admitted_s = now
-        launched = self.runner.execute(plan) if not plan.is_empty else None
+        # a jobs-only step may stop for a live turn (not with overlapped steps: the step read now is the one before)
+        interrupt = self.turn_arrived.is_set if plan.jobs_only and not self.overlap_steps else None
+        launched = self.runner.execute(plan, interrupt) if not plan.is_empty else None
         if not self.overlap_steps:
             return launched
         done, self._in_flight = self._in_flight, launched
@@ -441,7 +458,12 @@ class Engine(EngineLike):
 
     # --- inbox -------------------------------------------------------------------------------------------
 
-    def _drain_inbox(self, block: bool, cancels_only: bool = False) -> None:
+    def _drain_inbox(self, block: bool, cancels_only: bool = False, clear_turn: bool = True) -> None:
+        """Admit what was submitted, apply cancels (`cancels_only`: only those, the rest waits for the next full
+        drain). A full drain clears `turn_arrived` first (`clear_turn`: unless the caller cleared it for several
+        models' drains)."""
+        if clear_turn and not cancels_only:
+            self.turn_arrived.clear()
         deferred: list[SegmentState | _PrepareVoice] = []
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
@@ -575,7 +597,8 @@ class Engine(EngineLike):
         return SegmentEvent(request_id=state.request_id, kind=kind, at_monotonic_s=time.monotonic(),
                             speech_tokens=state.n_valid, token_ids=token_ids, reason=reason)
 
-    def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float) -> None:
+    def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float, withdrawn: bool = False) -> None:
+        """A step's stats; `withdrawn`: a jobs-only step stopped for a live turn (nothing decoded)."""
         if self.vocoder_worker is not None and self.vocoder_worker.failure:
             raise RuntimeError(f"vocoder worker died: {self.vocoder_worker.failure}")
         renders = self.vocoder_worker.take_stats() if self.vocoder_worker is not None else None
@@ -588,11 +611,12 @@ class Engine(EngineLike):
         if listener is None:
             return
         listener(StepStats(
-            at_monotonic_s=time.monotonic(), decode_rows=int(plan.decode_rows.size),
+            at_monotonic_s=time.monotonic(), decode_rows=0 if withdrawn else int(plan.decode_rows.size),
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
             prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
-            preempted=len(plan.preempted), job_rows_paused=plan.job_rows_paused, model=self.variant))
+            preempted=len(plan.preempted), job_rows_paused=plan.job_rows_paused, model=self.variant,
+            job_steps_withdrawn=int(withdrawn)))
 
     # --- setup -------------------------------------------------------------------------------------------
 

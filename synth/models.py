@@ -12,6 +12,11 @@ segments sample exactly the ids they sample alone (its own runner; the equivalen
 (`SegmentRequest.model`, None: the default, the first of `models`); a model not loaded is an EngineError naming it
 and the loaded ones. One StepStats per model per step (`StepStats.model`).
 
+Jobs beside live turns across the models: one thread runs every model's step, so a job step of one model delays a
+live turn of another. The schedulers form one pause group (a live turn's first ids on any model make every model's
+job rows sit out, where its runner can leave rows out) and the engines share one `turn_arrived` (a live turn
+submitted to any model stops a jobs-only step of any model at its next layer).
+
 Memory (`build_engines`): every model's weights load first; then each model's slots are planned against what is left:
 an explicit count (`ModelOverrides.max_slots`, else `EngineConfig.max_slots`) takes what it needs, and the models on
 "auto" (0) share the rest equally. A count that does not fit is an EngineConfigError naming the model.
@@ -110,6 +115,13 @@ class MultiEngine(EngineLike):
         self.max_slots = sum(e.max_slots for e in engines)
         self.prefill_budget = config.prefill_budget_segments
         self.admissions = SharedAdmissions([e.scheduler for e in engines])
+        # one thread steps every model, so a live turn on one waits for the others' job steps too: one pause group
+        # (a live turn's first ids make every model's job rows sit out) and one `turn_arrived` (a live turn on any
+        # model stops a jobs-only step of any model)
+        self.turn_arrived = threading.Event()
+        for engine in engines:
+            engine.scheduler.join_pause_group([e.scheduler for e in engines])
+            engine.turn_arrived = self.turn_arrived
         self._submit_lock = threading.Lock()  # a request id is unique across the models
         self._work = threading.Event()  # set by every call that gives a model work
         self._thread: threading.Thread | None = None
@@ -247,8 +259,9 @@ class MultiEngine(EngineLike):
                 engine.lease.decode_idle()
             self._work.wait(IDLE_WAIT_S)
         self._work.clear()  # before the drains: work put from here on sets it again
+        self.turn_arrived.clear()  # likewise, once for every model's drain
         for engine in engines:
-            engine._drain_inbox(block=False)
+            engine._drain_inbox(block=False, clear_turn=False)
         self.admissions.admit(self.prefill_budget)
         for engine in engines:
             engine._step_batch(engine.scheduler.plan)

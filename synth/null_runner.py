@@ -9,6 +9,7 @@ with it (`Engine(..., runner_factory=NullRunner)`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,8 @@ class NullRunner:
         self.inputs = StepInputs(max_rows, torch.device("cpu"), max_len - 1, t3.hp.start_speech_token)
         self._steps = 0
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, interrupt: Callable[[], bool] | None = None) -> StepOutput:
+        """`interrupt` is never asked: a null step has no layers to stop between (compact_rows is False)."""
         n_rows = bucket(self.row_buckets, max(plan.rows_needed, 1))
         bucket(self.key_buckets, plan.longest_keys)
         self.inputs.write_plan(plan, n_rows)

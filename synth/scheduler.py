@@ -21,6 +21,12 @@
   ids 2-3x. A row left out keeps its place: nothing of it advances (position, ids, and in the runner its cache,
   generator and seen set), so it resumes where it stopped and samples what it would have. It costs the jobs a live
   turn's first chunk of steps per turn, and nothing is lost. `job_rows_paused` counts the rows left out.
+  With several models on one thread (synth/models.py) their schedulers form one pause group (`join_pause_group`):
+  a live turn's first ids on any model make every model's job rows sit out, since every model's step delays it.
+- A step with only job rows that decode and nothing admitted is `jobs_only`: a runner that can stop between layers
+  (the CPU's compact step) stops it when a live turn arrives mid-step, and `withdraw` puts its rows back as they
+  were planned, so the turn waits for one layer of a job step, not for the whole step (~200 ms for four rows of the
+  full-size model on one thread). `job_steps_withdrawn` counts them.
 - At most `prefill_budget` admissions per iteration so running segments keep their pace (live ones first, by the
   order above).
 - When no row is free, a request that may not wait (or any request once the queue is full) is refused; for a LIVE
@@ -71,6 +77,9 @@ class StepPlan:
     decode: list[SegmentState] = field(default_factory=list)  # the decoding segments, with `track_states` only
     preempted: list[SegmentState] = field(default_factory=list)  # job segments whose rows this step took back
     job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids
+    # every decoding row is a job segment's and nothing is admitted: a live turn arriving mid-step may stop it
+    # (T3Runner.execute's `interrupt`; then `Scheduler.withdraw`)
+    jobs_only: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -91,16 +100,23 @@ class StepResult:
 
 class StepOutput:
     """A launched step (`runner.execute(plan)`): `result()` waits for its ids (the step's one host sync). The engine
-    may launch the next step first, so that this read overlaps it (vLLM's async scheduling)."""
+    may launch the next step first, so that this read overlaps it (vLLM's async scheduling). `read` None: the runner
+    stopped the step before it sampled (`interrupted`; a jobs-only step a live turn arrived during)."""
 
     __slots__ = ("_read", "plan", "prefill_ms")
 
-    def __init__(self, plan: StepPlan, prefill_ms: float, read: Callable[[], IntArray]) -> None:
+    def __init__(self, plan: StepPlan, prefill_ms: float, read: Callable[[], IntArray] | None) -> None:
         self.plan = plan
         self.prefill_ms = prefill_ms
         self._read = read
 
+    @property
+    def interrupted(self) -> bool:
+        return self._read is None
+
     def result(self) -> StepResult:
+        if self._read is None:
+            raise RuntimeError("an interrupted step has no ids (Scheduler.withdraw its plan)")
         return StepResult(self._read())
 
 
@@ -154,6 +170,8 @@ class Scheduler:
         self._preempted: list[SegmentState] = []  # this step's preemptions, until `plan`
         self.preemptions = 0  # job segments preempted so far
         self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids, so far
+        self.job_steps_withdrawn = 0  # jobs-only steps stopped mid-step for a live turn (`withdraw`), so far
+        self._pause_group: list[Scheduler] = [self]  # whose live first turns make this one's job rows sit out
 
     # --- queries -----------------------------------------------------------------------------------------
 
@@ -256,6 +274,7 @@ class Scheduler:
             decoding = decoding & ~table.held
             self.job_rows_paused += paused
         rows = np.flatnonzero(decoding)
+        jobs_only = not admitted and rows.size > 0 and bool(table.held[rows].all())
         feed = table.feed[rows]
         pos = table.next_pos[rows]
         speech_pos = table.launched[rows]
@@ -271,13 +290,33 @@ class Scheduler:
                         decode_feed=feed, sample_rows=sample_rows, sample_gens=table.gen[sample_rows],
                         sample_next_pos=table.next_pos[sample_rows], rows_needed=rows_needed,
                         longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size),
-                        preempted=self._preempted, job_rows_paused=paused)
+                        preempted=self._preempted, job_rows_paused=paused,
+                        jobs_only=jobs_only and not self._preempted)
         self._preempted = []
         for state in admitted:  # their first id comes from this step's prefill: they decode from the next
             table.start_decoding(state.rows)
         if self.config.track_states:
             plan.decode = [self._row_owner[row] for row in cond.tolist()]
         return plan
+
+    def withdraw(self, plan: StepPlan) -> None:
+        """A jobs-only step that the runner stopped before it sampled (a live turn arrived mid-step): its rows are
+        put back at the positions they had when it was planned, so they decode that step again later, from the same
+        ids (the runner wrote nothing but their keys and values at those positions, which the step writes again,
+        with the same values, before any attention reads them). Call it before the next plan."""
+        if not plan.jobs_only:
+            raise ValueError("only a jobs-only step (job rows decoding, nothing admitted) may be withdrawn")
+        rows = plan.decode_rows
+        if not np.array_equal(self.table.next_pos[rows], plan.decode_pos + 1):
+            raise RuntimeError("the withdrawn step's rows moved since it was planned")
+        self.table.next_pos[rows] = plan.decode_pos
+        self.table.launched[rows] = plan.decode_speech_pos
+        self.job_steps_withdrawn += 1
+
+    def join_pause_group(self, schedulers: Sequence[Scheduler]) -> None:
+        """The schedulers of models that share one step thread: a live turn's first ids on any of them make this
+        one's job rows sit out (at this scheduler's own `pause_jobs_below_ids`)."""
+        self._pause_group = [self, *(s for s in schedulers if s is not self)]
 
     def update(self, plan: StepPlan, result: StepResult) -> StepUpdate:
         """Record a step's ids (numpy over the rows); segments whose generation ended release their rows."""
@@ -338,10 +377,15 @@ class Scheduler:
         return len(self.running) < self.config.max_slots and len(self._free_rows) >= self._rows_needed(state)
 
     def _jobs_sit_out(self) -> bool:
-        """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`."""
+        """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`, here or on
+        another model of the pause group."""
         below = self.config.pause_jobs_below_ids
+        return below > 0 and any(s.first_turn_below(below) for s in self._pause_group)
+
+    def first_turn_below(self, ids: int) -> bool:
+        """A live turn's first segment holds rows here and has sampled fewer than `ids` valid ids."""
         table = self.table
-        return below > 0 and bool((table.first_audio & (table.n_valid < below)).any())
+        return bool((table.first_audio & (table.n_valid < ids)).any())
 
     def _can_start(self, state: SegmentState) -> bool:
         """A free slot and rows now, or for a live segment, once job segments give theirs back. A job segment

@@ -93,6 +93,10 @@ PARITY_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0**-7, 2.0**
 PARITY_SEED = 1234
 
 
+class _Interrupted(Exception):
+    """A jobs-only compact step stopped between layers (`T3Runner.execute`'s `interrupt`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GraphReport:
     """What `capture_graphs` built."""
@@ -265,6 +269,7 @@ class T3Runner:
         self.bos_positions = 1 if self.is_gpt else 2
         self.analyzer = False  # the multilingual alignment analyzer per segment (`use_analyzer`)
         self.compact_steps = compact_steps
+        self.steps_interrupted = 0  # jobs-only compact steps stopped mid-step (`execute`'s `interrupt`), so far
 
     @property
     def compact_rows(self) -> bool:
@@ -389,9 +394,14 @@ class T3Runner:
 
     # --- one step ----------------------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, interrupt: Callable[[], bool] | None = None) -> StepOutput:
         """Prefill the admitted (one packed pass), decode the decoding rows (one static-shape step over the row
-        bucket), sample every row of the bucket; the ids come back through `StepOutput.result()`."""
+        bucket), sample every row of the bucket; the ids come back through `StepOutput.result()`.
+
+        `interrupt`: asked before each layer of a jobs-only compact step (`plan.jobs_only`, `compact_rows`); when it
+        says yes the step stops there, before it samples, and comes back `interrupted` (the scheduler withdraws it).
+        What the stopped step wrote (its rows' keys and values at their write positions, for the layers it ran) is
+        written again with the same values when those rows decode that step again, before attention reads it."""
         t0 = time.perf_counter()
         items = [item for state in plan.prefill for item in self._admit(state)]
         analyzed = self.analyzer and any(s.aligner is not None for s in plan.prefill)
@@ -400,7 +410,8 @@ class T3Runner:
         n_rows, n_keys = self._write_inputs(plan)
         self.inputs.upload()  # the step's one host-to-device copy
         if self.compact_rows:
-            return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms)
+            interrupt = interrupt if plan.jobs_only else None
+            return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms, interrupt)
         if plan.decode_rows.size:
             self.decode(n_rows, n_keys, capture=self.analyzer and any(s.aligner is not None for s in plan.decode))
         if prefill_logits is not None:
@@ -409,11 +420,16 @@ class T3Runner:
         return self._read_back(plan, n_rows, prefill_ms)
 
     def _execute_compact(self, plan: StepPlan, items: list[PrefillItem], prefill_logits: torch.Tensor | None,
-                         n_rows: int, n_keys: int, prefill_ms: float) -> StepOutput:
+                         n_rows: int, n_keys: int, prefill_ms: float, interrupt: Callable[[], bool] | None
+                         ) -> StepOutput:
         """`execute` over the plan's rows only: it decodes its decoding rows and samples its sample rows (cond rows;
         CFG uncond rows are read as partners), as uploaded (StepInputs.write_plan: "decode_rows", "sample_rows")."""
         if plan.decode_rows.size:
-            self.decode(n_rows, n_keys, compact=("decode_rows", self.inputs.decode_rows_n))
+            try:
+                self.decode(n_rows, n_keys, compact=("decode_rows", self.inputs.decode_rows_n), interrupt=interrupt)
+            except _Interrupted:
+                self.steps_interrupted += 1
+                return StepOutput(plan, prefill_ms, None)
         if prefill_logits is not None:
             self.place_logits([item.row for item in items], prefill_logits)
         self.sample(n_rows, compact=("sample_rows", self.inputs.sample_rows_n))
@@ -515,12 +531,14 @@ class T3Runner:
         """(row bucket, key bucket) holding rows [0, highest_row] and `longest_row_keys` keys per row."""
         return bucket(self.row_buckets, highest_row + 1), bucket(self.key_buckets, longest_row_keys)
 
-    def decode(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None) -> torch.Tensor:
+    def decode(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None,
+               interrupt: Callable[[], bool] | None = None) -> torch.Tensor:
         """One token for every row in [0, n_rows) (a row bucket), from the uploaded `inputs`: writes and
         returns logits [n_rows, V] fp32 (a view of the static `logits`). `compact` (`compact_rows`): only the
-        rows of this input field (its first n entries)."""
+        rows of this input field (its first n entries); `interrupt` (compact only): asked before each layer, raises
+        `_Interrupted` when it says yes."""
         if compact is not None:
-            self._decode_eager(n_rows, n_keys, capture, compact=compact)
+            self._decode_eager(n_rows, n_keys, capture, compact=compact, interrupt=interrupt)
         elif capture and self.capture_heads:
             self._decode_eager(n_rows, n_keys, capture=True)
         else:
@@ -664,7 +682,8 @@ class T3Runner:
             self._graph_pool = graph.pool()
         return graph
 
-    def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None) -> None:
+    def _decode_eager(self, n_rows: int, n_keys: int, capture: bool = False, compact: Compact | None = None,
+                      interrupt: Callable[[], bool] | None = None) -> None:
         """The decode step over static buffers: no host value read, no allocation that depends on the batch.
         `compact`: decode only the rows that input field names, not the bucket [0, n_rows)."""
         inp, cache, scale = self.inputs, self.cache, self.scale
@@ -690,6 +709,8 @@ class T3Runner:
             self.captured_decode = {}
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if interrupt is not None and interrupt():  # before this layer writes anything
+                raise _Interrupted
             cache.write(layer, cache_rows, write, k[:, :, 0], v[:, :, 0])
             keys, values = all_keys[layer], all_values[layer]  # [R, H, L, D]
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head

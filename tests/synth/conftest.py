@@ -4,6 +4,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -84,6 +85,22 @@ class Collector:
         while kind not in self.kinds(request_id):
             assert time.monotonic() < deadline, f"{request_id} never reached {kind.name}: {self.kinds(request_id)}"
             time.sleep(0.002)
+
+
+class ArrivesAtLayer(threading.Event):
+    """`Engine.turn_arrived` whose `arrive` runs while layer `layer` of a jobs-only step asks it (the runner asks
+    before each layer), once: a live segment submitted mid-step, at a chosen layer, on the test's own thread."""
+
+    def __init__(self, layer: int, arrive: Callable[[], None]) -> None:
+        super().__init__()
+        self.layer, self._arrive, self.asked = layer, arrive, 0
+
+    def is_set(self) -> bool:
+        if self.asked == self.layer:
+            self._arrive()  # Engine.submit: the inbox, then set()
+        self.asked += 1
+        return super().is_set()
+
 
 
 def make_engine(variant: Variant, *, render_audio: bool, max_slots: int = 4, bundle: ModelBundle | None = None,

@@ -18,7 +18,7 @@ from synth.api import AudioChunk, EventKind, Priority, SamplingParams, SegmentEv
 from synth.engine import Engine
 from synth.request import Status
 
-from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, tiny_bundle
+from tests.synth.conftest import TEST_DEVICE, ArrivesAtLayer, Collector, make_engine, tiny_bundle
 
 JOB_TEXTS = ["The first job segment, read back later.", "A second one, somewhat longer than that.",
              "And a third, to fill the batch."]
@@ -140,6 +140,44 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_with_the_same_tokens
     assert engine.scheduler.job_rows_paused >= 2 * (paused_steps - 1)
     assert engine.status()["job_rows_paused"] == engine.scheduler.job_rows_paused
     _step_until_done(engine, got, ["job-0", "job-1", "live"])
+
+    for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):
+        assert got.tokens(rid) == alone.tokens(reference), f"{rid}: tokens differ from its run alone"
+        assert np.array_equal(_pcm(got, rid), _pcm(alone, reference)), f"{rid}: audio differs from its run alone"
+
+
+def test_a_live_turn_arriving_mid_job_step_stops_it_and_every_segment_still_says_what_it_says_alone(
+        engine: Engine) -> None:
+    """A live turn's first segment submitted while layer 1 of a step of job rows only runs: that step stops there
+    and is withdrawn (its rows decode it again later), so the turn is prefilled at the very next step. With
+    overlapped steps the step read is the one before, so nothing stops. Either way tokens and audio are each
+    segment's alone."""
+    alone = Collector()
+    for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
+                         ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
+        engine.submit(request)
+        _step_until_done(engine, alone, [rid])
+
+    got = Collector()
+    engine.submit(_job(got, "job-0", 0))
+    engine.submit(_job(got, "job-1", 1))
+    for _ in range(4):
+        engine._step()
+    assert len(engine.scheduler.running) == 2
+    live = _request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE)
+    arrival = ArrivesAtLayer(1, lambda: engine.submit(live))
+    engine.turn_arrived = arrival
+    engine._step()
+    if engine.overlap_steps:  # no step is stopped: the runner never asks; the turn arrives after it
+        assert arrival.asked == 0 and engine.scheduler.job_steps_withdrawn == 0
+        engine.submit(live)
+    else:
+        assert arrival.asked == 2 and engine.has_inbox_items
+        assert engine.scheduler.job_steps_withdrawn == 1 and engine.status()["job_steps_withdrawn"] == 1
+    engine._step()  # the live turn is prefilled now
+    assert any(s.request_id == "live" for s in engine.scheduler.running)
+    _step_until_done(engine, got, ["job-0", "job-1", "live"])
+    assert engine.scheduler.preemptions == 0
 
     for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):
         assert got.tokens(rid) == alone.tokens(reference), f"{rid}: tokens differ from its run alone"

@@ -25,7 +25,7 @@ from synth.engine import Engine
 from synth.loading import ModelBundle
 from synth.request import SPEECH_VOCAB_SIZE
 
-from tests.synth.conftest import TEST_DEVICE, Collector, make_engine, synthetic_voice
+from tests.synth.conftest import TEST_DEVICE, ArrivesAtLayer, Collector, make_engine, synthetic_voice
 from tests.synth.test_reference_equivalence import (
     Case,
     _cases,
@@ -251,3 +251,32 @@ def test_job_rows_sitting_out_a_live_turns_first_ids_say_the_reference_tokens(pe
     else:
         assert engine.scheduler.job_rows_paused == 0
     peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, "job rows sat out")
+
+
+def test_a_job_step_stopped_mid_layer_for_a_live_turn_is_decoded_again_to_the_reference_tokens(peaky: Peaky) -> None:
+    """Every case but the last as a job segment; once they decode, the last arrives as a live turn's first segment
+    while the second layer of a jobs-only step runs (the first has written the job rows' keys and values). The runner
+    stops the step there and the scheduler withdraws it; the live turn is admitted at the next step, the job rows sit
+    out its first ids and then decode the withdrawn step again. Every case says its reference tokens."""
+    *jobs, last = peaky.cases
+    engine = _engine(peaky.bundle, peaky.variant, len(peaky.cases))
+    assert engine.runner.compact_rows
+    collector = Collector()
+    with torch.no_grad():
+        for case in jobs:
+            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
+        for _ in range(3):
+            engine._step()
+        assert len(engine.scheduler.running) == len(jobs)
+        arrival = ArrivesAtLayer(1, lambda: engine.submit(_request(last, collector)))
+        engine.turn_arrived = arrival
+        engine._step()  # the jobs-only step the live turn arrives during
+        assert arrival.asked == 2 and engine.runner.steps_interrupted == 1
+        assert engine.scheduler.job_steps_withdrawn == 1
+        for _ in range(MAX_STEPS):
+            if engine.scheduler.idle:
+                break
+            engine._step()
+    assert engine.scheduler.idle and engine.scheduler.preemptions == 0
+    assert engine.scheduler.job_steps_withdrawn == 1 and engine.scheduler.job_rows_paused > 0
+    peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, "a job step withdrawn")

@@ -19,6 +19,7 @@ from synth.api import (
     EngineError,
     EventKind,
     ModelOverrides,
+    Priority,
     SamplingParams,
     SegmentRequest,
     StepStats,
@@ -27,7 +28,7 @@ from synth.api import (
 from synth.engine import Engine
 from synth.models import MultiEngine, build_engines, model_config
 
-from tests.synth.conftest import TEST_CUDA_GRAPHS, TEST_DEVICE, Collector, make_engine, tiny_bundle
+from tests.synth.conftest import TEST_CUDA_GRAPHS, TEST_DEVICE, ArrivesAtLayer, Collector, make_engine, tiny_bundle
 
 MODELS: tuple[Variant, Variant] = ("turbo", "multilingual")
 TEXTS = ["Hello there, how are you today?", "Short.", "The quick brown fox jumps over the lazy dog!",
@@ -210,3 +211,46 @@ def test_each_model_gets_its_own_overrides_and_the_analyzer_only_where_it_exists
                                                                                          False)
     assert (ml.variant, ml.max_slots, ml.weights, ml.alignment_analyzer) == ("multilingual", 2, "/ckpt/ml", True)
     assert turbo.models == ml.models == () and not turbo.per_model
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_a_live_turn_on_one_model_stops_and_pauses_another_models_job_steps_without_changing_any_tokens() -> None:
+    """One thread steps both models, so a job step of Turbo delays a live turn of Multilingual. The live turn arrives
+    while layer 1 of a Turbo jobs-only step runs: that step stops and is withdrawn, the Turbo job rows sit out the
+    turn's first ids, and then they go on. Every segment samples the ids it samples in its one-model engine."""
+    job = replace(_request(Collector(), "turbo", 2, name="job"), priority=Priority.JOB, first_audio_pending=False)
+    job = replace(job, params=replace(job.params, max_new_tokens=60))
+    live = _request(Collector(), "multilingual", 0, name="live")
+    alone = Collector()
+    for request in (job, live):  # the reference: each in an engine of its model alone
+        engine = _engine(request.model or "turbo", 1)
+        engine.submit(replace(request, model=None, sink=alone.sink_for(request.request_id)))
+        for _ in range(MAX_STEPS):
+            if _generated(alone, [request.request_id]) and engine.idle:
+                break
+            engine._step()
+
+    got = Collector()
+    multi = _multi({"turbo": 2, "multilingual": 2})
+    turbo = multi.engines["turbo"]
+    multi.submit(replace(job, sink=got.sink_for("job")))
+    for _ in range(3):
+        multi._step()
+    assert len(turbo.scheduler.running) == 1
+    assert all(e.turn_arrived is multi.turn_arrived for e in multi.engines.values())  # one signal for both
+    arrival = ArrivesAtLayer(1, lambda: multi.submit(replace(live, sink=got.sink_for("live"))))
+    multi.turn_arrived = arrival
+    for engine in multi.engines.values():
+        engine.turn_arrived = arrival
+    multi._step()
+    assert arrival.asked == 2 and turbo.scheduler.job_steps_withdrawn == 1
+    multi._step()  # the live turn is admitted; Turbo's job row sits out
+    assert turbo.scheduler.job_rows_paused == 1
+    for _ in range(MAX_STEPS):
+        if _generated(got, ["job", "live"]) and all(e.idle for e in multi.engines.values()):
+            break
+        multi._step()
+    assert turbo.scheduler.job_rows_paused >= 2 and multi.engines["multilingual"].scheduler.job_rows_paused == 0
+    for rid in ("job", "live"):
+        assert got.tokens(rid) == alone.tokens(rid), f"{rid}: tokens differ from its one-model engine's"
+    assert multi.status()["models"]["turbo"]["job_steps_withdrawn"] == 1  # type: ignore[index]

@@ -6,6 +6,8 @@ import random
 import threading
 from typing import Any
 
+import pytest
+
 from synth.api import Priority, SamplingParams, SegmentRequest
 from synth.outlet import Outlet
 from synth.request import SegmentState, Status
@@ -417,3 +419,71 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped()
     _run(gpu, 2)
     gpu.add(_state("live", cfg=False))
     assert job.rows[0] in gpu.schedule().decode_rows.tolist() and gpu.job_rows_paused == 0
+
+
+def test_a_jobs_only_step_is_marked_and_withdrawing_it_puts_its_rows_back_where_they_were() -> None:
+    """A step is `jobs_only` when only job rows decode and nothing is admitted (a live turn may stop it). Withdrawn,
+    its rows are planned again at the same positions, with the same speech positions; a step with a live row or an
+    admission is not jobs-only, and withdrawing it is an error."""
+    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    jobs = [_job("j1"), _job("j2")]
+    for job in jobs:
+        sched.add(job)
+    first = sched.schedule()  # their admission: not jobs-only
+    assert first.prefill == jobs and not first.jobs_only
+    with pytest.raises(ValueError, match="jobs-only"):
+        sched.withdraw(first)
+    _update(sched, first, [7] * first.sample_rows.size)
+    _run(sched, 2)
+    plan = sched.schedule()
+    assert plan.jobs_only and plan.decode_rows.size == 2
+    sched.withdraw(plan)
+    again = sched.schedule()
+    assert again.jobs_only and sched.job_steps_withdrawn == 1
+    assert again.decode_rows.tolist() == plan.decode_rows.tolist()
+    assert again.decode_pos.tolist() == plan.decode_pos.tolist()
+    assert again.decode_speech_pos.tolist() == plan.decode_speech_pos.tolist()
+    _update(sched, again, [7] * again.sample_rows.size)
+    assert [int(sched.table.n_tokens[j.rows[0]]) for j in jobs] == [4, 4]  # 1 from the prefill, 3 decoded
+
+    sched.add(_state("second", cfg=False, first=False))  # a live segment, not its session's first audio
+    plan = sched.schedule()
+    assert plan.prefill and not plan.jobs_only
+    _update(sched, plan, [7] * plan.sample_rows.size)
+    plan = sched.schedule()  # the live row decodes beside the jobs'
+    assert plan.decode_rows.size == 3 and not plan.jobs_only
+    with pytest.raises(ValueError, match="jobs-only"):
+        sched.withdraw(plan)
+
+
+def test_a_live_turn_on_one_model_makes_every_models_job_rows_sit_out() -> None:
+    """Two models' schedulers in one pause group (one step thread): a live first turn on model A makes model B's
+    job rows sit out and holds B's queued jobs back until A's turn has its first ids; a scheduler outside the group
+    never pauses for A. A model whose runner cannot leave rows out (pause_jobs_below_ids=0) never pauses its own,
+    but its live turn still pauses the other's."""
+    a = _scheduler(max_slots=2, max_rows=4, max_waiting=8, prefill_budget=2)  # pause 0: e.g. the analyzer model
+    b = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    alone = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    for sched in (a, b):
+        sched.join_pause_group([a, b])
+    job_a, job_b, job_alone = _job("ja"), _job("jb"), _job("jalone")
+    for sched, job in ((a, job_a), (b, job_b), (alone, job_alone)):
+        sched.add(job)
+        _run(sched, 2)
+    live = _state("live")  # CFG, its session's first audio, on model A
+    assert a.add(live)
+    queued = _job("queued")
+    assert b.add(queued)
+    plan_a = a.schedule()
+    assert plan_a.prefill == [live] and job_a.rows[0] in plan_a.decode_rows.tolist()  # A's own rows never pause
+    _update(a, plan_a, [7] * plan_a.sample_rows.size)
+    for _ in range(2):  # A's turn has 1, then 2 valid ids: B's job row sits out and B's queued job waits
+        plan_b = b.schedule()
+        assert plan_b.decode_rows.size == 0 and plan_b.job_rows_paused == 1 and queued.status == Status.WAITING
+        plan_a = a.schedule()
+        _update(a, plan_a, [7] * plan_a.sample_rows.size)
+    plan_b = b.schedule()  # 3 valid ids: B decodes again and admits its queued job
+    assert job_b.rows[0] in plan_b.decode_rows.tolist() and plan_b.prefill == [queued]
+    assert b.job_rows_paused == 2 and a.job_rows_paused == 0
+    alone_plan = alone.schedule()
+    assert job_alone.rows[0] in alone_plan.decode_rows.tolist() and alone.job_rows_paused == 0
