@@ -327,6 +327,7 @@ class Engine(EngineLike):
             "vocoder_graphs_reason": self.vocoder_graphs.reason,
             "vocoder_graphs_captured": vgraphs.captured if vgraphs is not None else 0,
             "vocoder_graphs_failed": vgraphs.failed if vgraphs is not None else 0,
+            "vocoder_graphs_mismatched": vgraphs.mismatched if vgraphs is not None else 0,
             "vocoder_tf32": self.vocoder_tf32,
             "max_slots": self.max_slots, "max_slots_auto": self.config.max_slots == 0,
             "slots_in_use": len(self.scheduler.running),

@@ -26,6 +26,14 @@ Capture runs in thread-local capture mode: the decode thread keeps launching (an
 on its own stream while the vocoder thread captures. A signature whose capture fails runs eagerly from then on
 (logged once); so does every signature past `max_graphs`.
 
+Every signature's first replay is checked against an eager call on the same static inputs before its outputs are
+used, wherever it is captured: at start-up (where the engine also compares a whole first chunk's PCM,
+StreamingVocoder.check_graphs) and for the shapes met later, which no start-up check sees. The same kernels on the
+same shapes should give the same bits; a replay within REPLAY_TOLERANCE of the largest eager value (about the
+dtype's rounding, TF32's for float32) passes; one further off, or of another shape, means that signature runs
+eagerly from then on (`GraphSet.mismatched`, logged with how far apart they were). It costs one eager call per
+signature, next to the capture's three.
+
 Off CUDA (`capture=False`: the tests, and any device without graphs) the same object runs the same plumbing, the
 copies into the same static inputs and out of the same static outputs, with an eager call in place of the replay:
 the code CI runs is the code a GPU replays, less the capture itself.
@@ -46,6 +54,9 @@ from synth.step_buffers import StepGraph
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 192  # per function; past it, new signatures run eagerly
+# a first replay passes when every output is within this fraction of the largest |eager| value of that output (about
+# one unit of the last place: TF32's 10-bit significand for float32 on CUDA, bf16's 7 bits, fp16's 10)
+REPLAY_TOLERANCE = {torch.float32: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 _LeafKey = tuple[Any, ...]
 
@@ -80,6 +91,8 @@ class GraphSet:
         self.pool: Any = None
         self.captured = 0  # graphs built (captured, or with capture=False: static-buffer entries)
         self.failed = 0  # captures that raised (those signatures run eagerly)
+        self.checked = 0  # captured signatures whose first replay matched an eager call
+        self.mismatched = 0  # captured signatures whose first replay did not (those run eagerly)
 
     def wrap(self, fn: Callable[..., Any], name: str) -> ShapeGraphs:
         return ShapeGraphs(fn, self, name)
@@ -129,16 +142,45 @@ class ShapeGraphs:
             for static, leaf in zip(inputs, leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
                     static.copy_(leaf)
+            shapes = [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:4]
             try:
                 self._capture(entry, spec)
             except Exception as exc:  # a shape the graph cannot take runs eagerly, the server goes on
                 graphs.failed += 1
                 log.warning("vocoder %s: capture failed for %s (%s: %s); that shape runs eagerly",
-                            self.name, [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:4],
-                            type(exc).__name__, exc)
+                            self.name, shapes, type(exc).__name__, exc)
                 return _Entry(inputs=[], eager=True)
+            problem = self._first_replay_differs(entry, spec)
+            if problem:
+                graphs.mismatched += 1
+                log.warning("vocoder %s: the graph for %s replays unlike eager (%s); that shape runs eagerly",
+                            self.name, shapes, problem)
+                return _Entry(inputs=[], eager=True)
+            graphs.checked += 1
         graphs.captured += 1
         return entry
+
+    def _first_replay_differs(self, entry: _Entry, spec: TreeSpec) -> str:
+        """'' when a replay over the static inputs (just filled by the call that captured it) gives what an eager call
+        on them gives, within REPLAY_TOLERANCE; else what differs."""
+        expected, expected_spec = tree_flatten(self.fn(*tree_unflatten(entry.inputs, spec)))
+        assert entry.graph is not None
+        entry.graph()
+        if expected_spec != entry.out_spec or len(expected) != len(entry.outputs):
+            return "another output structure"
+        for index, (got, want) in enumerate(zip(entry.outputs, expected, strict=True)):
+            if got.shape != want.shape or got.dtype != want.dtype:
+                return f"output {index}: {tuple(got.shape)} {got.dtype}, eager {tuple(want.shape)} {want.dtype}"
+            if torch.equal(got, want) or not want.is_floating_point():
+                if not torch.equal(got, want):
+                    return f"output {index}: integer values differ"
+                continue
+            worst = float((got.float() - want.float()).abs().max())
+            scale = float(want.float().abs().max())
+            bound = REPLAY_TOLERANCE.get(want.dtype, 2.0**-10) * scale
+            if not worst <= bound:  # (NaN fails too)
+                return f"output {index}: up to {worst:.3g} apart, bound {bound:.3g}"
+        return ""
 
     def _static_input(self, index: int, leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):

@@ -73,14 +73,18 @@ def test_bench_host_step_runs_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_bench_job_pause_runs_on_tiny_weights(tmp_path: Path) -> None:
-    """scripts/bench_job_pause.py (issue 36): the three modes run, and only `pause` leaves job rows out."""
+    """scripts/bench_job_pause.py (issue 36): the four modes run with a live turn arriving mid-step; only the compact
+    modes leave job rows out, and only `pause` may stop a job step (at most once a turn: the one it arrives in)."""
     out = tmp_path / "pause"
     proc = subprocess.run(
         [sys.executable, "scripts/bench_job_pause.py", "--size", "tiny", "--jobs", "2", "--rounds", "2",
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "--arrival", "mid-step", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
-    assert set(rows) == {"alone", "pause", "no pause"}
-    assert rows["pause"]["job_rows_paused_per_turn"] >= 2 * 5  # two rows, at least the first ids' steps
+    assert set(rows) == {"alone", "pause", "pause, whole steps", "no pause"}
+    for mode in ("pause", "pause, whole steps"):
+        assert rows[mode]["job_rows_paused_per_turn"] >= 2 * 5  # two rows, at least the first ids' steps
     assert rows["alone"]["job_rows_paused_per_turn"] == rows["no pause"]["job_rows_paused_per_turn"] == 0
+    assert 0 <= rows["pause"]["job_steps_withdrawn_per_turn"] <= 1
+    assert all(rows[mode]["job_steps_withdrawn_per_turn"] == 0 for mode in ("alone", "pause, whole steps", "no pause"))
     assert all(row["first_chunk_ms_p50"] > 0 for row in rows.values())

@@ -567,8 +567,9 @@ def test_vocoder_graphs_are_refused_without_cuda() -> None:
     with pytest.raises(EngineError, match="'auto', 'on' or 'off'"):
         make_engine("turbo", render_audio=True, max_slots=1, vocoder_graphs="always")
     status = make_engine("turbo", render_audio=True, max_slots=1).status()
-    graphs = (status["vocoder_graphs"], status["vocoder_graphs_captured"], status["vocoder_graphs_failed"])
-    assert graphs == ("off", 0, 0)
+    graphs = (status["vocoder_graphs"], status["vocoder_graphs_captured"], status["vocoder_graphs_failed"],
+              status["vocoder_graphs_mismatched"])
+    assert graphs == ("off", 0, 0, 0)
 
 
 def test_start_up_captures_the_vocoders_first_chunk_graphs() -> None:

@@ -4,10 +4,15 @@ The vocoder through it: tests/synth/test_vocoder.py::test_graphed_renders_equal_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from synth.render_graphs import GraphSet, ShapeGraphs
+from synth.render_graphs import REPLAY_TOLERANCE, GraphSet, ShapeGraphs
+from synth.step_buffers import StepGraph
 
 
 def _affine(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scale: float) -> tuple[torch.Tensor, ...]:
@@ -75,6 +80,45 @@ def test_capture_needs_cuda() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="CUDA"):
         GraphSet(capture=True)
+
+
+def _simulated_capture(error: float) -> Callable[[ShapeGraphs, Any, Any], None]:
+    """In place of ShapeGraphs._capture (no CUDA here): a "graph" whose replay computes the function over the static
+    inputs and writes its outputs times (1 + error) into the static outputs, as a replay that went wrong would."""
+
+    def capture(self: ShapeGraphs, entry: Any, spec: Any) -> None:
+        args = tree_unflatten(entry.inputs, spec)
+        outputs, entry.out_spec = tree_flatten(self.fn(*args))
+        entry.outputs = [torch.empty_like(output) for output in outputs]
+
+        def replay() -> None:
+            for static, output in zip(entry.outputs, tree_flatten(self.fn(*args))[0], strict=True):
+                static.copy_(output * (1 + error))
+
+        entry.graph = StepGraph(replay, capture=False)
+
+    return capture
+
+
+@pytest.mark.parametrize(("error", "kept"), [(0.0, True), (2.0**-13, True), (2.0**-6, False)],
+                         ids=["bitwise", "rounding", "wrong"])
+def test_a_captured_shape_whose_first_replay_differs_from_eager_runs_eagerly(
+        monkeypatch: pytest.MonkeyPatch, error: float, kept: bool) -> None:
+    """Every shape's first replay, whenever it is captured (start-up or later), is compared with an eager call on the
+    same inputs: bitwise or within REPLAY_TOLERANCE (float32: 2^-10 of the largest value) it is kept; further off,
+    that shape runs eagerly from then on, counted in `mismatched`. Either way the caller gets eager's values."""
+    graphs, fn = _graphed()
+    graphs.capture = True  # (GraphSet refuses capture=True without CUDA; the capture itself is simulated)
+    monkeypatch.setattr(ShapeGraphs, "_capture", _simulated_capture(error))
+    for seed in (1, 2):  # the capture, then a call of the same signature
+        got = fn(*_args(seed, rows=5))
+        for have, want in zip(got, _affine(*_args(seed, rows=5)), strict=True):
+            if kept:  # a kept graph's replays are what they are (within the tolerance)
+                assert torch.allclose(have, want, rtol=2.0**-12, atol=0.0)
+            else:
+                assert torch.equal(have, want)
+    assert (graphs.checked, graphs.mismatched, len(fn), graphs.captured) == ((1, 0, 1, 1) if kept else (0, 1, 0, 0))
+    assert REPLAY_TOLERANCE[torch.float32] == 2.0**-10
 
 
 def test_other_argument_types_are_refused() -> None:
