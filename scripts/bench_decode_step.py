@@ -72,8 +72,10 @@ def step_bytes(engine: Engine) -> tuple[int, tuple[int, int]]:
     runner = engine.runner
     table = engine.scheduler.table
     span = engine.scheduler.rows_span
-    n_rows, n_keys = runner.step_shape(span - 1, int(table.next_pos[:span].max()))
     weights = sum(p.numel() * p.element_size() for module in projections(runner.t3) for p in module.parameters())
+    if span == 0:  # every segment ended before the last step (the timed steps outlasted them): no rows, no keys
+        return weights, (0, 0)
+    n_rows, n_keys = runner.step_shape(span - 1, int(table.next_pos[:span].max()))
     cache = runner.cache
     _, _, heads, _, head_dim = cache.all_keys.shape  # [layers, rows, H, L, D]
     per_position = 2 * heads * head_dim * cache.all_keys.element_size()  # keys and values of one row, one layer
@@ -116,6 +118,10 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
         engine._step()
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / steps
+    if len(engine.scheduler.running) < sessions:
+        print(f"warning: {sessions - len(engine.scheduler.running)} of {sessions} segments ended during the "
+              f"{steps} timed steps (EOS or the context): ms_per_step averages fewer rows; use fewer --steps",
+              file=sys.stderr)
     n_layers = engine.runner.n_layers
     ops = counter.total
     logits = engine.runner.logits[:sessions].float().cpu().numpy()  # [sessions, V] the last step's
@@ -127,7 +133,7 @@ def measure(bundle: Any, variant: str, sessions: int, voices: int, steps: int, d
             "overlap_steps": engine.overlap_steps,
             "ops_per_step": ops, "ops_per_layer": round(ops / n_layers, 1), "ms_per_step": round(ms, 2),
             "row_bucket": n_rows, "key_bucket": n_keys, "floor_mb": round(floor_bytes / 1e6, 1),
-            "floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2) if floor_ms else None,
+            "floor_ms": round(floor_ms, 3), "x_floor": round(ms / floor_ms, 2) if floor_ms and n_rows else None,
             "running": len(engine.scheduler.running), "logits_sha256": digest}
 
 

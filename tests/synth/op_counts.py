@@ -46,6 +46,7 @@ SPEECH_TOKEN_IDS = 6561  # ids a synthetic voice prompt draws from
 STEPS_TO_COUNT = 3
 SEGMENT_TOKENS = 400  # long enough that no segment ends while the counted steps run (EOS aside, see below)
 WAIT_S = 600.0
+POLL_S = 0.05  # how often a wait looks at whether the engine thread is still alive
 TEXT = "Counting what one decode step costs."
 
 _LOCAL_SCALAR = "aten._local_scalar_dense"
@@ -226,11 +227,15 @@ class StepProbe:
         with self._lock:
             self._results, self._expected, self._armed, self._counted = [], expected_running, steps, counted
             self._done.clear()
-        if not self._done.wait(timeout_s):
-            with self._lock:
-                self._armed = 0
-            raise TimeoutError(f"no {steps} steps with {expected_running} segments running in {timeout_s} s "
-                               f"(got {len(self._results)}; running now: {self._running()})")
+        deadline = time.monotonic() + timeout_s
+        while not self._done.wait(POLL_S):
+            if not self.engine.alive or time.monotonic() > deadline:
+                with self._lock:
+                    self._armed = 0
+                if not self.engine.alive:
+                    raise EngineDied(self.engine.failure)
+                raise TimeoutError(f"no {steps} steps with {expected_running} segments running in {timeout_s} s "
+                                   f"(got {len(self._results)}; running now: {self._running()})")
         with self._lock:
             return list(self._results)
 
@@ -243,6 +248,13 @@ def synthetic_voice(engine: Engine, voice_id: str, seed: int) -> Voice:
     return Voice(voice_id=voice_id, speaker_emb=torch.randn(1, 256, generator=g).to(bundle.device),
                  prompt_speech_tokens=torch.randint(0, SPEECH_TOKEN_IDS, (1, prompt_tokens), generator=g).to(
                      bundle.device), s3gen_ref={})
+
+
+class EngineDied(RuntimeError):
+    """The engine thread died while a measurement waited for it (its failure is the message)."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__(f"the engine thread died: {failure or 'no failure recorded'}")
 
 
 @dataclass
@@ -268,10 +280,16 @@ class _Segments:
 
         return on_output
 
-    def wait(self, predicate: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    def wait(self, predicate: Callable[[], bool], what: str, engine: Engine, timeout_s: float = WAIT_S) -> None:
+        """Until `predicate` holds; raises at `timeout_s`, or as soon as the engine thread has died (a dead engine's
+        failure events may never all come: waiting for them would hang the caller)."""
+        deadline = time.monotonic() + timeout_s
         with self.changed:
-            if not self.changed.wait_for(predicate, timeout_s):
-                raise TimeoutError(f"timed out waiting for {what}")
+            while not self.changed.wait_for(predicate, POLL_S):
+                if not engine.alive:
+                    raise EngineDied(engine.failure)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def voices_for(engine: Engine, n_voices: int, prefix: str = "opcount") -> list[str]:
@@ -320,7 +338,8 @@ def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: i
         for i, request_id in enumerate(ids):
             engine.submit(SegmentRequest(request_id=request_id, text=TEXT, voice_id=voices[i % n_voices],
                                          params=replace(params, seed=seed + 7 * i), sink=segments.sink(request_id)))
-        segments.wait(lambda: len(segments.started | segments.ended) == n_segments, "every segment's first token")
+        segments.wait(lambda: len(segments.started | segments.ended) == n_segments, "every segment's first token",
+                      engine)
         if segments.ended:
             raise _SegmentEnded
         try:
@@ -331,15 +350,18 @@ def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: i
                 raise _SegmentEnded from None
             raise
     finally:
-        for request_id in ids:
-            engine.cancel(request_id)
-        segments.wait(lambda: len(segments.ended) == n_segments, "every segment's terminal event")
-        _wait_idle(engine)
+        if engine.alive:  # (a dead engine: the error that says so is already on its way up)
+            for request_id in ids:
+                engine.cancel(request_id)
+            segments.wait(lambda: len(segments.ended) == n_segments, "every segment's terminal event", engine)
+            _wait_idle(engine)
 
 
 def _wait_idle(engine: Engine, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while engine.scheduler.running:
+        if not engine.alive:
+            raise EngineDied(engine.failure)
         if time.monotonic() > deadline:
             raise TimeoutError("the engine kept running segments after they were all cancelled")
         time.sleep(0.005)

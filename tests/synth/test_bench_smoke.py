@@ -88,3 +88,20 @@ def test_bench_job_pause_runs_on_tiny_weights(tmp_path: Path) -> None:
     assert 0 <= rows["pause"]["job_steps_withdrawn_per_turn"] <= 1
     assert all(rows[mode]["job_steps_withdrawn_per_turn"] == 0 for mode in ("alone", "pause, whole steps", "no pause"))
     assert all(row["first_chunk_ms_p50"] > 0 for row in rows.values())
+
+
+@pytest.mark.timeout(600)
+def test_bench_decode_step_survives_segments_that_end_while_it_times(tmp_path: Path) -> None:
+    """scripts/bench_decode_step.py with more timed steps than a 64-position context holds: every segment ends
+    (context_full) during the timing. The run completes, says so, and reports no bucket (it used to raise on the
+    empty batch)."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_decode_step.py", "--sessions", "2", "--voices", "one", "--steps", "120",
+         "--context-tokens", "64", "--threads", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "segments ended during the 120 timed steps" in proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["running"] == 0 and (row["row_bucket"], row["key_bucket"]) == (0, 0) and row["x_floor"] is None
+    assert row["ms_per_step"] > 0 and row["ops_per_step"] > 0

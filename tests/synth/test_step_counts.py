@@ -13,6 +13,7 @@ itself is checked here on known code, so a counter that saw nothing could not ma
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,7 +23,7 @@ from synth.api import Variant
 from synth.engine import Engine
 
 from tests.synth.conftest import TEST_DEVICE, make_engine
-from tests.synth.op_counts import StepCounts, StepProbe, count_step, measure_decode_steps
+from tests.synth.op_counts import EngineDied, StepCounts, StepProbe, count_step, measure_decode_steps
 
 MAX_SLOTS = 32
 VARIANTS: list[Variant] = ["english", "turbo"]
@@ -110,3 +111,28 @@ def test_one_host_sync_per_step(probed: tuple[Engine, StepProbe]) -> None:
         assert counts.device_to_host == 1 and counts.host_to_device <= 1, (
             f"{n_segments} segments on {n_voices} voices: {counts.device_to_host} device->host reads, "
             f"{counts.host_to_device} host->device transfers per step: {dict(counts.transfers)}")
+
+
+def test_a_measurement_raises_at_once_when_the_engine_thread_dies() -> None:
+    """The engine thread dies on a counted step (a runner that raises): the measurement says so with the engine's
+    failure within seconds, instead of waiting WAIT_S for steps and terminal events that never come."""
+    engine = make_engine("turbo", render_audio=False, max_slots=2)
+    engine.start()
+    assert engine.wait_ready(120), engine.failure
+    execute = engine.runner.execute
+    calls = [0]
+
+    def dies_on_the_third_step(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] >= 3:
+            raise RuntimeError("injected step failure")
+        return execute(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.runner.execute = dies_on_the_third_step  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDied, match="injected step failure"):
+            measure_decode_steps(engine, 2, 1)
+    finally:
+        engine.stop()
+    assert time.monotonic() - t0 < 60
