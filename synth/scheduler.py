@@ -23,10 +23,11 @@
   turn's first chunk of steps per turn, and nothing is lost. `job_rows_paused` counts the rows left out.
   With several models on one thread (synth/models.py) their schedulers form one pause group (`join_pause_group`):
   a live turn's first ids on any model make every model's job rows sit out, since every model's step delays it.
-- A step with only job rows that decode and nothing admitted is `jobs_only`: a runner that can stop between layers
-  (the CPU's compact step) stops it when a live turn arrives mid-step, and `withdraw` puts its rows back as they
-  were planned, so the turn waits for one layer of a job step, not for the whole step (~200 ms for four rows of the
-  full-size model on one thread). `job_steps_withdrawn` counts them.
+- A step in which only job segments decode or are admitted is `jobs_only`: a runner that can stop between layers
+  (the CPU's compact step) stops it when a live turn arrives mid-step, and `withdraw` puts it back as it was
+  planned (the decoding rows at their positions, the admitted segments in the queue at their old place), so the
+  turn waits for one layer of a job step, not for the whole step (~200 ms for four rows of the full-size model on
+  one thread, more with a job's prefill). `job_steps_withdrawn` counts them.
 - At most `prefill_budget` admissions per iteration so running segments keep their pace (live ones first, by the
   order above).
 - When no row is free, a request that may not wait (or any request once the queue is full) is refused; for a LIVE
@@ -77,8 +78,8 @@ class StepPlan:
     decode: list[SegmentState] = field(default_factory=list)  # the decoding segments, with `track_states` only
     preempted: list[SegmentState] = field(default_factory=list)  # job segments whose rows this step took back
     job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids
-    # every decoding row is a job segment's and nothing is admitted: a live turn arriving mid-step may stop it
-    # (T3Runner.execute's `interrupt`; then `Scheduler.withdraw`)
+    # every decoding row and every admitted segment is a job's (and there is one): a live turn arriving mid-step may
+    # stop it (T3Runner.execute's `interrupt`; then `Scheduler.withdraw`)
     jobs_only: bool = False
 
     @property
@@ -274,7 +275,8 @@ class Scheduler:
             decoding = decoding & ~table.held
             self.job_rows_paused += paused
         rows = np.flatnonzero(decoding)
-        jobs_only = not admitted and rows.size > 0 and bool(table.held[rows].all())
+        jobs_only = (rows.size > 0 or bool(admitted)) and not any(s.is_live for s in admitted) and (
+            not rows.size or bool(table.held[rows].all()))
         feed = table.feed[rows]
         pos = table.next_pos[rows]
         speech_pos = table.launched[rows]
@@ -300,17 +302,21 @@ class Scheduler:
         return plan
 
     def withdraw(self, plan: StepPlan) -> None:
-        """A jobs-only step that the runner stopped before it sampled (a live turn arrived mid-step): its rows are
-        put back at the positions they had when it was planned, so they decode that step again later, from the same
-        ids (the runner wrote nothing but their keys and values at those positions, which the step writes again,
-        with the same values, before any attention reads them). Call it before the next plan."""
+        """A jobs-only step that the runner stopped before it sampled (a live turn arrived mid-step), undone. Its
+        decoding rows are put back at the positions they had when it was planned, so they decode that step again
+        later, from the same ids (the runner wrote nothing but their keys and values at those positions, which the
+        step writes again, with the same values, before any attention reads them). The segments it admitted give
+        their rows back and wait at their old place in the queue, to be prefilled again (not a preemption: nothing
+        of them was sampled). Call it before the next plan."""
         if not plan.jobs_only:
-            raise ValueError("only a jobs-only step (job rows decoding, nothing admitted) may be withdrawn")
+            raise ValueError("only a jobs-only step (job segments decoding or admitted, no live one) may be withdrawn")
         rows = plan.decode_rows
         if not np.array_equal(self.table.next_pos[rows], plan.decode_pos + 1):
             raise RuntimeError("the withdrawn step's rows moved since it was planned")
         self.table.next_pos[rows] = plan.decode_pos
         self.table.launched[rows] = plan.decode_speech_pos
+        for state in plan.prefill:
+            self._back_in_queue(state)
         self.job_steps_withdrawn += 1
 
     def join_pause_group(self, schedulers: Sequence[Scheduler]) -> None:
@@ -400,15 +406,19 @@ class Scheduler:
 
     def _preempt(self, state: SegmentState) -> None:
         """A running job segment gives its rows back and waits again at its old place, to start from scratch."""
-        self._release(state)
         if state in self._admitted:
             self._admitted.remove(state)
+        self._back_in_queue(state)
+        self._preempted.append(state)
+        self.preemptions += 1
+
+    def _back_in_queue(self, state: SegmentState) -> None:
+        """A running segment gives its rows back and waits again at its old place (`queued`), to start from scratch."""
+        self._release(state)
         state.status = Status.WAITING
         state.rows, state.tokens, state.n_valid, state.finish_reason = (), [], 0, ""
         state.prefix = state.aligner = None
         heapq.heappush(self._waiting, (self._rank(state), state.queued, state))
-        self._preempted.append(state)
-        self.preemptions += 1
 
     def _claim(self, state: SegmentState) -> None:
         rows = tuple(heapq.heappop(self._free_rows) for _ in range(self._rows_needed(state)))

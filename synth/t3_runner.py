@@ -94,7 +94,8 @@ PARITY_SEED = 1234
 
 
 class _Interrupted(Exception):
-    """A jobs-only compact step stopped between layers (`T3Runner.execute`'s `interrupt`)."""
+    """A jobs-only compact step stopped between layers of its prefill or its decode (`T3Runner.execute`'s
+    `interrupt`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,9 +357,11 @@ class T3Runner:
     # --- forward passes ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem], capture: bool = False) -> torch.Tensor:
+    def prefill(self, items: list[PrefillItem], capture: bool = False, interrupt: Callable[[], bool] | None = None
+                ) -> torch.Tensor:
         """Copy each item's prefix positions into its row, run every item's new positions in one packed pass
-        after them; returns each item's last-position logits [N, V]."""
+        after them; returns each item's last-position logits [N, V]. `interrupt`: asked before each layer, raises
+        `_Interrupted` when it says yes."""
         for item in items:
             if item.prefix_len + item.embeds.shape[0] >= self.cache.usable_len:
                 raise ValueError("segment does not fit the KV cache")
@@ -366,7 +369,7 @@ class T3Runner:
             if self.shared_prefix_attention:
                 self.row_prefixes.set(item.row, item.prefix.keys, item.prefix.values, item.prefix_len)
         logits, _, _ = self._run_packed([(i.prefix, i.prefix_len, i.embeds) for i in items],
-                                        rows=[i.row for i in items], capture=capture)
+                                        rows=[i.row for i in items], capture=capture, interrupt=interrupt)
         return logits
 
     def release(self, rows: tuple[int, ...]) -> None:
@@ -398,19 +401,25 @@ class T3Runner:
         """Prefill the admitted (one packed pass), decode the decoding rows (one static-shape step over the row
         bucket), sample every row of the bucket; the ids come back through `StepOutput.result()`.
 
-        `interrupt`: asked before each layer of a jobs-only compact step (`plan.jobs_only`, `compact_rows`); when it
-        says yes the step stops there, before it samples, and comes back `interrupted` (the scheduler withdraws it).
-        What the stopped step wrote (its rows' keys and values at their write positions, for the layers it ran) is
-        written again with the same values when those rows decode that step again, before attention reads it."""
+        `interrupt`: asked before each layer of a jobs-only compact step (`plan.jobs_only`, `compact_rows`: job rows
+        decoding, job segments prefilled); when it says yes the step stops there, before it samples, and comes back
+        `interrupted` (the scheduler withdraws it: the decoding rows decode that step again later, the prefilled
+        segments wait to be admitted again). What the stopped step wrote is written again before anything reads
+        it: a decoding row's keys and values at its write position, with the same values; a prefilled segment's
+        rows, prefix copy, parameters and generator seed, at its next admission."""
+        interrupt = interrupt if self.compact_rows and plan.jobs_only else None
         t0 = time.perf_counter()
         items = [item for state in plan.prefill for item in self._admit(state)]
         analyzed = self.analyzer and any(s.aligner is not None for s in plan.prefill)
-        prefill_logits = self.prefill(items, capture=analyzed) if items else None  # [len(items), V]
+        try:
+            prefill_logits = self.prefill(items, capture=analyzed, interrupt=interrupt) if items else None  # [N, V]
+        except _Interrupted:
+            self.steps_interrupted += 1
+            return StepOutput(plan, (time.perf_counter() - t0) * 1e3, None)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         n_rows, n_keys = self._write_inputs(plan)
         self.inputs.upload()  # the step's one host-to-device copy
         if self.compact_rows:
-            interrupt = interrupt if plan.jobs_only else None
             return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms, interrupt)
         if plan.decode_rows.size:
             self.decode(n_rows, n_keys, capture=self.analyzer and any(s.aligner is not None for s in plan.decode))
@@ -791,7 +800,7 @@ class T3Runner:
             self.sampled[:n_rows].copy_(tokens)
 
     def _run_packed(self, items: list[tuple[PrefixKV | None, int, torch.Tensor]], rows: list[int] | None = None,
-                    collect: bool = False, capture: bool = False
+                    collect: bool = False, capture: bool = False, interrupt: Callable[[], bool] | None = None
                     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Items (prefix, prefix_len, embeds [n, dim]) packed into one sequence; each item sees the first
         prefix_len positions of its prefix and, causally, its own new positions. Either writes the new
@@ -858,6 +867,8 @@ class T3Runner:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if interrupt is not None and interrupt():
+                raise _Interrupted
             if row_of_tok is not None:
                 self.cache.write(layer, row_of_tok, pos[0], k[0].transpose(0, 1), v[0].transpose(0, 1))
             if collect:

@@ -280,3 +280,33 @@ def test_a_job_step_stopped_mid_layer_for_a_live_turn_is_decoded_again_to_the_re
     assert engine.scheduler.idle and engine.scheduler.preemptions == 0
     assert engine.scheduler.job_steps_withdrawn == 1 and engine.scheduler.job_rows_paused > 0
     peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, "a job step withdrawn")
+
+
+def test_a_job_prefill_stopped_mid_layer_for_a_live_turn_is_admitted_again_to_the_reference_tokens(
+        peaky: Peaky) -> None:
+    """All cases but the last two decode as job segments; then one more job segment is queued and the last case
+    arrives as a live turn's first segment while layer 1 of the step that prefills that job runs. The step stops
+    and is withdrawn: the job waits again (its rows, prefix copy and generator are set up anew at its next
+    admission), the live turn is admitted at once, and every case says its reference tokens."""
+    *jobs, queued, last = peaky.cases
+    engine = _engine(peaky.bundle, peaky.variant, len(peaky.cases))
+    collector = Collector()
+    with torch.no_grad():
+        for case in jobs:
+            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
+        for _ in range(3):
+            engine._step()
+        engine.submit(replace(_request(queued, collector), priority=Priority.JOB, first_audio_pending=False))
+        arrival = ArrivesAtLayer(1, lambda: engine.submit(_request(last, collector)))
+        engine.turn_arrived = arrival
+        engine._step()  # admits `queued`: its prefill stops at layer 1
+        assert arrival.asked == 2 and engine.scheduler.job_steps_withdrawn == 1
+        assert [s.request_id for s in engine.scheduler.running] == [c.request_id for c in jobs]
+        engine._step()  # the live turn is admitted; the queued job waits while the job rows sit out
+        assert {s.request_id for s in engine.scheduler.running} == {c.request_id for c in (*jobs, last)}
+        for _ in range(MAX_STEPS):
+            if engine.scheduler.idle:
+                break
+            engine._step()
+    assert engine.scheduler.idle and engine.scheduler.preemptions == 0
+    peaky.check({c.request_id: collector.tokens(c.request_id) for c in peaky.cases}, "a job prefill withdrawn")

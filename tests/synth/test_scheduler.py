@@ -422,24 +422,30 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped()
 
 
 def test_a_jobs_only_step_is_marked_and_withdrawing_it_puts_its_rows_back_where_they_were() -> None:
-    """A step is `jobs_only` when only job rows decode and nothing is admitted (a live turn may stop it). Withdrawn,
-    its rows are planned again at the same positions, with the same speech positions; a step with a live row or an
-    admission is not jobs-only, and withdrawing it is an error."""
-    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
+    """A step is `jobs_only` when only job segments decode or are admitted (a live turn may stop it). Withdrawn, its
+    decoding rows are planned again at the same positions, with the same speech positions, and the segments it
+    admitted wait at their old place and are admitted again into the same rows (not counted as preemptions); a
+    step with a live row or a live admission is not jobs-only, and withdrawing it is an error."""
+    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=2, pause_jobs_below_ids=3)
     jobs = [_job("j1"), _job("j2")]
-    for job in jobs:
+    later = _job("later")
+    for job in (*jobs, later):
         sched.add(job)
-    first = sched.schedule()  # their admission: not jobs-only
-    assert first.prefill == jobs and not first.jobs_only
-    with pytest.raises(ValueError, match="jobs-only"):
-        sched.withdraw(first)
+    first = sched.schedule()  # the two jobs' admission: jobs-only too
+    assert first.prefill == jobs and first.jobs_only
+    sched.withdraw(first)
+    assert all(job.status == Status.WAITING and job.rows == () for job in jobs) and not sched.running
+    assert sched.preemptions == 0 and sched.job_steps_withdrawn == 1
+    first = sched.schedule()  # admitted again, in their order, ahead of the job queued after them
+    assert first.prefill == jobs and [job.rows for job in jobs] == [(0,), (1,)] and later.status == Status.WAITING
     _update(sched, first, [7] * first.sample_rows.size)
+    sched.cancel(later)
     _run(sched, 2)
     plan = sched.schedule()
     assert plan.jobs_only and plan.decode_rows.size == 2
     sched.withdraw(plan)
     again = sched.schedule()
-    assert again.jobs_only and sched.job_steps_withdrawn == 1
+    assert again.jobs_only and sched.job_steps_withdrawn == 2
     assert again.decode_rows.tolist() == plan.decode_rows.tolist()
     assert again.decode_pos.tolist() == plan.decode_pos.tolist()
     assert again.decode_speech_pos.tolist() == plan.decode_speech_pos.tolist()
