@@ -217,6 +217,10 @@ class Engine(EngineLike):
         # a live turn's first segment is in the inbox since the last drain: a jobs-only step stops at its next layer
         # (several models share one: synth/models.py)
         self.turn_arrived = threading.Event()
+        # a live turn's first segment is queued or decodes before its first valid id (engine thread, per step:
+        # `note_turn`); with `turn_arrived`, what holds the vocoder's job renders back (`turn_pending`)
+        self.turn_in_t3 = False
+        self.turn_group: list[Engine] = [self]  # the engines whose turns count (several models: all of them)
         self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
         self._outlets: dict[str, Outlet] = {}  # request_id -> outlet until its terminal event
         self._stats_listener: Callable[[StepStats], None] | None = None
@@ -410,7 +414,20 @@ class Engine(EngineLike):
         if idle:
             self.lease.decode_idle()  # the vocoder may borrow this thread's cores meanwhile
         self._drain_inbox(block=idle)
+        self.note_turn()
         self._step_batch(self.scheduler.schedule)
+
+    def turn_pending(self) -> bool:
+        """A live turn's first segment is on its way to the vocoder (any thread): submitted and not drained yet, or
+        queued, or decoding before its first valid id, in this engine or another of its group. The vocoder worker
+        holds job renders back meanwhile (JobYield), so that the turn's prefill and first ids may borrow its idle
+        threads; from its first valid id on, its open stream holds them back."""
+        return self.turn_arrived.is_set() or any(engine.turn_in_t3 for engine in self.turn_group)
+
+    def note_turn(self) -> None:
+        """After a drain (the turn's segment is in the scheduler now) and after each step's hand-off (its stream is
+        with the vocoder now)."""
+        self.turn_in_t3 = self.scheduler.turn_pending()
 
     @property
     def idle(self) -> bool:
@@ -430,6 +447,7 @@ class Engine(EngineLike):
             if done is not None and done.interrupted:  # a live turn arrived: its rows decode that step again later
                 self.scheduler.withdraw(done.plan)
                 self._record(done.plan, 0.0, done.prefill_ms, withdrawn=True)
+                self.note_turn()
                 return
             result = done.result() if done is not None else None  # the one host sync
             t1 = time.perf_counter()
@@ -441,6 +459,7 @@ class Engine(EngineLike):
         update = self.scheduler.update(done.plan, result)
         self._after_update(update)
         self._hand_to_vocoder(update)  # the worker renders them while the next steps decode
+        self.note_turn()
         self._record(done.plan, (t1 - t0) * 1e3 - done.prefill_ms, done.prefill_ms)
 
     def _launch(self, plan: StepPlan) -> StepOutput | None:
@@ -656,8 +675,10 @@ class Engine(EngineLike):
         schedule = config.chunk_schedule_tokens
         policy = ChunkPolicy(first_chunk_tokens=config.first_chunk_tokens, schedule_tokens=schedule,
                              max_chunk_tokens=max((config.first_chunk_tokens, *schedule)))
-        return VocoderWorker(self.vocoder, policy, threads=self.threads.vocoder, max_batch=self._vocoder_max_batch,
-                             on_sink_failed=self.cancel, lease=self.lease)
+        worker = VocoderWorker(self.vocoder, policy, threads=self.threads.vocoder, max_batch=self._vocoder_max_batch,
+                               on_sink_failed=self.cancel, lease=self.lease)
+        worker.turn_pending = self.turn_pending
+        return worker
 
     def _warmup(self) -> None:
         """Prepare every voice known at start (the default included) before declaring ready: T3 prefixes here,

@@ -15,7 +15,8 @@ and the loaded ones. One StepStats per model per step (`StepStats.model`).
 Jobs beside live turns across the models: one thread runs every model's step, so a job step of one model delays a
 live turn of another. The schedulers form one pause group (a live turn's first ids on any model make every model's
 job rows sit out, where its runner can leave rows out) and the engines share one `turn_arrived` (a live turn
-submitted to any model stops a jobs-only step of any model at its next layer).
+submitted to any model stops a jobs-only step of any model at its next layer, and holds every model's job renders
+back until its first valid id: `Engine.turn_group`).
 
 Memory (`build_engines`): every model's weights load first; then each model's slots are planned against what is left:
 an explicit count (`ModelOverrides.max_slots`, else `EngineConfig.max_slots`) takes what it needs, and the models on
@@ -122,6 +123,7 @@ class MultiEngine(EngineLike):
         for engine in engines:
             engine.scheduler.join_pause_group([e.scheduler for e in engines])
             engine.turn_arrived = self.turn_arrived
+            engine.turn_group = list(engines)  # a turn on any model holds every model's job renders back
         self._submit_lock = threading.Lock()  # a request id is unique across the models
         self._work = threading.Event()  # set by every call that gives a model work
         self._thread: threading.Thread | None = None
@@ -262,6 +264,7 @@ class MultiEngine(EngineLike):
         self.turn_arrived.clear()  # likewise, once for every model's drain
         for engine in engines:
             engine._drain_inbox(block=False, clear_turn=False)
+            engine.note_turn()
         self.admissions.admit(self.prefill_budget)
         for engine in engines:
             engine._step_batch(engine.scheduler.plan)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from synth.api import HARD_MAX_NEW_TOKENS
+from synth.api import HARD_MAX_NEW_TOKENS, Priority
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.rows import IntArray, RowTable
 
@@ -387,6 +387,16 @@ class Scheduler:
         another model of the pause group."""
         below = self.config.pause_jobs_below_ids
         return below > 0 and any(s.first_turn_below(below) for s in self._pause_group)
+
+    def turn_pending(self) -> bool:
+        """A live turn's first segment waits in the queue, or holds rows and has no valid id yet (its stream is not
+        open: the vocoder worker does not know of it yet). Such a segment ranks first (Priority.LIVE, first audio),
+        so only the head of the queue is looked at."""
+        if self.first_turn_below(1):
+            return True
+        while self._waiting and self._waiting[0][2].status != Status.WAITING:  # cancelled while waiting
+            heapq.heappop(self._waiting)
+        return bool(self._waiting) and self._waiting[0][0] == (int(Priority.LIVE), 0)
 
     def first_turn_below(self, ids: int) -> bool:
         """A live turn's first segment holds rows here and has sampled fewer than `ids` valid ids."""

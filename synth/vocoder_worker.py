@@ -112,7 +112,10 @@ class JobYield:
     live stream needs:
 
     - never while a live segment awaits a turn's first audio (its stream is open, its voice ready, and its first
-      chunk not yet rendered): the first chunk would wait for the job's render;
+      chunk not yet rendered): the first chunk would wait for the job's render; nor while a live turn's first
+      segment is on its way from T3 (`VocoderWorker.turn_pending`: submitted, queued, or decoding before its first
+      valid id): on a CPU the decode borrows the idle vocoder's threads for that turn's prefill and first ids
+      (CoreLease; 1.6x faster steps at full size), which a job render in their way would hold;
     - never while a live listener holds less than the margin: `live_margin_s`, or twice the recent job ticks'
       wall time if that is longer (so that a job tick that starts never outlasts what a live listener holds);
     - after every due live chunk of a listener that holds less than `live_ahead_s` (or the margin, if longer):
@@ -121,7 +124,8 @@ class JobYield:
       the jobs their share;
     - on a CPU, where a tick costs about the sum of its renders, one job chunk alone (`batch_with_live` False,
       `max_job_streams` 1), and that render is stopped (`stoppable`, synth/render_checkpoints.py) at its next
-      stage boundary when a live turn's stream opens or a live listener falls under `stop_below_s`: the live chunk
+      stage boundary when a live turn is submitted or its stream opens, or a live listener falls under
+      `stop_below_s`: the live chunk
       waits for one stage of a job render (up to ~40 ms on one thread of CPU-4 with the tiny model), not for all
       of it (a 96-token chunk: 440 ms), and the decode gets its cores for the turn's first ids. A stopped render
       is rendered again later, to the same bits (nothing of it was applied). A job render that holds the decode's
@@ -303,6 +307,8 @@ class VocoderWorker:
         self.job_tick_s = 0.0  # recent job ticks' wall time (an EWMA; worker thread)
         # set (engine thread) after feeding a live stream that awaits a turn's first audio; cleared by each drain
         self._first_audio_opened = threading.Event()
+        # a live turn's first segment is on its way from T3 (the engine sets it: Engine.turn_pending); any thread
+        self.turn_pending: Callable[[], bool] = _never
         self.drains = 0  # inbox drains done
 
     # --- any thread --------------------------------------------------------------------------------------
@@ -563,7 +569,7 @@ class VocoderWorker:
         if due and due[0][0] <= 0.0:
             due = [item for item in due if item[0] <= 0.0]
         margin_s = self.job_yield.margin_s(self.job_tick_s)
-        if jobs and needs.lets_jobs_in(margin_s):
+        if jobs and needs.lets_jobs_in(margin_s) and not self.turn_pending():
             jobs.sort(key=lambda item: item[1])  # the oldest job segment first: it ends (and is stored) first
             # live streams whose listeners hold the horizon or more can wait for a job tick (on a CPU, where a
             # tick is one or the other); the others render first
@@ -634,10 +640,10 @@ class VocoderWorker:
 
     def _job_render_yields(self) -> bool:
         """At a stage boundary of a job tick's render (render_checkpoints): the decode's threads go back if the decode
-        waits for them; the render stops if a live turn's stream has opened meanwhile, or a live listener holds less
-        than JobYield.stop_below_s."""
+        waits for them; the render stops if a live turn has been submitted (`turn_pending`) or its stream has opened
+        meanwhile, or a live listener holds less than JobYield.stop_below_s."""
         self.lease.give_back()
-        if self._first_audio_opened.is_set():
+        if self._first_audio_opened.is_set() or self.turn_pending():
             return True
         now_s, floor_s = time.monotonic(), self.job_yield.stop_below_s
         return any(speech.spec.live and speech.chunks_emitted and speech.buffered_s(now_s) < floor_s
@@ -707,6 +713,10 @@ class VocoderWorker:
                     self._prepared_keys.pop(next(iter(self._prepared_keys)))
                 self._prepared.notify_all()
             del voice, message  # hold no voice between preparations (a removed voice is freed)
+
+
+def _never() -> bool:
+    return False
 
 
 def _awaits_first_audio(spec: StreamOpen, now_s: float) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -182,3 +183,37 @@ def test_a_live_turn_arriving_mid_job_step_stops_it_and_every_segment_still_says
     for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):
         assert got.tokens(rid) == alone.tokens(reference), f"{rid}: tokens differ from its run alone"
         assert np.array_equal(_pcm(got, rid), _pcm(alone, reference)), f"{rid}: audio differs from its run alone"
+
+
+def test_the_vocoder_hears_of_a_live_turn_from_its_submit_until_its_stream_opens(engine: Engine) -> None:
+    """`turn_pending`, the vocoder worker's view: raised by the submit of a live turn's first segment (before the
+    engine drains it), held while it is queued and prefilled, dropped once its first valid id has opened its stream
+    (then the open stream holds job renders back). A job's submit or a later live segment raise nothing."""
+    worker = engine.vocoder_worker
+    assert worker is not None and not worker.turn_pending()
+    got = Collector()
+    engine.submit(_job(got, "job", 0))
+    engine.submit(replace(_request(got, "later", "Later words.", 8, Priority.LIVE), first_audio_pending=False))
+    assert not worker.turn_pending()
+    engine._step()
+    assert not worker.turn_pending()
+    execute = engine.runner.execute
+    seen_during_steps: list[bool] = []
+
+    def execute_and_look(*args: Any, **kwargs: Any) -> Any:  # what the worker sees while a step runs
+        seen_during_steps.append(worker.turn_pending())
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = execute_and_look  # type: ignore[method-assign]
+    engine.submit(_request(got, "turn", "Hello, caller.", seed=7, priority=Priority.LIVE))
+    assert worker.turn_pending()  # from the submit on, before any step
+    for _ in range(MAX_STEPS):
+        engine._step()
+        turn = next((s for s in engine.scheduler.running if s.request_id == "turn"), None)
+        if turn is not None and engine.scheduler.table.n_valid[turn.rows[0]] > 0:  # read, and handed off
+            break
+        assert worker.turn_pending()
+    assert not worker.turn_pending()
+    assert seen_during_steps and all(seen_during_steps)  # the drain took it in; the steps up to its first id
+    del engine.runner.execute
+    _step_until_done(engine, got, ["job", "later", "turn"])

@@ -254,3 +254,27 @@ def test_a_live_turn_on_one_model_stops_and_pauses_another_models_job_steps_with
     for rid in ("job", "live"):
         assert got.tokens(rid) == alone.tokens(rid), f"{rid}: tokens differ from its one-model engine's"
     assert multi.status()["models"]["turbo"]["job_steps_withdrawn"] == 1  # type: ignore[index]
+
+
+@pytest.mark.usefixtures("no_grad")
+def test_a_turn_on_one_model_is_pending_for_every_models_vocoder() -> None:
+    """Every model's vocoder worker asks `Engine.turn_pending`: with several models on one thread (and on one CPU)
+    a live turn's first segment on Multilingual holds Turbo's job renders back too, from its submit to its first
+    valid id."""
+    multi = _multi({"turbo": 2, "multilingual": 2})
+    turbo, ml = multi.engines["turbo"], multi.engines["multilingual"]
+    assert turbo.turn_group == ml.turn_group == [turbo, ml]
+    got = Collector()
+    multi.submit(replace(_request(got, "turbo", 0, name="job"), priority=Priority.JOB, first_audio_pending=False))
+    multi._step()
+    assert not turbo.turn_pending() and not ml.turn_pending()
+    multi.submit(_request(got, "multilingual", 1, name="turn"))
+    assert turbo.turn_pending() and ml.turn_pending()
+    multi._step()  # drained and prefilled: pending until its first valid id is read
+    for _ in range(MAX_STEPS):
+        turn = ml.scheduler.running[0] if ml.scheduler.running else None
+        if turn is not None and ml.scheduler.table.n_valid[turn.rows[0]] > 0:
+            break
+        assert turbo.turn_pending()
+        multi._step()
+    assert not turbo.turn_pending() and not ml.turn_pending()

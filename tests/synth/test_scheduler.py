@@ -493,3 +493,28 @@ def test_a_live_turn_on_one_model_makes_every_models_job_rows_sit_out() -> None:
     assert b.job_rows_paused == 2 and a.job_rows_paused == 0
     alone_plan = alone.schedule()
     assert job_alone.rows[0] in alone_plan.decode_rows.tolist() and alone.job_rows_paused == 0
+
+
+def test_a_turn_is_pending_from_its_queueing_to_its_first_valid_id() -> None:
+    """`turn_pending` (what holds the vocoder's job renders back before a turn's stream opens): a live turn's first
+    segment waiting in the queue, even behind a full batch, or holding rows with no valid id yet. Not a job, not a
+    live segment whose session has heard audio, not a cancelled one, and not once the turn has a valid id."""
+    sched = _scheduler(max_slots=1, max_rows=2, max_waiting=8, prefill_budget=1)
+    sched.add(_job("j"))
+    sched.add(_state("later", cfg=False, first=False))
+    assert not sched.turn_pending()
+    cancelled = _state("cancelled", cfg=False)
+    sched.add(cancelled)
+    assert sched.turn_pending()
+    sched.cancel(cancelled)
+    assert not sched.turn_pending()
+    turn = _state("turn", cfg=False)
+    sched.add(turn)
+    assert sched.turn_pending()
+    plan = sched.schedule()  # the turn is admitted (it ranks first): it holds rows, no id yet
+    assert plan.prefill == [turn] and sched.turn_pending()
+    _update(sched, plan, [6561 + 100] * plan.sample_rows.size)  # an id the vocoder does not take (not valid)
+    assert sched.turn_pending()
+    plan = sched.schedule()
+    _update(sched, plan, [7] * plan.sample_rows.size)  # its first valid id: its stream opens
+    assert not sched.turn_pending()

@@ -476,3 +476,40 @@ def test_graphs_of_first_chunks_are_built_before_the_first_listener(setup: Setup
     assert all(out.size > 0 for out in graphed.render([job for job in jobs if job is not None]))
     assert graphs.captured == built
     assert setup.vocoder.warm_first_chunks(voice, POLICY.first_chunk_tokens, 4) == 0  # no graphs: nothing to do
+
+
+def test_a_job_render_stops_and_no_job_starts_while_a_live_turn_is_on_its_way_from_t3(setup: Setup) -> None:
+    """Before a live turn's stream opens (submitted, queued, prefilling: `turn_pending`, the engine's), a job tick's
+    render stops at its next stage boundary and no job chunk is due, so that the decode may borrow the idle vocoder's
+    threads for the turn's prefill and first ids. Once nothing is pending the job renders that chunk, to the bits it
+    renders never stopped."""
+    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    col = Collector()
+    worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
+    worker._drain(block=False)
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    job_tick = worker._due(time.monotonic())
+    assert [speech.request_id for speech, _ in job_tick] == ["job"]
+    asked = [0]
+
+    def pending_from_the_third_boundary() -> bool:  # a turn submitted while the job's render runs
+        asked[0] += 1
+        return asked[0] >= 3
+
+    worker.turn_pending = pending_from_the_third_boundary
+    worker._render(job_tick)
+    assert worker.job_renders_stopped == 1 and not col.chunks("job") and worker.ticks == 0 and asked[0] == 3
+    assert worker._due(time.monotonic()) == []  # still pending: no job chunk starts
+    worker.turn_pending = lambda: False  # the turn's stream opened (or it ended)
+    worker._render(worker._due(time.monotonic()))
+    assert worker.job_renders_stopped == 1 and [c.seq for c in col.chunks("job")] == [0]
+
+    reference = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    ref_col = Collector()
+    reference.feed([open_stream(setup, ref_col, "job", setup.voices[0], 7, live=False),
+                    final("job", utterance(40, 7), 40)])
+    reference._drain(block=False)
+    reference._start_stream(reference._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    reference._render(reference._due(time.monotonic()))
+    assert col.chunks("job")[0].pcm.tobytes() == ref_col.chunks("job")[0].pcm.tobytes()
