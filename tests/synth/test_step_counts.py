@@ -128,7 +128,7 @@ def test_a_measurement_raises_at_once_when_the_engine_thread_dies() -> None:
             raise RuntimeError("injected step failure")
         return execute(*args, **kwargs)  # type: ignore[arg-type]
 
-    engine.runner.execute = dies_on_the_third_step  # type: ignore[method-assign]
+    engine.runner.execute = dies_on_the_third_step  # type: ignore[method-assign,assignment]
     t0 = time.monotonic()
     try:
         with pytest.raises(EngineDied, match="injected step failure"):
