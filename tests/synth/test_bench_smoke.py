@@ -105,3 +105,22 @@ def test_bench_decode_step_survives_segments_that_end_while_it_times(tmp_path: P
     (row,) = json.loads(out.read_text())
     assert row["running"] == 0 and (row["row_bucket"], row["key_bucket"]) == (0, 0) and row["x_floor"] is None
     assert row["ms_per_step"] > 0 and row["ops_per_step"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_bench_job_first_audio_runs_on_tiny_weights(tmp_path: Path) -> None:
+    """scripts/bench_job_first_audio.py (issue 36): live turns beside a steady job load in one engine, the modes
+    switched between rounds; every mode times its turns to their first audio, and the jobs kept going."""
+    out = tmp_path / "first_audio"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_job_first_audio.py", "--size", "tiny", "--jobs", "1", "--rounds", "1",
+         "--alone", "1", "--pause-s", "0.1", "0.2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["mode"]: row for row in report["rows"]}
+    assert set(rows) == {"alone", "all", "vocoder not told", "neither"}
+    assert rows["alone"]["turns"] == 2 and all(rows[m]["turns"] == 1 for m in ("all", "vocoder not told", "neither"))
+    assert all(row["first_audio_ms_p50"] > 0 for row in rows.values())
+    assert "job segment(s) in flight" in proc.stdout and set(report["engine"]) >= {"job_steps_withdrawn",
+                                                                                   "job_renders_stopped"}
