@@ -185,13 +185,16 @@ class Engine(EngineLike):
                                   f"alignment analyzer's (layer, head) pairs {missing}: it needs the full-size "
                                   "multilingual model (a checkpoint or --weights random-full)")
             self.runner.use_analyzer()
+        # valid ids a turn's first audio waits for: the first chunk's, and with a vocoder the ones its render looks
+        # ahead at and holds back for the crossfade (StreamingVocoder.latency_tokens: 12 + 7 by default)
+        self.first_audio_ids = config.first_chunk_tokens + (self.vocoder.latency_tokens if self.vocoder else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             max_slots=self.max_slots, max_rows=max_rows, max_waiting=config.max_waiting,
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama,
             track_states=config.alignment_analyzer,
             # on a CPU a job row slows every step of a live turn's first chunk; on a GPU it is nearly free
-            pause_jobs_below_ids=config.first_chunk_tokens if self.runner.compact_rows else 0),
+            pause_jobs_below_ids=self.first_audio_ids if self.runner.compact_rows else 0),
             on_release=self.runner.release)
         # step k+1 launched before step k's ids are read: "auto" with the decode's CUDA graphs (a step is then a few
         # launches the device runs while the host reads the step before; eager, the launches are the step, and a

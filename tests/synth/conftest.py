@@ -89,16 +89,19 @@ class Collector:
 
 class ArrivesAtLayer(threading.Event):
     """`Engine.turn_arrived` whose `arrive` runs while layer `layer` of a jobs-only step asks it (the runner asks
-    before each layer), once: a live segment submitted mid-step, at a chosen layer, on the test's own thread."""
+    before each layer), once: a live segment submitted mid-step, at a chosen layer, on the test's own thread (the
+    engine is stepped by hand there). Asks from other threads (the vocoder worker's `turn_pending`) are not counted."""
 
     def __init__(self, layer: int, arrive: Callable[[], None]) -> None:
         super().__init__()
         self.layer, self._arrive, self.asked = layer, arrive, 0
+        self._stepping_thread = threading.get_ident()
 
     def is_set(self) -> bool:
-        if self.asked == self.layer:
-            self._arrive()  # Engine.submit: the inbox, then set()
-        self.asked += 1
+        if threading.get_ident() == self._stepping_thread:
+            if self.asked == self.layer:
+                self._arrive()  # Engine.submit: the inbox, then set()
+            self.asked += 1
         return super().is_set()
 
 

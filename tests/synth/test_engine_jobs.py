@@ -109,10 +109,12 @@ def test_a_live_arrival_preempts_a_job_that_restarts_silently_with_the_same_toke
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU policy: only the CPU's compact step leaves rows out "
                     "(on a GPU a job row costs a live turn next to nothing)")
 def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_with_the_same_tokens_and_audio(engine: Engine) -> None:
-    """While a live turn's first segment samples its first chunk's ids, the job rows are left out of the decode
-    step (on a CPU each row costs the step time); they resume where they stopped, each with its own cache, generator
-    and seen set untouched, so every segment samples and says exactly what it says alone."""
-    assert engine.runner.compact_rows and engine.scheduler.config.pause_jobs_below_ids == 6
+    """While a live turn's first segment samples the ids its first audio needs (the first chunk's and those the
+    vocoder looks ahead at and holds back), the job rows are left out of the decode step (on a CPU each row costs
+    the step time); they resume where they stopped, each with its own cache, generator and seen set untouched, so
+    every segment samples and says exactly what it says alone."""
+    assert engine.vocoder is not None and engine.first_audio_ids == 6 + engine.vocoder.latency_tokens
+    assert engine.runner.compact_rows and engine.scheduler.config.pause_jobs_below_ids == engine.first_audio_ids
     alone = Collector()
     for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
                          ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
@@ -217,3 +219,17 @@ def test_the_vocoder_hears_of_a_live_turn_from_its_submit_until_its_stream_opens
     assert seen_during_steps and all(seen_during_steps)  # the drain took it in; the steps up to its first id
     del engine.runner.execute
     _step_until_done(engine, got, ["job", "later", "turn"])
+
+
+def test_a_turns_first_chunk_renders_at_the_ids_the_job_rows_sit_out_for(engine: Engine) -> None:
+    """`Engine.first_audio_ids` is the vocoder's own rule: a stream with one id fewer has no first chunk to render,
+    with that many it has (so the job rows sit out exactly until a turn's first audio can render)."""
+    vocoder = engine.vocoder
+    assert vocoder is not None
+    voice = vocoder.prepare_voice(default_voice(tiny_bundle("turbo")).s3gen_ref)
+    stream = vocoder.open(voice, seed=1)
+    stream.prompt = vocoder.prompt_cache(voice)
+    stream.add(list(range(engine.first_audio_ids - 1)), final=False)
+    assert stream.next_job(engine.config.first_chunk_tokens) is None
+    stream.add([7], final=False)
+    assert stream.next_job(engine.config.first_chunk_tokens) is not None
