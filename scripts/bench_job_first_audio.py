@@ -8,7 +8,9 @@ chunks all the time, and a new one is submitted at once). Every round, after a r
 session's first audio) is submitted and timed from its submit to its first audio chunk, then cancelled. Modes:
 
 - all: the default: a jobs-only step stops at its next layer (Scheduler.withdraw), job rows sit out the turn's first
-  ids, and the vocoder holds job renders back from the turn's submit (Engine.turn_pending);
+  ids until its first audio can render (Engine.first_audio_ids: 12 + 7), and the vocoder holds job renders back from
+  the turn's submit (Engine.turn_pending);
+- pause 12: the same, but the job rows sit out only the first chunk's 12 ids (as before first_audio_ids);
 - vocoder not told: the same, but the vocoder holds job renders back only once the turn's stream opens (its first
   valid id), as before Engine.turn_pending;
 - neither: the vocoder not told, and job steps run whole (the turn signal is never raised);
@@ -107,7 +109,10 @@ class JobFeeder:
 def _set_mode(engine: Engine, mode: str) -> None:
     worker = engine.vocoder_worker
     assert worker is not None
-    worker.turn_pending = engine.turn_pending if mode == "all" else (lambda: False)
+    worker.turn_pending = engine.turn_pending if mode in ("all", "pause 12") else (lambda: False)
+    below = engine.config.first_chunk_tokens if mode == "pause 12" else engine.first_audio_ids
+    engine.scheduler.config = replace(engine.scheduler.config,
+                                      pause_jobs_below_ids=below if engine.runner.compact_rows else 0)
     engine.turn_arrived = _NeverRaised() if mode == "neither" else threading.Event()
 
 
@@ -157,7 +162,7 @@ def main() -> None:
     if not engine.wait_ready(900):
         raise SystemExit(f"engine did not start: {engine.failure}")
     pauses = random.Random(11)
-    modes = ["all", "vocoder not told", "neither"]
+    modes = ["all", "pause 12", "vocoder not told", "neither"]
     times: dict[str, list[float]] = {mode: [] for mode in ["alone", *modes]}
 
     def alone_rounds(count: int, seed0: int) -> None:

@@ -119,8 +119,9 @@ def test_bench_job_first_audio_runs_on_tiny_weights(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     rows = {row["mode"]: row for row in report["rows"]}
-    assert set(rows) == {"alone", "all", "vocoder not told", "neither"}
-    assert rows["alone"]["turns"] == 2 and all(rows[m]["turns"] == 1 for m in ("all", "vocoder not told", "neither"))
+    assert set(rows) == {"alone", "all", "pause 12", "vocoder not told", "neither"}
+    assert rows["alone"]["turns"] == 2 and all(rows[m]["turns"] == 1 for m in ("all", "pause 12", "vocoder not told",
+                                                                               "neither"))
     assert all(row["first_audio_ms_p50"] > 0 for row in rows.values())
     assert "job segment(s) in flight" in proc.stdout and set(report["engine"]) >= {"job_steps_withdrawn",
                                                                                    "job_renders_stopped"}
