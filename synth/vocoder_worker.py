@@ -113,9 +113,10 @@ class JobYield:
 
     - never while a live segment awaits a turn's first audio (its stream is open, its voice ready, and its first
       chunk not yet rendered): the first chunk would wait for the job's render; nor while a live turn's first
-      segment is on its way from T3 (`VocoderWorker.turn_pending`: submitted, queued, or decoding before its first
-      valid id): on a CPU the decode borrows the idle vocoder's threads for that turn's prefill and first ids
-      (CoreLease; 1.6x faster steps at full size), which a job render in their way would hold;
+      segment is on its way from T3 on a CPU (`hold_for_turns`; `VocoderWorker.turn_pending`: submitted, queued,
+      or decoding before its first valid id): there the decode borrows the idle vocoder's threads for that turn's
+      prefill and first ids (CoreLease; 1.6x faster steps at full size), which a job render in their way would
+      hold;
     - never while a live listener holds less than the margin: `live_margin_s`, or twice the recent job ticks'
       wall time if that is longer (so that a job tick that starts never outlasts what a live listener holds);
     - after every due live chunk of a listener that holds less than `live_ahead_s` (or the margin, if longer):
@@ -140,11 +141,12 @@ class JobYield:
     max_job_streams: int = 1
     batch_with_live: bool = False
     stoppable: bool = True
+    hold_for_turns: bool = True
 
     @staticmethod
     def for_device(device: torch.device, max_batch: int) -> JobYield:
         if device.type == "cuda":
-            return JobYield(max_job_streams=max_batch, batch_with_live=True, stoppable=False)
+            return JobYield(max_job_streams=max_batch, batch_with_live=True, stoppable=False, hold_for_turns=False)
         return JobYield()
 
     def margin_s(self, job_tick_s: float) -> float:
@@ -569,7 +571,7 @@ class VocoderWorker:
         if due and due[0][0] <= 0.0:
             due = [item for item in due if item[0] <= 0.0]
         margin_s = self.job_yield.margin_s(self.job_tick_s)
-        if jobs and needs.lets_jobs_in(margin_s) and not self.turn_pending():
+        if jobs and needs.lets_jobs_in(margin_s) and not (self.job_yield.hold_for_turns and self.turn_pending()):
             jobs.sort(key=lambda item: item[1])  # the oldest job segment first: it ends (and is stored) first
             # live streams whose listeners hold the horizon or more can wait for a job tick (on a CPU, where a
             # tick is one or the other); the others render first

@@ -63,6 +63,24 @@ def _step_until_done(engine: Engine, collector: Collector, request_ids: list[str
     raise AssertionError({rid: collector.kinds(rid) for rid in request_ids})
 
 
+def _each_alone(engine: Engine) -> Collector:
+    """The references: job-0, job-1 and the live turn "Hello, caller." (seed 7), each alone in the engine."""
+    alone = Collector()
+    for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
+                         ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
+        engine.submit(request)
+        _step_until_done(engine, alone, [rid])
+    return alone
+
+
+def _two_jobs_decoding(engine: Engine, collector: Collector) -> None:
+    """job-0 and job-1 submitted, then 4 steps: both decode."""
+    engine.submit(_job(collector, "job-0", 0))
+    engine.submit(_job(collector, "job-1", 1))
+    for _ in range(4):
+        engine._step()
+
+
 def _pcm(collector: Collector, rid: str) -> npt.NDArray[np.float32]:
     chunks = collector.chunks(rid)
     assert [c.seq for c in chunks] == list(range(len(chunks))), "a chunk sequence restarted or has a gap"
@@ -115,17 +133,9 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_with_the_same_tokens
     every segment samples and says exactly what it says alone."""
     assert engine.vocoder is not None and engine.first_audio_ids == 6 + engine.vocoder.latency_tokens
     assert engine.runner.compact_rows and engine.scheduler.config.pause_jobs_below_ids == engine.first_audio_ids
-    alone = Collector()
-    for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
-                         ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
-        engine.submit(request)
-        _step_until_done(engine, alone, [rid])
-
+    alone = _each_alone(engine)
     got = Collector()
-    engine.submit(_job(got, "job-0", 0))
-    engine.submit(_job(got, "job-1", 1))
-    for _ in range(4):
-        engine._step()
+    _two_jobs_decoding(engine, got)
     jobs = list(engine.scheduler.running)
     assert len(jobs) == 2 and all(not s.is_live for s in jobs)
     engine.submit(_request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE))
@@ -155,17 +165,9 @@ def test_a_live_turn_arriving_mid_job_step_stops_it_and_every_segment_still_says
     and is withdrawn (its rows decode it again later), so the turn is prefilled at the very next step. With
     overlapped steps the step read is the one before, so nothing stops. Either way tokens and audio are each
     segment's alone."""
-    alone = Collector()
-    for rid, request in (("alone-0", _job(alone, "alone-0", 0)), ("alone-1", _job(alone, "alone-1", 1)),
-                         ("alone-live", _request(alone, "alone-live", "Hello, caller.", 7, Priority.LIVE))):
-        engine.submit(request)
-        _step_until_done(engine, alone, [rid])
-
+    alone = _each_alone(engine)
     got = Collector()
-    engine.submit(_job(got, "job-0", 0))
-    engine.submit(_job(got, "job-1", 1))
-    for _ in range(4):
-        engine._step()
+    _two_jobs_decoding(engine, got)
     assert len(engine.scheduler.running) == 2
     live = _request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE)
     arrival = ArrivesAtLayer(1, lambda: engine.submit(live))

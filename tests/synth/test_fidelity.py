@@ -66,6 +66,14 @@ def _request(case: Case, collector: Collector) -> SegmentRequest:
                           language=case.language, sink=collector.sink_for(case.request_id))
 
 
+def _jobs_decoding(engine: Engine, cases: list[Case], collector: Collector) -> None:
+    """`cases` submitted as job segments, then 3 steps: they decode."""
+    for case in cases:
+        engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
+    for _ in range(3):
+        engine._step()
+
+
 def _engine(bundle: ModelBundle, variant: Variant, slots: int, **overrides: object) -> Engine:
     engine = make_engine(variant, render_audio=False, max_slots=slots, bundle=bundle, **overrides)
     for i in range(3):
@@ -235,10 +243,7 @@ def test_job_rows_sitting_out_a_live_turns_first_ids_say_the_reference_tokens(pe
     assert engine.runner.compact_rows == compact
     collector = Collector()
     with torch.no_grad():
-        for case in jobs:
-            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
-        for _ in range(3):
-            engine._step()
+        _jobs_decoding(engine, jobs, collector)
         assert len(engine.scheduler.running) == len(jobs)
         engine.submit(_request(last, collector))  # live, its session's first audio
         for _ in range(MAX_STEPS):
@@ -263,10 +268,7 @@ def test_a_job_step_stopped_mid_layer_for_a_live_turn_is_decoded_again_to_the_re
     assert engine.runner.compact_rows
     collector = Collector()
     with torch.no_grad():
-        for case in jobs:
-            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
-        for _ in range(3):
-            engine._step()
+        _jobs_decoding(engine, jobs, collector)
         assert len(engine.scheduler.running) == len(jobs)
         arrival = ArrivesAtLayer(1, lambda: engine.submit(_request(last, collector)))
         engine.turn_arrived = arrival
@@ -292,10 +294,7 @@ def test_a_job_prefill_stopped_mid_layer_for_a_live_turn_is_admitted_again_to_th
     engine = _engine(peaky.bundle, peaky.variant, len(peaky.cases))
     collector = Collector()
     with torch.no_grad():
-        for case in jobs:
-            engine.submit(replace(_request(case, collector), priority=Priority.JOB, first_audio_pending=False))
-        for _ in range(3):
-            engine._step()
+        _jobs_decoding(engine, jobs, collector)
         engine.submit(replace(_request(queued, collector), priority=Priority.JOB, first_audio_pending=False))
         arrival = ArrivesAtLayer(1, lambda: engine.submit(_request(last, collector)))
         engine.turn_arrived = arrival

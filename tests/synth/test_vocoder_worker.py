@@ -513,3 +513,10 @@ def test_a_job_render_stops_and_no_job_starts_while_a_live_turn_is_on_its_way_fr
     reference._start_stream(reference._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
     reference._render(reference._due(time.monotonic()))
     assert col.chunks("job")[0].pcm.tobytes() == ref_col.chunks("job")[0].pcm.tobytes()
+
+    # on a GPU nothing borrows the vocoder's threads: a pending turn holds no job chunk back
+    gpu_policy = JobYield.for_device(torch.device("cuda"), 8)
+    assert not gpu_policy.hold_for_turns and JobYield().hold_for_turns
+    reference.job_yield = gpu_policy
+    reference.turn_pending = lambda: True
+    assert [speech.request_id for speech, _ in reference._due(time.monotonic())] == ["job"]
