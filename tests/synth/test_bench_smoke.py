@@ -125,3 +125,20 @@ def test_bench_job_first_audio_runs_on_tiny_weights(tmp_path: Path) -> None:
     assert all(row["first_audio_ms_p50"] > 0 for row in rows.values())
     assert "job segment(s) in flight" in proc.stdout and set(report["engine"]) >= {"job_steps_withdrawn",
                                                                                    "job_renders_stopped"}
+
+
+@pytest.mark.timeout(600)
+def test_bench_job_first_audio_alone_between_the_rounds(tmp_path: Path) -> None:
+    """`--modes all "alone between"`: the jobs stop (cancelled, the engine idle) for the alone turns of the rounds,
+    resume after them, and the ratios are against those turns."""
+    out = tmp_path / "between"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_job_first_audio.py", "--size", "tiny", "--jobs", "2", "--rounds", "2",
+         "--alone", "1", "--pause-s", "0.1", "0.2", "--modes", "all", "alone between", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {row["mode"]: row for row in report["rows"]}
+    assert set(rows) == {"alone", "all", "alone between"} and report["reference"] == "alone between"
+    assert rows["all"]["turns"] == rows["alone between"]["turns"] == 2
+    assert rows["alone between"]["x_alone_p50"] == 1.0 and rows["all"]["x_alone_p95"] > 0
