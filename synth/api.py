@@ -179,7 +179,9 @@ class SegmentRequest:
 
     request_id: str  # unique among live requests
     text: str
-    sink: Sink  # called on the engine thread; must not block (e.g. loop.call_soon_threadsafe)
+    # called on the engine or vocoder thread, under the engine's emit lock: must not block (hand the output on, e.g.
+    # loop.call_soon_threadsafe) nor call the engine (that raises SinkReentryError: synth/outlet.py)
+    sink: Sink
     voice_id: str = "default"
     params: SamplingParams = field(default_factory=SamplingParams)
     language: str | None = None  # multilingual only, e.g. "fr"

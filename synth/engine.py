@@ -64,7 +64,7 @@ from synth.api import (
 from synth.build import EngineParts
 from synth.cpu_threads import CoreLease, available_cores, release_openmp_pool, use_threads
 from synth.loading import ModelBundle
-from synth.outlet import Delivery, Outlet
+from synth.outlet import Delivery, EmitLock, Outlet
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.scheduler import Scheduler, SchedulerConfig, StepOutput, StepPlan, StepUpdate
 from synth.text import text_token_ids
@@ -224,7 +224,7 @@ class Engine(EngineLike):
         # `note_turn`); with `turn_arrived`, what holds the vocoder's job renders back (`turn_pending`)
         self.turn_in_t3 = False
         self.turn_group: list[Engine] = [self]  # the engines whose turns count (several models: all of them)
-        self._emit_lock = threading.Lock()  # every outlet sends under it; it also guards _outlets
+        self._emit_lock = EmitLock()  # every outlet sends under it; it also guards _outlets
         self._outlets: dict[str, Outlet] = {}  # request_id -> outlet until its terminal event
         self._stats_listener: Callable[[StepStats], None] | None = None
         self._thread: threading.Thread | None = None

@@ -9,7 +9,10 @@ the vocoder worker (audio chunks, DONE). An `Outlet` keeps the promises callers 
   sink is never called from two threads at once);
 - a sink that raises ends only its own request: the outlet stops delivering and reports it, the engine cancels.
 
-Sinks must not block (they hand the output to an event loop with call_soon_threadsafe).
+Sinks must not block (they hand the output to an event loop with call_soon_threadsafe), and must not call back
+into the engine: a sink runs under the engine's emit lock, so a `submit` or `cancel` from it would wait for itself.
+The lock (`EmitLock`) knows its holder and raises `SinkReentryError` instead; the outlet reports it as a sink that
+raised.
 """
 
 from __future__ import annotations
@@ -17,10 +20,45 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from types import TracebackType
 
-from synth.api import EngineOutput, EventKind, SegmentEvent, Sink
+from synth.api import EngineError, EngineOutput, EventKind, SegmentEvent, Sink
 
 log = logging.getLogger(__name__)
+
+
+class SinkReentryError(EngineError):
+    """A thread that holds the engine's emit lock (a sink being called) asked for it again: a sink called back into
+    the engine (submit, cancel), which would deadlock."""
+
+
+class EmitLock:
+    """The engine's emit lock: a plain, non-reentrant lock that knows which thread holds it, so that asking for it
+    again on that thread raises `SinkReentryError` rather than waiting forever."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> EmitLock:
+        me = threading.get_ident()
+        if self._owner == me:  # only this thread writes its own id here, so the read needs no lock
+            raise SinkReentryError("a sink called back into the engine (it runs under the engine's emit lock): "
+                                   "hand the output to another thread and call the engine from there")
+        self._lock.acquire()
+        self._owner = me
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self._owner = None
+        self._lock.release()
+
+    @property
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
 
 
 class OutletState(enum.IntEnum):
@@ -38,7 +76,8 @@ class Delivery(enum.Enum):
 class Outlet:
     __slots__ = ("_lock", "_registry", "_sink", "_state", "request_id")
 
-    def __init__(self, request_id: str, sink: Sink, lock: threading.Lock, registry: dict[str, Outlet]) -> None:
+    def __init__(self, request_id: str, sink: Sink, lock: EmitLock | threading.Lock,
+                 registry: dict[str, Outlet]) -> None:
         self.request_id = request_id
         self._sink = sink
         self._lock = lock  # shared by every outlet of one engine; it also guards the registry

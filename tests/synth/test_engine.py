@@ -166,6 +166,57 @@ def test_a_sink_that_raises_ends_only_its_own_segment(engine: Engine) -> None:
     assert engine.alive
 
 
+def test_a_sink_that_calls_back_into_the_engine_fails_alone_instead_of_deadlocking(engine: Engine) -> None:
+    """A sink runs under the engine's emit lock: a submit from it (the engine thread's STARTED) or a cancel from it
+    (the vocoder thread's audio) used to wait for that lock forever, with the engine thread or the vocoder in it.
+    Now it raises SinkReentryError in the sink, the outlet reports a sink that raised, and only that request ends."""
+    col = Collector()
+    errors: list[BaseException] = []
+    called = threading.Event()
+
+    def calling_sink(rid: str) -> Callable[[object], None]:
+        def sink(out: object) -> None:
+            kind = getattr(out, "kind", None)
+            if kind == EventKind.STARTED or isinstance(out, AudioChunk):
+                called.set()
+                try:
+                    if kind == EventKind.STARTED:
+                        engine.submit(_request(col, f"{rid}-from-sink", TEXTS[1], seed=9))
+                    else:
+                        engine.cancel(rid)
+                except EngineError as error:
+                    errors.append(error)
+                    raise
+        return sink
+
+    for rid, text in (("submits", TEXTS[5]), ("cancels", TEXTS[6])):
+        params = replace(SamplingParams(), seed=5, max_new_tokens=200)
+        if rid == "cancels":  # its STARTED goes through: it calls back from the vocoder's thread
+            engine.submit(SegmentRequest(request_id=rid, text=text, sink=_audio_only(calling_sink(rid)), params=params))
+        else:
+            engine.submit(SegmentRequest(request_id=rid, text=text, sink=calling_sink(rid), params=params))
+    engine.submit(_request(col, "bystander", TEXTS[7], seed=7, n_tokens=40))
+    col.wait_done(["bystander"], timeout_s=60)  # times out if the engine thread deadlocked
+    assert called.is_set()
+    assert col.kinds("bystander")[-1] == EventKind.DONE
+    assert len(errors) == 2 and all(type(e).__name__ == "SinkReentryError" for e in errors), errors
+    assert "emit lock" in str(errors[0])
+    assert not engine.has_request("submits-from-sink")
+    deadline = time.monotonic() + 30
+    while any(s.request_id in ("submits", "cancels") for s in engine.scheduler.running):
+        assert time.monotonic() < deadline, "a segment whose sink called back kept its slot"
+        time.sleep(0.01)
+    assert engine.alive
+
+
+def _audio_only(sink: Callable[[object], None]) -> Callable[[object], None]:
+    """`sink` sees only the audio chunks."""
+    def audio_sink(out: object) -> None:
+        if isinstance(out, AudioChunk):
+            sink(out)
+    return audio_sink
+
+
 def test_engine_failure_fails_segments_and_turns_not_ready() -> None:
     eng = make_engine("english", render_audio=False, max_slots=2)
     eng.voices.add(synthetic_voice(tiny_bundle("english"), "default", 1))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from synth.api import AudioChunk, EngineOutput, EventKind, SegmentEvent
-from synth.outlet import Delivery, Outlet, OutletState
+from synth.outlet import Delivery, EmitLock, Outlet, OutletState, SinkReentryError
 
 
 def chunk(seq: int) -> AudioChunk:
@@ -80,3 +81,48 @@ def test_two_threads_sending_never_interleave_a_sink_call() -> None:
     for t in threads:
         t.join()
     assert len(overlaps) == 4000 and not any(overlaps)
+
+
+def test_the_emit_lock_refuses_its_holder_and_waits_for_others() -> None:
+    """EmitLock: asked again on the thread that holds it (a sink calling the engine), it raises instead of
+    deadlocking; another thread waits for it as for any lock; released, it is free for both."""
+    lock = EmitLock()
+
+    def held() -> bool:  # (a call: mypy would narrow the property across the asserts)
+        return lock.held_here
+
+    assert not held()
+    with lock:
+        assert held()
+        with pytest.raises(SinkReentryError, match="emit lock"), lock:
+            pass
+        assert held()  # the refused ask did not release it
+        entered = threading.Event()
+
+        def other() -> None:
+            with lock:
+                entered.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert not entered.wait(0.2)  # another thread waits
+    thread.join(5)
+    assert entered.is_set() and not held()
+    with lock:
+        pass
+
+
+def test_a_sink_that_calls_back_under_the_emit_lock_fails_its_outlet_only() -> None:
+    lock = EmitLock()
+    registry: dict[str, Outlet] = {}
+
+    def sink(output: EngineOutput) -> None:
+        with lock:  # what Engine.submit / cancel / has_request do first
+            pass
+
+    outlet = Outlet("r", sink, lock, registry)
+    registry["r"] = outlet
+    other: list[EngineOutput] = []
+    bystander = Outlet("b", other.append, lock, registry)
+    assert outlet.send(chunk(0)) == Delivery.SINK_FAILED
+    assert bystander.send(chunk(0)) == Delivery.DELIVERED and len(other) == 1  # the lock was released
