@@ -64,6 +64,9 @@ _TINY_GPT2 = "GPT2_tiny_agent_server"
 TINY_ALIGNED_LLAMA = "Llama_tiny_aligned_agent_server"
 TINY_ALIGNED_LAYERS = 14
 TINY_ALIGNED_HEADS = 16
+# heads x head size (256) need not be the width (64) in a Llama; 16 is the smallest head the CPU's decode attention
+# kernel takes (synth/decode_attention.py), so the analyzer's tests run the CPU's compact steps too
+TINY_ALIGNED_HEAD_DIM = 16
 
 
 def _register_tiny_configs() -> None:
@@ -77,7 +80,7 @@ def _register_tiny_configs() -> None:
     if TINY_ALIGNED_LLAMA not in LLAMA_CONFIGS:
         llama = copy.deepcopy(LLAMA_CONFIGS[_TINY_LLAMA])
         llama.update(num_hidden_layers=TINY_ALIGNED_LAYERS, num_attention_heads=TINY_ALIGNED_HEADS,
-                     num_key_value_heads=TINY_ALIGNED_HEADS, head_dim=TINY_WIDTH // TINY_ALIGNED_HEADS)
+                     num_key_value_heads=TINY_ALIGNED_HEADS, head_dim=TINY_ALIGNED_HEAD_DIM)
         LLAMA_CONFIGS[TINY_ALIGNED_LLAMA] = llama
     if _TINY_GPT2 not in LLAMA_CONFIGS:
         gpt2 = copy.deepcopy(LLAMA_CONFIGS["GPT2_medium"])

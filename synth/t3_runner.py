@@ -29,7 +29,7 @@ step's inputs come from the plan as numpy arrays over its rows (one write per fi
 row feeds the id its cond row sampled at the step before straight from the device buffer: no step needs the host to
 have read the one before, so the engine may launch step k+1 before it reads step k's ids (`StepOutput.result`).
 
-Compact steps (CPU, fp32, the C attention kernel, no alignment analyzer: `compact_rows`): a step decodes and samples
+Compact steps (CPU, fp32, the C attention kernel, no CUDA graphs: `compact_rows`): a step decodes and samples
 only the rows its plan names, gathered, not every row of the bucket. Rows between them cost nothing, and a row left
 out of a step keeps everything it has: its cache (nothing is written), its generator (no draw) and its seen set. That
 is what lets the scheduler leave job rows out of a live turn's first steps (SchedulerConfig.pause_jobs_below_ids)
@@ -275,7 +275,7 @@ class T3Runner:
     @property
     def compact_rows(self) -> bool:
         """Steps decode and sample only their plan's rows (the module docstring); else every row of the bucket."""
-        return self.compact_steps and self.shared_prefix_attention and not self.analyzer and not self.use_graphs
+        return self.compact_steps and self.shared_prefix_attention and not self.use_graphs
 
     @property
     def usable_len(self) -> int:
@@ -419,29 +419,34 @@ class T3Runner:
         prefill_ms = (time.perf_counter() - t0) * 1e3
         n_rows, n_keys = self._write_inputs(plan)
         self.inputs.upload()  # the step's one host-to-device copy
+        capture = self.analyzer and any(s.aligner is not None for s in plan.decode)
         if self.compact_rows:
-            return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms, interrupt)
+            return self._execute_compact(plan, items, prefill_logits, n_rows, n_keys, prefill_ms, capture, interrupt)
         if plan.decode_rows.size:
-            self.decode(n_rows, n_keys, capture=self.analyzer and any(s.aligner is not None for s in plan.decode))
+            self.decode(n_rows, n_keys, capture=capture)
         if prefill_logits is not None:
             self.place_logits([item.row for item in items], prefill_logits)
         self.sample(n_rows, self._analyzer_edit(plan, items) if self.analyzer else None)
         return self._read_back(plan, n_rows, prefill_ms)
 
     def _execute_compact(self, plan: StepPlan, items: list[PrefillItem], prefill_logits: torch.Tensor | None,
-                         n_rows: int, n_keys: int, prefill_ms: float, interrupt: Callable[[], bool] | None
-                         ) -> StepOutput:
+                         n_rows: int, n_keys: int, prefill_ms: float, capture: bool,
+                         interrupt: Callable[[], bool] | None) -> StepOutput:
         """`execute` over the plan's rows only: it decodes its decoding rows and samples its sample rows (cond rows;
-        CFG uncond rows are read as partners), as uploaded (StepInputs.write_plan: "decode_rows", "sample_rows")."""
+        CFG uncond rows are read as partners), as uploaded (StepInputs.write_plan: "decode_rows", "sample_rows").
+        The analyzer's heads are captured for the decoding rows and its edit reads the sample rows' logits."""
         if plan.decode_rows.size:
             try:
-                self.decode(n_rows, n_keys, compact=("decode_rows", self.inputs.decode_rows_n), interrupt=interrupt)
+                self.decode(n_rows, n_keys, capture=capture, compact=("decode_rows", self.inputs.decode_rows_n),
+                            interrupt=interrupt)
             except _Interrupted:
                 self.steps_interrupted += 1
                 return StepOutput(plan, prefill_ms, None)
         if prefill_logits is not None:
             self.place_logits([item.row for item in items], prefill_logits)
-        self.sample(n_rows, compact=("sample_rows", self.inputs.sample_rows_n))
+        sample_rows = ("sample_rows", self.inputs.sample_rows_n)
+        edit = self._analyzer_edit(plan, items, self._step_rows(sample_rows)[0]) if self.analyzer else None
+        self.sample(n_rows, edit, compact=sample_rows)
         return self._read_back(plan, n_rows, prefill_ms)
 
     def _write_inputs(self, plan: StepPlan) -> tuple[int, int]:
@@ -501,9 +506,11 @@ class T3Runner:
             raise ValueError(f"{state.request_id}: unseeded segment")
         self.generators[rows[0]].manual_seed(params.seed)
 
-    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem]) -> EditGuided | None:
-        """The alignment analyzers' step on the guided logits (one row per cache row) of the segments that have
-        one (`plan.decode` and the segments' `tokens` are kept for it: SchedulerConfig.track_states)."""
+    def _analyzer_edit(self, plan: StepPlan, items: list[PrefillItem],
+                       sample_rows: npt.NDArray[np.int64] | None = None) -> EditGuided | None:
+        """The alignment analyzers' step on the guided logits of the segments that have one (`plan.decode` and the
+        segments' `tokens` are kept for it: SchedulerConfig.track_states). The guided logits have one row per cache
+        row of the bucket, or per entry of `sample_rows` in a compact step."""
         rows: list[tuple[int, SegmentState, list[torch.Tensor]]] = []  # (cond row, state, text probs)
         for state in plan.decode:
             if state.aligner is not None:  # the text block sits right after the conditioning in the row
@@ -522,11 +529,14 @@ class T3Runner:
         if not rows:
             return None
 
+        at = {int(row): k for k, row in enumerate(sample_rows)} if sample_rows is not None else None
+
         def edit(logits: torch.Tensor) -> torch.Tensor:
             for row, state, text_probs in rows:
                 alignment.feed(state.aligner, text_probs)
                 last = state.tokens[-1] if state.tokens else self.start_speech_token
-                logits[row:row + 1] = state.aligner.step(logits[row:row + 1], next_token=last)
+                k = row if at is None else at[row]
+                logits[k:k + 1] = state.aligner.step(logits[k:k + 1], next_token=last)
             return logits
 
         return edit
@@ -705,8 +715,8 @@ class T3Runner:
         write = take(inp.device_int("write"))  # [R]
         keys_visible = take(inp.device_int("keys"))  # [R]
         cache_rows = row_ids if row_ids is not None else self._row_index[:n_rows]
-        if compact is not None and (capture or not self.shared_prefix_attention):
-            raise ValueError("a compact step needs the C attention kernel and no captured heads")
+        if compact is not None and not self.shared_prefix_attention:
+            raise ValueError("a compact step needs the C attention kernel")
         embeds = self.speech_embeds(token, take(inp.device_int("speech_pos"))).to(self.dtype)  # [R, 1, dim]
         mask = (self._key_index[None, :n_keys] < keys_visible[:, None])[:, None, None, :]  # [R, 1, 1, L]
         hidden_keys = self._key_index[None, :n_keys] >= keys_visible[:, None]  # [R, L]: ~mask, computed once
@@ -723,10 +733,14 @@ class T3Runner:
             cache.write(layer, cache_rows, write, k[:, :, 0], v[:, :, 0])
             keys, values = all_keys[layer], all_values[layer]  # [R, H, L, D]
             for captured_layer, head in captured_heads:  # the same probabilities, spelled out for one head
-                if captured_layer == layer:
-                    scores = torch.matmul(q[:, head], keys[:, head].transpose(-1, -2))[:, 0].float() * scale
-                    scores = scores.masked_fill(hidden_keys, float("-inf"))  # [R, L]
-                    self.captured_decode[(layer, head)] = torch.softmax(scores, dim=-1)
+                if captured_layer == layer:  # (the row's cache holds its prefix too: install_prefix)
+                    head_keys = keys[:, head] if row_ids is None else keys[:, head].index_select(0, row_ids)
+                    scores = torch.matmul(q[:, head], head_keys.transpose(-1, -2))[:, 0].float() * scale
+                    probs = torch.softmax(scores.masked_fill(hidden_keys, float("-inf")), dim=-1)  # [R, L]
+                    if row_ids is not None:  # indexed by cache row, as the analyzer's edit reads it
+                        probs = torch.zeros((n_rows, n_keys), dtype=probs.dtype,
+                                            device=probs.device).index_copy_(0, row_ids, probs)
+                    self.captured_decode[(layer, head)] = probs
             if self.shared_prefix_attention:
                 return decode_attention.attention(q, cache.keys[layer], cache.values[layer], self.row_prefixes, layer,
                                                   keys_visible, n_keys, scale, row_ids=rows)
