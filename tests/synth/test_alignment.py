@@ -146,15 +146,16 @@ def eos_biased_bundle(aligned_bundle: ModelBundle) -> ModelBundle:
 EOS_BOOST = 12.0  # EOS ends every case within a few ids without the analyzer (the test checks it)
 
 
-def test_compact_steps_keep_each_analyzer_on_its_rows(eos_biased_bundle: ModelBundle,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compact step's rows are not the bucket's: a segment that ends early leaves a gap, and the cond rows that
-    are sampled are every other row. Each analyzer must read its own row's captured heads and edit its own row's
-    guided logits. With EOS made likely the edit decides the tokens (it suppresses EOS until the text is read), so
-    an edit on the wrong row ends or prolongs a segment; the short case's gap moves the others' rows."""
+@pytest.mark.parametrize("compact", [True, False], ids=["compact step", "bucket step"])
+def test_each_analyzer_edits_its_own_row(eos_biased_bundle: ModelBundle, monkeypatch: pytest.MonkeyPatch,
+                                         compact: bool) -> None:
+    """Each analyzer reads its own row's captured heads and edits its own row's guided logits, in a compact step
+    (the CPU's: its rows are not the bucket's, a segment that ends early leaves a gap, and the sampled cond rows are
+    every other row) and in a bucket step (the GPU's). With EOS made likely the edit decides the tokens (it
+    suppresses EOS until the text is read), so an edit on the wrong row ends or prolongs a segment."""
     n_tokens = {"a": 24, "b": 24, "c": 6, "d": 24}  # c ends first: rows after it move in a compact step
-    plain, _ = _engine_run(eos_biased_bundle, CASES, n_tokens, compact=True, analyzer=False, monkeypatch=monkeypatch)
-    got, ours = _engine_run(eos_biased_bundle, CASES, n_tokens, compact=True, analyzer=True, monkeypatch=monkeypatch)
+    plain, _ = _engine_run(eos_biased_bundle, CASES, n_tokens, compact, analyzer=False, monkeypatch=monkeypatch)
+    got, ours = _engine_run(eos_biased_bundle, CASES, n_tokens, compact, analyzer=True, monkeypatch=monkeypatch)
     _check_against_reference(eos_biased_bundle, CASES, n_tokens, got, ours)
     eos = eos_biased_bundle.t3.hp.stop_speech_token
     assert all(len(tokens) <= 4 and tokens[-1] == eos for tokens in plain.values()), plain  # EOS at once, unedited
