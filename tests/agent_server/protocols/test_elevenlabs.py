@@ -170,9 +170,13 @@ def test_multi_stream_close_context_mid_turn_is_a_barge_in(served_realtime: Serv
     assert audio_of(messages, "turn2")
 
 
-def test_multi_stream_a_late_token_after_close_context_is_that_context_s_error_only(served: Served) -> None:
+def test_multi_stream_a_late_token_after_close_context_is_that_context_s_error_only(served_realtime: Served) -> None:
     """An LLM stream still draining after the turn's close_context: the late piece is refused for that context
-    (`context_closing`), the flushed turn is still spoken whole, and the socket goes on."""
+    (`context_closing`), the flushed turn is still spoken whole, and the socket goes on. (Audio at the pace of speech:
+    the turn is still closing when the late piece arrives, however loaded the machine; a context that has ended
+    frees its id.)"""
+    served = served_realtime
+
     async def main() -> list[dict[str, Any]]:
         url = f"{served.ws}/v1/text-to-speech/{VOICE}/multi-stream-input?output_format=pcm_16000"
         async with connect(url) as ws:
