@@ -20,6 +20,8 @@ turn and the jobs-only steps withdrawn per turn. Run alone (`flock -x /work/cpu.
 
     python scripts/bench_job_pause.py --size tiny --jobs 3 --rounds 20 --threads 1 --out out/job_pause_tiny
     python scripts/bench_job_pause.py --size full --jobs 4 --rounds 6 --arrival mid-step --out out/job_pause_full
+    python scripts/bench_job_pause.py --variant multilingual --analyzer --size full --jobs 3 --rounds 6 \
+        --arrival mid-step --out out/job_pause_ml_full
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ class _NeverRaised(threading.Event):
         pass
 
 
-def _engine(bundle: Any, variant: str, jobs: int, compact: bool, stop_steps: bool) -> Engine:
+def _engine(bundle: Any, variant: str, jobs: int, compact: bool, stop_steps: bool, analyzer: bool) -> Engine:
     config = EngineConfig(variant=variant, weights="random", device="cpu", max_slots=jobs + 1,  # type: ignore[arg-type]
-                          max_context_tokens=1024, compact_steps=compact)
+                          max_context_tokens=1024, compact_steps=compact, alignment_analyzer=analyzer)
     engine = Engine(bundle, config, render_audio=False)
     engine.voices.add(_voice(bundle))
     if not stop_steps:
@@ -140,6 +142,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--arrival", default="boundary", choices=["boundary", "mid-step"],
                         help="the live segment arrives between steps, or at a random point of a job step")
+    parser.add_argument("--analyzer", action="store_true",
+                        help="Multilingual's alignment analyzer on every segment (full size: tiny lacks its heads)")
     parser.add_argument("--out", type=Path, default=Path("out/job_pause"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -148,7 +152,7 @@ def main() -> None:
     # mode -> (job segments, compact steps, jobs-only steps stop for a live turn)
     modes = {"alone": (0, True, True), "pause": (args.jobs, True, True),
              "pause, whole steps": (args.jobs, True, False), "no pause": (args.jobs, False, True)}
-    engines = {name: _engine(bundle, args.variant, max(jobs, 1), compact, stop)
+    engines = {name: _engine(bundle, args.variant, max(jobs, 1), compact, stop, args.analyzer)
                for name, (jobs, compact, stop) in modes.items()}
     times: dict[str, list[float]] = {name: [] for name in modes}
     paused: dict[str, list[int]] = {name: [] for name in modes}
@@ -174,7 +178,8 @@ def main() -> None:
                          "x_alone_p50": round(statistics.median(values) / statistics.median(times["alone"]), 2),
                          "job_rows_paused_per_turn": round(statistics.mean(paused[name]), 1),
                          "job_steps_withdrawn_per_turn": round(statistics.mean(withdrawn[name]), 2)})
-    print(f"{args.variant} {args.size}, {args.threads} thread(s), {args.jobs} job rows, {args.rounds} rounds, "
+    print(f"{args.variant} {args.size}{' with its analyzer' if args.analyzer else ''}, {args.threads} thread(s), "
+          f"{args.jobs} job segments, {args.rounds} rounds, "
           f"arrival {args.arrival}, first_chunk_tokens {engines['alone'].config.first_chunk_tokens}")
     print(f"{'mode':19} {'p50 ms':>8} {'p95 ms':>8} {'x alone':>8} {'rows paused/turn':>17} {'steps withdrawn':>16}")
     for row in rows_out:
@@ -182,7 +187,8 @@ def main() -> None:
               f"{row['job_rows_paused_per_turn']:17} {row['job_steps_withdrawn_per_turn']:16}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": platform.processor() or platform.machine(), "variant": args.variant, "size": args.size,
-              "threads": args.threads, "jobs": args.jobs, "rounds": args.rounds, "arrival": args.arrival,
+              "analyzer": args.analyzer, "threads": args.threads, "jobs": args.jobs, "rounds": args.rounds,
+              "arrival": args.arrival,
               "rows": rows_out}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     print(f"json: {args.out.with_suffix('.json')}")
