@@ -33,6 +33,9 @@ B p95 <= 1.1x A p95), live audio-s/s, job audio-s/s (the engine's audio in the r
 received; also the job audio stored, counted as whole segments end), and "unused capacity used" = job audio-s/s /
 (saturation - live audio-s/s) (target >= 80 %). The jobs are cancelled at the end. A p95 over one session is that
 session's figure: --repeat R runs every round R times in a row and pools them (N x R first audios per round).
+--think-s S puts S seconds between those turns, as a caller speaking between replies: live calls are bursty, and
+the engine idles between turns. In round B the live and the job audio-s/s are over the round's whole wall time,
+thinking included, so the room the jobs may fill is the idle time as well as the rows live leaves free.
 """
 
 from __future__ import annotations
@@ -219,11 +222,14 @@ async def one_session(url: str, index: int, text: str, chars_per_s: float, max_n
 
 
 async def one_round(url: str, sessions: int, args: argparse.Namespace, max_new_tokens: int) -> RoundResult:
-    """N sessions at once, --repeat times one after the other; the figures pool every repetition's sessions (a
-    p95 of one session's first audio is that one figure: --repeat gives the percentiles samples)."""
+    """N sessions at once, --repeat times one after the other (--think-s apart); the figures pool every repetition's
+    sessions (a p95 of one session's first audio is that one figure: --repeat gives the percentiles samples). The
+    round's wall time counts the turns only, not the thinking between them."""
     results: list[SessionResult] = []
     wall_s = 0.0
-    for _ in range(max(1, args.repeat)):
+    for repetition in range(max(1, args.repeat)):
+        if repetition and args.think_s > 0:
+            await asyncio.sleep(args.think_s)  # the caller speaks: the engine has nothing live to do
         batch = await asyncio.gather(*(one_session(url, i, args.text, args.chars_per_s, max_new_tokens, args.seed,
                                                    args.session_timeout_s) for i in range(sessions)))
         started = min(r.first_text_s for r in batch)
@@ -586,6 +592,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path, default=None, help="where the servers' logs go (default: --out's)")
     parser.add_argument("--repeat", type=int, default=1, metavar="R",
                         help="run each round R times in a row; its figures pool them (first-audio percentiles)")
+    parser.add_argument("--think-s", type=float, default=0.0, metavar="S",
+                        help="with --repeat: S seconds between a round's turns (the caller speaks; live leaves the "
+                             "engine idle, which --job-load's jobs may fill)")
     parser.add_argument("--job-load", type=int, default=0, metavar="K",
                         help="then the same rounds beside a backlog of K jobs (0: no jobs)")
     parser.add_argument("--job-chars", type=int, default=20_000, help="characters of each job of --job-load")

@@ -62,18 +62,23 @@ def test_bench_capacity_with_a_job_load(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "scripts/bench_capacity.py", "--weights", "random-tiny", "--variant", "turbo",
          "--sessions", "1", "--threads", "1,1", "--job-load", "2", "--job-chars", "3000", "--job-window-s", "4",
-         "--out", str(out)],
+         "--repeat", "2", "--think-s", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    (run,) = report["runs"]
     assert run["error"] == "" and "--max-running-jobs-per-key" in run["server_args"]
     assert run["saturation"]["engine_audio_s_per_wall_s"] > 0 and run["saturation"]["window_s"] >= 4
     (alone,) = run["rounds"]
     (beside,) = run["job_rounds"]
     live = beside["live"]
-    assert live["sessions"] == 1 and live["ok"] + live["failed"] == 1
+    assert live["sessions"] == 1 and live["ok"] + live["failed"] == 2  # --repeat 2
     # synth's scheduler honours Priority: job segments never keep a live session out (docs/jobs.md "Live first")
-    assert live["ok"] == 1, live["errors"]
+    assert live["ok"] == 2, live["errors"]
+    # --think-s: the live round's turns are counted without the thinking, round B's rates over it all
+    assert report["args"]["think_s"] == 1.0
+    assert beside["wall_s"] >= live["wall_s"] + 1.0
+    assert beside["live_audio_s_per_wall_s"] == pytest.approx(live["audio_s"] / beside["wall_s"])
     assert beside["ttfa_p95_vs_alone"] == pytest.approx(live["ttfa_p95_s"] / alone["ttfa_p95_s"])
     # (job audio beside a short live round may be 0: a job segment reaches the vocoder only once its generation
     # has ended, and a live arrival may restart it; the saturation window above shows the jobs render)
