@@ -27,15 +27,18 @@ other processes spinning during the measured rounds (the "one core taken by anot
 
 --job-load K (issue 36: jobs fill the rows live calls leave idle): after the live rounds above (round A: live
 alone), K jobs of --job-chars characters are submitted through POST /v1/jobs (a backlog that outlasts the run);
-a jobs-only window of --job-window-s measures the saturation audio-s/s (the engine's, from /metrics); then for each
-N round B runs the same live sessions beside the backlog. Per N: live first audio p50/p95 B against A (target:
-B p95 <= 1.1x A p95), live audio-s/s, job audio-s/s (the engine's audio in the round minus the live audio
-received; also the job audio stored, counted as whole segments end), and "unused capacity used" = job audio-s/s /
-(saturation - live audio-s/s) (target >= 80 %). The jobs are cancelled at the end. A p95 over one session is that
+a jobs-only window of --job-window-s, opened once the first job segment is stored (the pipeline is full),
+measures the saturation audio-s/s (the engine's, from /metrics); then for each N round B runs the same live
+sessions beside the backlog. Per N: live first audio p50/p95 B against A (target: B p95 <= 1.1x A p95), live
+audio-s/s, job audio-s/s (the engine's audio in the round minus the live audio received; also the job audio
+stored, counted as whole segments end), and "unused capacity used" = job audio-s/s / (saturation - live audio-s/s)
+(target >= 80 %). The jobs are cancelled at the end. A p95 over one session is that
 session's figure: --repeat R runs every round R times in a row and pools them (N x R first audios per round).
 --think-s S puts S seconds between those turns, as a caller speaking between replies: live calls are bursty, and
 the engine idles between turns. In round B the live and the job audio-s/s are over the round's whole wall time,
-thinking included, so the room the jobs may fill is the idle time as well as the rows live leaves free.
+thinking included, so the room the jobs may fill is the idle time as well as the rows live leaves free; "idle
+filled" = the round's job audio / (saturation x the seconds between turns): what the jobs made of the idle time
+alone (above 100 %: they also took some of the turns' room).
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ class JobRound:
     job_stored_audio_s_per_wall_s: float  # tts_jobs_audio_seconds_total (whole segments, as they end)
     ttfa_p95_vs_alone: float | None  # B p95 / A p95
     unused_capacity_used: float | None  # job audio-s/s / (saturation - live audio-s/s)
+    # --think-s: the job audio of the round / (saturation x the seconds between turns): above 1, the jobs filled the
+    # idle time and took some of the turns' too (None without thinking)
+    idle_time_filled: float | None = None
 
 
 # the engine's CUDA graph state, printed after a checkout's rounds (older checkouts lack it)
@@ -318,7 +324,12 @@ def job_rounds(server: Server, run: RepoRun, args: argparse.Namespace, max_new: 
             if time.monotonic() > deadline_s:
                 raise TimeoutError("no job started in 120 s")
             time.sleep(0.2)
-        time.sleep(args.job_window_s / 4)  # the backlog's first segments reach the engine
+        # the window opens once a job segment has come out of the whole pipeline (T3, then the vocoder, then the
+        # store): at full size on a CPU that takes longer than a short window, which then measures the fill
+        while metric_sums(server.port, (JOB_AUDIO,))[JOB_AUDIO] <= 0:
+            if time.monotonic() > deadline_s + args.session_timeout_s:
+                raise TimeoutError(f"no job segment stored in {args.session_timeout_s:.0f} s")
+            time.sleep(0.2)
         before = metric_sums(server.port, (ENGINE_AUDIO, JOB_AUDIO))
         started_s = time.monotonic()
         time.sleep(args.job_window_s)
@@ -348,6 +359,9 @@ def job_rounds(server: Server, run: RepoRun, args: argparse.Namespace, max_new: 
                               engine_audio_s_per_wall_s=engine_aps, job_audio_s_per_wall_s=job_aps,
                               job_stored_audio_s_per_wall_s=(after[JOB_AUDIO] - before[JOB_AUDIO]) / wall_s,
                               ttfa_p95_vs_alone=ratio, unused_capacity_used=job_aps / room if room > 0 else None)
+            idle_s = (max(1, args.repeat) - 1) * args.think_s
+            if idle_s > 0 and saturation > 0:
+                result.idle_time_filled = job_aps * wall_s / (saturation * idle_s)
             run.job_rounds.append(result)
             print(f"[{label}] N={sessions} + jobs: {format_row(live)}; jobs {job_aps:.3f} audio-s/s", flush=True)
             save()
@@ -510,7 +524,7 @@ def print_table(runs: list[RepoRun]) -> None:
     if not any(run.job_rounds for run in runs):
         return
     print(f"\n{'checkout':12} {'N':>3} {'p95 alone':>9} {'p95 jobs':>9} {'ratio':>6} {'live a-s/s':>10} "
-          f"{'jobs a-s/s':>10} {'saturation':>10} {'unused used':>11}")
+          f"{'jobs a-s/s':>10} {'saturation':>10} {'unused used':>11} {'idle filled':>11}")
     for run in runs:
         alone = {r.sessions: r for r in run.rounds}
         saturation = run.saturation.get("engine_audio_s_per_wall_s", 0.0)
@@ -520,9 +534,10 @@ def print_table(runs: list[RepoRun]) -> None:
             p95_b = "-" if j.live.ttfa_p95_s is None else f"{j.live.ttfa_p95_s:.2f}"
             ratio = "-" if j.ttfa_p95_vs_alone is None else f"{j.ttfa_p95_vs_alone:.2f}"
             used = "-" if j.unused_capacity_used is None else f"{100 * j.unused_capacity_used:.0f} %"
+            idle = "-" if j.idle_time_filled is None else f"{100 * j.idle_time_filled:.0f} %"
             print(f"{run.label[:12]:12} {j.live.sessions:>3} {p95_a:>9} {p95_b:>9} {ratio:>6} "
                   f"{j.live_audio_s_per_wall_s:>10.3f} {j.job_audio_s_per_wall_s:>10.3f} {saturation:>10.3f} "
-                  f"{used:>11}  (ok {j.live.ok}/{j.live.ok + j.live.failed})")
+                  f"{used:>11} {idle:>11}  (ok {j.live.ok}/{j.live.ok + j.live.failed})")
 
 
 def plot(runs: list[RepoRun], path: Path) -> bool:

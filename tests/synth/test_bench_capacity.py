@@ -90,4 +90,7 @@ def test_bench_capacity_with_a_job_load(tmp_path: Path) -> None:
         assert beside["unused_capacity_used"] == pytest.approx(beside["job_audio_s_per_wall_s"] / room)
     else:
         assert beside["unused_capacity_used"] is None
-    assert "unused used" in proc.stdout
+    assert "unused used" in proc.stdout and "idle filled" in proc.stdout
+    # one second between the two turns: the jobs' audio of the round against the saturation over that second
+    assert beside["idle_time_filled"] == pytest.approx(
+        beside["job_audio_s_per_wall_s"] * beside["wall_s"] / (run["saturation"]["engine_audio_s_per_wall_s"] * 1.0))
