@@ -6,6 +6,8 @@
 #   here, once:        bash scripts/fetch_gpu_wheels.sh     # .whl/: what the image lacks (carried, ~25 MB)
 #   the device call:   bash scripts/gpu_check.sh            # carry .whl; timeout_s 540; $OUT comes back
 #   here, end to end:  bash scripts/gpu_check.sh --device cpu   # the same stages on tiny weights and the CPU
+#   a second call, when device time is left (issue 36's GPU figure):
+#                      GPU_CHECK_STAGES="0 4" bash scripts/gpu_check.sh    # timeout_s 330
 #
 # Stages and their bounds (s): 0 smoke 35 | 1 parity 170 | 2 capacity 190 | 3 decode step, TF32, English,
 # vocoder ticks 85: 480 in all (the machine's start and the transfers come on top: ask for timeout_s 540).
@@ -17,10 +19,14 @@
 #     alone is N = 1), graphs (auto: the start-up check may fall back, `engine_after` says) versus graphs off
 #  3. decode step ms against the memory floor (Turbo bf16 at 1 / 64 / 128 rows), the vocoder's TF32 SNR against
 #     fp32, English bf16, then the vocoder's render ticks eager vs graphs (is --vocoder-graphs worth its default?)
+#  4. (only when GPU_CHECK_STAGES names it; stage 0 always runs) jobs beside live sessions: Turbo bf16 full size, 16
+#     and 64 sessions with 2 s between turns, 128 slots, alone then beside 32 jobs: live first audio p95 beside the
+#     jobs against alone, and the jobs' share of the capacity live leaves (jobs_turbo.json and .png); 240 s
 #
 # What comes back ($OUT; 6 files, no folder): gpu_check.log (everything printed), results.json (each stage's status,
 # seconds and figures, rewritten after every stage), capacity_turbo.json (rewritten after every round) and .png,
-# gpumem.csv, bundle.tar.gz (every stage's whole output: test logs, server logs, JSON; re-packed after every stage).
+# gpumem.csv, bundle.tar.gz (every stage's whole output: test logs, server logs, JSON; re-packed after every stage);
+# stage 4 adds jobs_turbo.json and .png (8 files at most).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda
@@ -36,13 +42,15 @@ if [ "$DEVICE" = cuda ]; then
     SIZE=full; DTYPE=bfloat16; SESSIONS="1 16 64 128"; STEP_ROWS="1 64 128"; ENGLISH_ROWS="1 64"
     RENDER_BATCHES="1 16 64"
     SMOKE_S=35; PARITY_S=80; ENGINE_TESTS_S=65; STEP_COUNTS_S=25; CAPACITY_S=190; STEP_S=25; TF32_S=15; ENGLISH_S=15
-    TICKS_S=30
+    TICKS_S=30; JOBS_S=240; JOB_SESSIONS="16 64"; JOB_LOAD=32; JOB_CHARS=5000; JOB_WINDOW_S=20; JOB_SLOTS=128
 else
     PY=${PY:-.venv/bin/python}
     SIZE=tiny; DTYPE=float32; SESSIONS="1 2"; STEP_ROWS="1 4"; ENGLISH_ROWS="1"; RENDER_BATCHES="1"
     SMOKE_S=120; PARITY_S=120; ENGINE_TESTS_S=300; STEP_COUNTS_S=0; CAPACITY_S=400; STEP_S=200; TF32_S=300
-    ENGLISH_S=200; TICKS_S=300
+    ENGLISH_S=200; TICKS_S=300; JOBS_S=300; JOB_SESSIONS="1"; JOB_LOAD=2; JOB_CHARS=3000; JOB_WINDOW_S=4; JOB_SLOTS=2
 fi
+STAGES=" ${GPU_CHECK_STAGES:-1 2 3} "
+wants() { [[ "$STAGES" == *" $1 "* ]]; }  # stage 0 always runs: the wheels and the imports the others need
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -p no:warnings -rs -m "gpu or not gpu")
 
 stage() { STAGE=$1; STAGE_START=$(date +%s); echo; echo "== $1: $2 ($(date +%T), ${DEVICE})"; }
@@ -120,6 +128,7 @@ grep '^{' "$WORK/versions.txt" > "$WORK/versions.json" || true
 record "$status" "$WORK/versions.json"
 
 # ---- 1. parity -----------------------------------------------------------------------------------------------------
+if wants 1; then
 stage 1 "parity: graph replay == eager (runner level, vocoder), then the engine's tests on $DEVICE"
 export SYNTH_TEST_DEVICE=$DEVICE SYNTH_PARITY_JSON=$WORK/parity.jsonl
 bounded parity "$PARITY_S" "${PYTEST[@]}" tests/synth/test_graph_parity.py
@@ -136,8 +145,10 @@ if [ "$STEP_COUNTS_S" -gt 0 ]; then  # runs them in CI
 fi
 unset SYNTH_TEST_DEVICE SYNTH_PARITY_JSON
 record "parity $(outcome $parity); engine tests $(outcome $engine); step counts $counts" "$WORK/parity.jsonl"
+fi
 
 # ---- 2. capacity ---------------------------------------------------------------------------------------------------
+if wants 2; then
 stage 2 "capacity: Turbo $DTYPE $SIZE, sessions $SESSIONS, graphs auto vs off"
 capacity_args=(--variant turbo --weights "random-$SIZE" --sessions $SESSIONS --server-start-timeout-s 90
                --out "$OUT_DIR/capacity_turbo" --log-dir "$WORK")
@@ -148,8 +159,10 @@ bounded capacity "$CAPACITY_S" "$PY" scripts/bench_capacity.py "${capacity_args[
     --repo graphs=. --server-args-for "graphs=--device $DEVICE --dtype $DTYPE --cuda-graphs auto" \
     --repo eager=. --server-args-for "eager=--device $DEVICE --dtype $DTYPE --cuda-graphs off"
 record "$(outcome $?)" "$OUT_DIR/capacity_turbo.json"
+fi
 
 # ---- 3. decode step, TF32, English ---------------------------------------------------------------------------------
+if wants 3; then
 stage 3 "decode step vs the memory floor (Turbo $DTYPE), the vocoder's TF32 SNR, English $DTYPE"
 bounded step_turbo "$STEP_S" "$PY" scripts/bench_decode_step.py --device "$DEVICE" --size "$SIZE" --variant turbo \
     --dtype "$DTYPE" --cuda-graphs auto --sessions $STEP_ROWS --voices each --steps 20 --json "$WORK/step_turbo.json"
@@ -167,6 +180,17 @@ bounded ticks "$TICKS_S" "$PY" scripts/bench_vocoder.py --mode batched --device 
 ticks=$?
 record "turbo step $(outcome $turbo); tf32 $(outcome $tf32); english step $(outcome $english); ticks $(outcome $ticks)" \
     "$WORK/step_turbo.json" "$WORK/tf32.json" "$WORK/step_english.json" "$WORK/ticks.json"
+fi
+
+# ---- 4. jobs beside live sessions (issue 36) -----------------------------------------------------------------------
+if wants 4; then
+stage 4 "jobs: Turbo $DTYPE $SIZE, sessions $JOB_SESSIONS with 2 s between turns, alone then beside $JOB_LOAD jobs"
+bounded jobs "$JOBS_S" "$PY" scripts/bench_capacity.py --variant turbo --weights "random-$SIZE" \
+    --sessions $JOB_SESSIONS --repeat 2 --think-s 2 --job-load "$JOB_LOAD" --job-chars "$JOB_CHARS" \
+    --job-window-s "$JOB_WINDOW_S" --server-start-timeout-s 90 --out "$OUT_DIR/jobs_turbo" --log-dir "$WORK" \
+    -- --device "$DEVICE" --dtype "$DTYPE" --max-slots "$JOB_SLOTS"
+record "$(outcome $?)" "$OUT_DIR/jobs_turbo.json"
+fi
 
 [ -n "$MEMLOG" ] && kill "$MEMLOG" 2>/dev/null
 STAGE=all; STAGE_START=$CHECK_START
