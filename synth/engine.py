@@ -85,6 +85,9 @@ WARMUP_TOKENS = 8  # enough for a prefill, several decode steps and a vocoder re
 WARMUP_TIMEOUT_S = 600.0
 PERCEIVER_POSITIONS = 32  # the Perceiver squeezes the speech prompt to 32 positions
 GRAPH_MODES = ("auto", "on", "off")
+# on a CPU, job rows decode beside a live segment only while its listener holds this much audio (the vocoder's job
+# renders wait for at least as much: JobYield.live_margin_s)
+LIVE_HELD_FOR_JOB_ROWS_S = 1.0
 DUPLICATE_REQUEST_ID = "duplicate request_id"
 
 
@@ -193,8 +196,10 @@ class Engine(EngineLike):
             prefill_budget=config.prefill_budget_segments, usable_len=self.runner.usable_len,
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama,
             track_states=config.alignment_analyzer,
-            # on a CPU a job row slows every step of a live turn's first chunk; on a GPU it is nearly free
-            pause_jobs_below_ids=self.first_audio_ids if self.runner.compact_rows else 0),
+            # on a CPU a job row slows every step of a live turn's first chunk, and of a live segment whose listener
+            # runs short; on a GPU it is nearly free
+            pause_jobs_below_ids=self.first_audio_ids if self.runner.compact_rows else 0,
+            pause_jobs_below_held_s=LIVE_HELD_FOR_JOB_ROWS_S if self.runner.compact_rows else 0.0),
             on_release=self.runner.release)
         # step k+1 launched before step k's ids are read: "auto" with the decode's CUDA graphs (a step is then a few
         # launches the device runs while the host reads the step before; eager, the launches are the step, and a

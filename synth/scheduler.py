@@ -21,6 +21,10 @@
   ids 2-3x. A row left out keeps its place: nothing of it advances (position, ids, and in the runner its cache,
   generator and seen set), so it resumes where it stopped and samples what it would have. It costs the jobs a live
   turn's first chunk of steps per turn, and nothing is lost. `job_rows_paused` counts the rows left out.
+  They also sit out while a live segment decodes whose listener holds less than `pause_jobs_below_held_s` of audio
+  (ListenerClock): on a CPU a live stream slower than real time runs dry the more for every job row beside it
+  (full-size Turbo, one thread: 124 ms a step for one row, 165 for four), so there job rows decode only beside
+  live ones that are ahead of their listeners, and in the time between turns.
   With several models on one thread (synth/models.py) their schedulers form one pause group (`join_pause_group`):
   a live turn's first ids on any model make every model's job rows sit out, since every model's step delays it.
 - A step in which only job segments decode or are admitted is `jobs_only`: a runner that can stop between layers
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -147,6 +152,9 @@ class SchedulerConfig:
     # job rows sit out while a live turn's first segment has fewer valid ids than this (0: never; only for a runner
     # that decodes any set of rows and leaves the others as they are: T3Runner.compact_rows)
     pause_jobs_below_ids: int = 0
+    # ... and while a live segment decodes whose listener holds less than this much audio (0: never; a listener that
+    # has reported nothing yet counts as holding none): on a CPU, job rows beside it slow the ids it runs short of
+    pause_jobs_below_held_s: float = 0.0
     # keep `StepPlan.decode` and each running segment's `tokens` up to date every step (a Python loop over the
     # rows: only for the alignment analyzer, which reads them)
     track_states: bool = False
@@ -270,7 +278,7 @@ class Scheduler:
         admitted, self._admitted = self._admitted, []
         decoding = table.decoding
         paused = 0
-        if self._jobs_sit_out():
+        if table.held[decoding].any() and self._jobs_sit_out():
             paused = int(np.count_nonzero(decoding & table.held))
             decoding = decoding & ~table.held
             self.job_rows_paused += paused
@@ -383,10 +391,25 @@ class Scheduler:
         return len(self.running) < self.config.max_slots and len(self._free_rows) >= self._rows_needed(state)
 
     def _jobs_sit_out(self) -> bool:
-        """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`, here or on
-        another model of the pause group."""
-        below = self.config.pause_jobs_below_ids
-        return below > 0 and any(s.first_turn_below(below) for s in self._pause_group)
+        """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`, or a live
+        segment decodes whose listener holds less than `pause_jobs_below_held_s`, here or on another model of the
+        pause group."""
+        below, held_s = self.config.pause_jobs_below_ids, self.config.pause_jobs_below_held_s
+        if below > 0 and any(s.first_turn_below(below) for s in self._pause_group):
+            return True
+        return held_s > 0 and any(s.live_listener_short(held_s) for s in self._pause_group)
+
+    def live_listener_short(self, held_s: float) -> bool:
+        """A live segment holds rows here and its listener holds less than `held_s` seconds of audio (or has not
+        reported any yet). One clock read per live segment (`ListenerClock`: the session writes it on its thread)."""
+        now_s = time.monotonic()
+        for state in self.running:
+            listener = state.request.listener
+            if state.is_live and listener is not None:
+                held = listener.buffered_s(now_s)
+                if held is None or held < held_s:
+                    return True
+        return False
 
     def turn_pending(self) -> bool:
         """A live turn's first segment waits in the queue, or holds rows and has no valid id yet (its stream is not

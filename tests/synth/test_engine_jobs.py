@@ -5,6 +5,7 @@ The engine is stepped by hand on this thread (its vocoder worker runs on its own
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from synth import default_voice
-from synth.api import AudioChunk, EventKind, Priority, SamplingParams, SegmentEvent, SegmentRequest
-from synth.engine import Engine
+from synth.api import AudioChunk, EventKind, ListenerClock, Priority, SamplingParams, SegmentEvent, SegmentRequest
+from synth.engine import LIVE_HELD_FOR_JOB_ROWS_S, Engine
 from synth.request import Status
 
 from tests.synth.conftest import TEST_DEVICE, ArrivesAtLayer, Collector, make_engine, tiny_bundle
@@ -152,6 +153,47 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_with_the_same_tokens
     assert all(a <= b + 1 for a, b in zip(after, before, strict=True)), (before, after)
     assert engine.scheduler.job_rows_paused >= 2 * (paused_steps - 1)
     assert engine.status()["job_rows_paused"] == engine.scheduler.job_rows_paused
+    _step_until_done(engine, got, ["job-0", "job-1", "live"])
+
+    for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):
+        assert got.tokens(rid) == alone.tokens(reference), f"{rid}: tokens differ from its run alone"
+        assert np.array_equal(_pcm(got, rid), _pcm(alone, reference)), f"{rid}: audio differs from its run alone"
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU policy: only the CPU's compact step leaves rows out "
+                    "(on a GPU a job row costs a live segment next to nothing)")
+def test_job_rows_sit_out_while_a_live_listener_runs_short_and_resume_with_the_same_tokens_and_audio(
+        engine: Engine) -> None:
+    """A live segment of a turn already heard (not its first audio, so the first-ids rule does not apply) whose
+    listener holds less than LIVE_HELD_FOR_JOB_ROWS_S: the job rows sit out its steps; once its listener holds more,
+    they decode beside it again. Every segment says exactly what it says alone."""
+    assert engine.scheduler.config.pause_jobs_below_held_s == LIVE_HELD_FOR_JOB_ROWS_S > 0
+    alone = _each_alone(engine)
+    got = Collector()
+    _two_jobs_decoding(engine, got)
+    jobs = list(engine.scheduler.running)
+    assert len(jobs) == 2 and all(not s.is_live for s in jobs)
+    clock = ListenerClock()
+    clock.report(0.2, time.monotonic())  # its listener holds 0.2 s: short
+    engine.submit(replace(_request(got, "live", "Hello, caller.", 7, Priority.LIVE), first_audio_pending=False,
+                          listener=clock))
+    engine._step()  # the live segment is prefilled
+    live = next(s for s in engine.scheduler.running if s.is_live)
+    before = [engine.scheduler.tokens_sampled(s) for s in jobs]
+    for _ in range(4):
+        engine._step()
+    after = [engine.scheduler.tokens_sampled(s) for s in jobs]
+    assert live.status == Status.RUNNING and engine.scheduler.tokens_sampled(live) >= 4
+    assert all(a <= b + 1 for a, b in zip(after, before, strict=True)), (before, after)  # one step in flight
+    paused = engine.scheduler.job_rows_paused
+    assert paused >= 2 * 3
+    clock.report(30.0, time.monotonic())  # now it holds 30 s: the job rows decode beside it
+    for _ in range(3):
+        engine._step()
+    assert live.status == Status.RUNNING, "the live segment ended too early for this test: pick a longer one"
+    again = [engine.scheduler.tokens_sampled(s) for s in jobs]
+    assert all(c >= a + 2 for c, a in zip(again, after, strict=True)), (after, again)
+    assert engine.scheduler.job_rows_paused == paused
     _step_until_done(engine, got, ["job-0", "job-1", "live"])
 
     for rid, reference in (("job-0", "alone-0"), ("job-1", "alone-1"), ("live", "alone-live")):

@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
 
-from synth.api import Priority, SamplingParams, SegmentRequest
+from synth.api import ListenerClock, Priority, SamplingParams, SegmentRequest
 from synth.outlet import Outlet
 from synth.request import SegmentState, Status
-from synth.scheduler import Scheduler, SchedulerConfig, SharedAdmissions, StepPlan, StepResult, StepUpdate
+from synth.scheduler import EOS_DEFAULT, Scheduler, SchedulerConfig, SharedAdmissions, StepPlan, StepResult, StepUpdate
 
 
 def _state(rid: str, *, cfg: bool = True, first: bool = True, wait: bool = True, max_new: int = 5,
-           job: bool = False) -> SegmentState:
+           job: bool = False, listener: ListenerClock | None = None) -> SegmentState:
     req = SegmentRequest(request_id=rid, text="hi", sink=lambda _: None, first_audio_pending=first, may_wait=wait,
-                         priority=Priority.JOB if job else Priority.LIVE)
+                         priority=Priority.JOB if job else Priority.LIVE, listener=listener)
     outlet = Outlet(rid, req.sink, threading.Lock(), {})
     return SegmentState(request=req, outlet=outlet, params=SamplingParams(seed=1), voice=None, text_ids=[1],
                         max_new_tokens=max_new, uses_cfg=cfg)
 
 
-def _scheduler(**kw: int) -> Scheduler:
+def _scheduler(**kw: float) -> Scheduler:
     cfg: dict[str, Any] = {"max_slots": 2, "max_rows": 4, "max_waiting": 2, "prefill_budget": 2, "usable_len": 100}
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg))
@@ -419,6 +420,51 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped()
     _run(gpu, 2)
     gpu.add(_state("live", cfg=False))
     assert job.rows[0] in gpu.schedule().decode_rows.tolist() and gpu.job_rows_paused == 0
+
+
+def test_job_rows_sit_out_while_a_live_listener_holds_less_than_the_margin() -> None:
+    """pause_jobs_below_held_s=1: job rows decode beside a live segment (here not its session's first audio) only
+    while its listener holds at least 1 s, and no job segment is admitted meanwhile; a listener that has reported
+    nothing yet holds none. The rows resume at their old positions. A live segment without a clock, or one whose
+    generation has ended, pauses nothing; with 0 (a GPU) nothing ever pauses."""
+    clock = ListenerClock()
+    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_held_s=1.0)
+    job = _job("j")
+    sched.add(job)
+    _run(sched, 2)
+    job_row = job.rows[0]
+    pos_before = int(sched.table.next_pos[job_row])
+    live, queued = _state("live", cfg=False, first=False, max_new=50, listener=clock), _job("queued")
+    assert sched.add(live) and sched.add(queued)
+    plan = sched.schedule()  # nothing reported yet: the job row sits out, the queued job waits
+    assert plan.prefill == [live] and job_row not in plan.decode_rows.tolist() and plan.job_rows_paused == 1
+    _update(sched, plan, [7] * plan.sample_rows.size)
+    clock.report(0.5, time.monotonic())  # it holds 0.5 s
+    plan = sched.schedule()
+    assert plan.decode_rows.tolist() == list(live.rows) and plan.prefill == [] and plan.job_rows_paused == 1
+    _update(sched, plan, [7] * plan.sample_rows.size)
+    assert int(sched.table.next_pos[job_row]) == pos_before and queued.status == Status.WAITING
+    clock.report(5.0, time.monotonic())  # 5 s: the job decodes again, at its old position; the queued one starts
+    plan = sched.schedule()
+    assert job_row in plan.decode_rows.tolist() and plan.prefill == [queued] and plan.job_rows_paused == 0
+    assert int(plan.decode_pos[plan.decode_rows.tolist().index(job_row)]) == pos_before
+    _update(sched, plan, [7] * plan.sample_rows.size)
+    clock.report(5.0, time.monotonic() - 4.5)  # 4.5 of its 5 s played: 0.5 s left, both job rows sit out
+    plan = sched.schedule()
+    assert plan.decode_rows.tolist() == list(live.rows) and plan.job_rows_paused == 2
+    eos = [EOS_DEFAULT if sched.owner_of(row) is live else 7 for row in plan.sample_rows.tolist()]
+    assert _update(sched, plan, eos).ended == [live]  # its generation ends: its listener no longer holds jobs back
+    plan = sched.schedule()
+    assert job_row in plan.decode_rows.tolist() and plan.job_rows_paused == 0 and sched.job_rows_paused == 4
+
+    for held_s, clock_of_live in ((1.0, None), (0.0, ListenerClock())):  # no clock; a GPU
+        other = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_held_s=held_s)
+        job = _job("j")
+        other.add(job)
+        _run(other, 2)
+        other.add(_state("live", cfg=False, first=False, listener=clock_of_live))
+        _run(other, 1)
+        assert job.rows[0] in other.schedule().decode_rows.tolist() and other.job_rows_paused == 0
 
 
 def test_a_jobs_only_step_is_marked_and_withdrawing_it_puts_its_rows_back_where_they_were() -> None:
