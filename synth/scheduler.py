@@ -181,6 +181,7 @@ class Scheduler:
         self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids, so far
         self.job_steps_withdrawn = 0  # jobs-only steps stopped mid-step for a live turn (`withdraw`), so far
         self._pause_group: list[Scheduler] = [self]  # whose live first turns make this one's job rows sit out
+        self._may_pause = config.pause_jobs_below_ids > 0 or config.pause_jobs_below_held_s > 0
 
     # --- queries -----------------------------------------------------------------------------------------
 
@@ -278,7 +279,7 @@ class Scheduler:
         admitted, self._admitted = self._admitted, []
         decoding = table.decoding
         paused = 0
-        if table.held[decoding].any() and self._jobs_sit_out():
+        if self._may_pause and table.held[decoding].any() and self._jobs_sit_out():
             paused = int(np.count_nonzero(decoding & table.held))
             decoding = decoding & ~table.held
             self.job_rows_paused += paused
