@@ -178,9 +178,9 @@ class Scheduler:
         self._admitted: list[SegmentState] = []  # this step's admissions, until `plan`
         self._preempted: list[SegmentState] = []  # this step's preemptions, until `plan`
         self.preemptions = 0  # job segments preempted so far
-        self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids, so far
+        self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids or a short listener
         self.job_steps_withdrawn = 0  # jobs-only steps stopped mid-step for a live turn (`withdraw`), so far
-        self._pause_group: list[Scheduler] = [self]  # whose live first turns make this one's job rows sit out
+        self._pause_group: list[Scheduler] = [self]  # whose live segments make this one's job rows sit out
         self._may_pause = config.pause_jobs_below_ids > 0 or config.pause_jobs_below_held_s > 0
 
     # --- queries -----------------------------------------------------------------------------------------

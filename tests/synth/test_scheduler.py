@@ -191,6 +191,14 @@ def _run(sched: Scheduler, steps: int, ids: int = 7) -> None:
         _update(sched, plan, [ids] * plan.sample_rows.size)
 
 
+def _job_decoding(sched: Scheduler, steps: int) -> SegmentState:
+    """A job segment added to `sched`, then `steps` steps: it decodes."""
+    job = _job("j")
+    sched.add(job)
+    _run(sched, steps)
+    return job
+
+
 def test_a_live_segment_is_admitted_before_job_segments_queued_earlier() -> None:
     sched = _scheduler(max_slots=1, max_rows=2, max_waiting=8, prefill_budget=1)
     jobs = [_job(f"j{i}") for i in range(3)]
@@ -387,9 +395,7 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped()
     (their positions stay) and no job segment is admitted; then they decode again from where they stopped. A live
     segment whose session has heard audio (not its first) pauses nothing; with 0 (a GPU) nothing ever pauses."""
     sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
-    job = _job("j")
-    sched.add(job)
-    _run(sched, 3)
+    job = _job_decoding(sched, 3)
     job_row = job.rows[0]
     pos_before = int(sched.table.next_pos[job_row])
     live, queued = _state("live"), _job("queued")  # a CFG segment: its valid ids are counted on its cond row
@@ -408,16 +414,12 @@ def test_job_rows_sit_out_a_live_turns_first_ids_and_resume_where_they_stopped()
     assert sched.job_rows_paused == 3
 
     later = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_ids=3)
-    job = _job("j")
-    later.add(job)
-    _run(later, 2)
+    job = _job_decoding(later, 2)
     later.add(_state("second", cfg=False, first=False))  # its session has heard audio
     assert job.rows[0] in later.schedule().decode_rows.tolist() and later.job_rows_paused == 0
 
     gpu = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4)
-    job = _job("j")
-    gpu.add(job)
-    _run(gpu, 2)
+    job = _job_decoding(gpu, 2)
     gpu.add(_state("live", cfg=False))
     assert job.rows[0] in gpu.schedule().decode_rows.tolist() and gpu.job_rows_paused == 0
 
@@ -429,9 +431,7 @@ def test_job_rows_sit_out_while_a_live_listener_holds_less_than_the_margin() -> 
     generation has ended, pauses nothing; with 0 (a GPU) nothing ever pauses."""
     clock = ListenerClock()
     sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_held_s=1.0)
-    job = _job("j")
-    sched.add(job)
-    _run(sched, 2)
+    job = _job_decoding(sched, 2)
     job_row = job.rows[0]
     pos_before = int(sched.table.next_pos[job_row])
     live, queued = _state("live", cfg=False, first=False, max_new=50, listener=clock), _job("queued")
@@ -459,9 +459,7 @@ def test_job_rows_sit_out_while_a_live_listener_holds_less_than_the_margin() -> 
 
     for held_s, clock_of_live in ((1.0, None), (0.0, ListenerClock())):  # no clock; a GPU
         other = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_held_s=held_s)
-        job = _job("j")
-        other.add(job)
-        _run(other, 2)
+        job = _job_decoding(other, 2)
         other.add(_state("live", cfg=False, first=False, listener=clock_of_live))
         _run(other, 1)
         assert job.rows[0] in other.schedule().decode_rows.tolist() and other.job_rows_paused == 0
