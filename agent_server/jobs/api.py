@@ -217,9 +217,10 @@ class JobsApi:
         if before is not None and not valid_job_id(before):
             raise JobError(STATUS_UNPROCESSABLE, "before", "must be a job id (the `next` of the previous page)",
                            "bad_request")
-        jobs = await self.store.list_jobs(key_id, limit=limit, before=before)
-        more = len(jobs) == limit
-        return JSONResponse({"jobs": [job.status_json() for job in jobs], "next": jobs[-1].id if more else None})
+        jobs = await self.store.list_jobs(key_id, limit=limit + 1, before=before)  # one ahead: is there more?
+        page = jobs[:limit]
+        more = len(jobs) > limit
+        return JSONResponse({"jobs": [job.status_json() for job in page], "next": page[-1].id if more else None})
 
     async def status(self, request: Request) -> Response:
         return JSONResponse((await self._job(request)).status_json())

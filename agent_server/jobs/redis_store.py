@@ -275,23 +275,31 @@ class RedisJobStore(JobStore):
         return _record(await self._redis.hmget(self._job(job_id), PROGRESS_FIELDS))
 
     async def list_jobs(self, key_id: str, *, limit: int = DEFAULT_LIST_LIMIT, before: str | None = None) -> list[Job]:
+        """Up to `limit` records, newest first. The listing outlives its records (an id stays 30 days, a record
+        its TTL and grace), so ids whose record is gone are skipped, forgotten, and replaced by older ones."""
         listing = self._list(key_id)
-        ids = await self._redis.zrevrangebylex(listing, "+" if before is None else f"({before}", "-", start=0,
-                                               num=check_list_limit(limit))
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hmget(self._job(_s(job_id)), PROGRESS_FIELDS)
-            rows = await pipe.execute()
+        limit = check_list_limit(limit)
         jobs: list[Job] = []
-        gone: list[str] = []
-        for job_id, row in zip(ids, rows, strict=True):
-            job = _record(row)
-            if job is None:
-                gone.append(_s(job_id))
-            else:
-                jobs.append(job)
-        if gone:
-            await self._redis.zrem(listing, *gone)
+        upper = "+" if before is None else f"({before}"
+        while len(jobs) < limit:
+            ids = [_s(job_id) for job_id in await self._redis.zrevrangebylex(listing, upper, "-", start=0,
+                                                                             num=limit - len(jobs))]
+            if not ids:
+                break
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self._job(job_id), PROGRESS_FIELDS)
+                rows = await pipe.execute()
+            gone: list[str] = []
+            for job_id, row in zip(ids, rows, strict=True):
+                job = _record(row)
+                if job is None:
+                    gone.append(job_id)
+                else:
+                    jobs.append(job)
+            if gone:
+                await self._redis.zrem(listing, *gone)
+            upper = f"({ids[-1]}"
         return jobs
 
     async def usage(self, key_id: str, now_s: float) -> Usage:
@@ -333,12 +341,18 @@ class RedisJobStore(JobStore):
         return Claimed(claims, failed)
 
     async def _entries(self, max_jobs: int) -> list[tuple[str, str]]:
-        """(entry id, job id) of abandoned entries (XAUTOCLAIM), then new ones (XREADGROUP)."""
+        """(entry id, job id) of abandoned entries (XAUTOCLAIM, following its cursor over the whole pending list),
+        then new ones (XREADGROUP)."""
         try:
-            reclaimed = await self._redis.xautoclaim(self._queue, GROUP, self.worker_id,
-                                                     min_idle_time=int(self.visibility_s * MS_PER_S),
-                                                     start_id="0-0", count=max_jobs)
-            entries = list(reclaimed[1])
+            entries: list[Any] = []
+            cursor = "0-0"
+            while len(entries) < max_jobs:  # one pass over the pending list: a call scans at most 10 x count
+                cursor, found, *_deleted = await self._redis.xautoclaim(
+                    self._queue, GROUP, self.worker_id, min_idle_time=int(self.visibility_s * MS_PER_S),
+                    start_id=cursor, count=max_jobs - len(entries))
+                entries += found
+                if _s(cursor) == "0-0":
+                    break
             if len(entries) < max_jobs:
                 fresh = await self._redis.xreadgroup(GROUP, self.worker_id, {self._queue: ">"},
                                                      count=max_jobs - len(entries))

@@ -129,7 +129,8 @@ class JobStore:
         raise NotImplementedError
 
     async def list_jobs(self, key_id: str, *, limit: int = DEFAULT_LIST_LIMIT, before: str | None = None) -> list[Job]:
-        """The key's jobs, newest first, ids below `before` (the last id of the previous page)."""
+        """The key's jobs, newest first, ids below `before` (the last id of the previous page): `limit` of them
+        (`check_list_limit`), fewer only where the listing ends."""
         raise NotImplementedError
 
     async def usage(self, key_id: str, now_s: float) -> Usage:
@@ -196,4 +197,6 @@ def chars_refusal(used: int, limit: int, asked: int, now_s: float) -> Refusal:
 
 
 def check_list_limit(limit: int) -> int:
-    return max(1, min(MAX_LIST_LIMIT, limit))
+    """A store lists up to one more than a page: the API reads one record ahead to know whether a next page
+    has any."""
+    return max(1, min(MAX_LIST_LIMIT + 1, limit))

@@ -192,6 +192,36 @@ def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
     scenario(tmp_path, body)
 
 
+def test_the_listing_pages_newest_first_and_next_is_null_on_the_last_page(tmp_path: Path) -> None:
+    async def body(served: Served, client: httpx.AsyncClient) -> None:
+        served.allow(0)  # the jobs stay queued: only their records matter here
+        ids = []
+        for i in range(4):
+            served.clock[0] += 1  # (ids are time-ordered)
+            response = await client.post("/v1/jobs", json={"text": f"Job number {i}."})
+            assert response.status_code == 202
+            ids.append(response.json()["id"])
+        newest_first = ids[::-1]
+        pages: list[list[str]] = []
+        url = "/v1/jobs?limit=2"
+        while True:
+            listed = (await client.get(url)).json()
+            pages.append([j["id"] for j in listed["jobs"]])
+            if listed["next"] is None:
+                break
+            url = f"/v1/jobs?limit=2&before={listed['next']}"
+        assert pages == [newest_first[:2], newest_first[2:]]  # exactly two full pages: no empty third one
+        listed = (await client.get("/v1/jobs?limit=3")).json()
+        assert [j["id"] for j in listed["jobs"]] == newest_first[:3]
+        assert listed["next"] == newest_first[2]
+        listed = (await client.get(f"/v1/jobs?limit=3&before={newest_first[2]}")).json()
+        assert ([j["id"] for j in listed["jobs"]], listed["next"]) == ([newest_first[3]], None)
+        listed = (await client.get("/v1/jobs?limit=100")).json()
+        assert ([j["id"] for j in listed["jobs"]], listed["next"]) == (newest_first, None)
+
+    scenario(tmp_path, body)
+
+
 def test_quotas_answer_429_with_retry_after(tmp_path: Path) -> None:
     async def body(served: Served, client: httpx.AsyncClient) -> None:
         served.allow(0)

@@ -175,6 +175,31 @@ def test_a_claim_is_held_while_renewed_then_reclaimed_and_the_late_worker_loses_
     two_workers(stores, body)
 
 
+def test_an_abandoned_claim_behind_many_held_ones_is_reclaimed(stores: Stores) -> None:
+    """A dead worker's claim queued behind more held claims than one XAUTOCLAIM call scans (Redis reads at most
+    10 x COUNT pending entries a call): the next claim still finds it, the held ones stay with their worker."""
+    held_n = 25
+
+    async def body(first: JobStore, second: JobStore) -> None:
+        jobs = [make_job(NOW_S + i) for i in range(held_n + 1)]
+        for job in jobs:
+            assert await first.submit(job, make_plan(1), KeyLimits(), NOW_S) is None
+        held = (await first.claim(held_n, NOW_S)).claims
+        assert [c.job.id for c in held] == [j.id for j in jobs[:held_n]]
+        (abandoned,) = (await second.claim(1, NOW_S)).claims  # the last in the queue; its worker dies
+        assert abandoned.job.id == jobs[-1].id
+        for step in range(1, 6):  # the first worker renews its claims; the second no longer does
+            await asyncio.sleep(VISIBILITY_S / 3)
+            for claim in held:
+                assert await first.renew(claim, NOW_S + step * VISIBILITY_S / 3) == ClaimState.HELD
+        later_s = NOW_S + 2 * VISIBILITY_S
+        taken = await first.claim(1, later_s)
+        assert [c.job.id for c in taken.claims] == [jobs[-1].id]
+        assert (await first.claim(held_n, later_s)).claims == []
+
+    two_workers(stores, body)
+
+
 def test_release_hands_the_job_to_the_next_claim_at_once(stores: Stores) -> None:
     async def body(first: JobStore, second: JobStore) -> None:
         job = make_job(NOW_S)
@@ -281,6 +306,29 @@ def test_the_redis_store_keeps_audio_job_ttl_s_and_records_a_grace_longer(redis:
             assert (TTL_S + RECORD_GRACE_S) * 1000 - 5000 < record_ttl_ms <= (TTL_S + RECORD_GRACE_S) * 1000
             assert TTL_S * 1000 - 5000 < await client.pttl(store._segs(job.id)) <= TTL_S * 1000
             assert await client.xlen(store._queue) == 0  # acknowledged and deleted
+        finally:
+            await store.stop()
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_the_redis_listing_skips_expired_records_and_still_fills_the_page(redis: RedisServer) -> None:
+    """The listing keeps ids longer than their records: a page that meets expired ones fills up with older ids,
+    and forgets the expired ones."""
+    async def scenario() -> None:
+        client = redis_client(redis)
+        store = RedisJobStore(client, prefix=fresh_prefix(), worker_id="w1", job_ttl_s=TTL_S)
+        await store.start()
+        try:
+            jobs = [make_job(NOW_S + i) for i in range(6)]
+            for job in jobs:
+                await store.submit(job, make_plan(1), KeyLimits(), NOW_S)
+            await client.delete(store._job(jobs[4].id), store._job(jobs[3].id))  # expired: the ids stay listed
+            first_page = await store.list_jobs("k_test", limit=3)
+            assert [j.id for j in first_page] == [jobs[5].id, jobs[2].id, jobs[1].id]
+            assert [j.id for j in await store.list_jobs("k_test", limit=3, before=first_page[-1].id)] == [jobs[0].id]
+            assert await client.zcard(store._list("k_test")) == 4  # the expired ids are forgotten
         finally:
             await store.stop()
             await client.aclose()
