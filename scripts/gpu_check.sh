@@ -9,8 +9,11 @@
 #   a second call, when device time is left (issue 36's GPU figure):
 #                      GPU_CHECK_STAGES="0 4" bash scripts/gpu_check.sh    # timeout_s 330
 #
-# Stages and their bounds (s): 0 smoke 35 | 1 parity 170 | 2 capacity 190 | 3 decode step, TF32, English,
-# vocoder ticks 85: 480 in all (the machine's start and the transfers come on top: ask for timeout_s 540).
+# Stages and their bounds (s): 0 smoke 35 (the wheels' install included) | 1 parity 165 | 2 capacity 190 | 3 decode
+# step, TF32, English, vocoder ticks 100. One deadline holds over all of them: GPU_CHECK_BUDGET_S (490 s on CUDA; the
+# machine's start and the transfers come on top: ask for timeout_s 540). A command gets its stage's bound or what is
+# left of the budget, whichever is less, and one with under 5 s left is not started ("out of time (budget)"), so the
+# results and the bundle are always written before the device call's own limit.
 #  0. the wheels, the imports, nvidia-smi, a background GPU-memory log (gpumem.csv, every second)
 #  1. graph replay == eager at the runner level (decode + sampling: Turbo and English, tiny and full, fp32 and bf16;
 #     the vocoder's render graphs), then the engine through graphs, ops and host syncs per step on CUDA, the runner
@@ -35,18 +38,21 @@ OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 CHECK_START=$(date +%s)
 if [ "$DEVICE" = cuda ]; then
     PY=python3
     SIZE=full; DTYPE=bfloat16; SESSIONS="1 16 64 128"; STEP_ROWS="1 64 128"; ENGLISH_ROWS="1 64"
     RENDER_BATCHES="1 16 64"
-    SMOKE_S=35; PARITY_S=80; ENGINE_TESTS_S=65; STEP_COUNTS_S=25; CAPACITY_S=190; STEP_S=25; TF32_S=15; ENGLISH_S=15
-    TICKS_S=30; JOBS_S=240; JOB_SESSIONS="16 64"; JOB_LOAD=32; JOB_CHARS=5000; JOB_WINDOW_S=20; JOB_SLOTS=128
+    BUDGET_S=${GPU_CHECK_BUDGET_S:-490}
+    SMOKE_S=35; PARITY_S=50; VOCODER_PARITY_S=35; ENGINE_TESTS_S=60; STEP_COUNTS_S=20; CAPACITY_S=190; STEP_S=25
+    TF32_S=25; ENGLISH_S=25; TICKS_S=25; JOBS_S=240; JOB_SESSIONS="16 64"; JOB_LOAD=32; JOB_CHARS=5000; JOB_WINDOW_S=20; JOB_SLOTS=128
 else
     PY=${PY:-.venv/bin/python}
     SIZE=tiny; DTYPE=float32; SESSIONS="1 2"; STEP_ROWS="1 4"; ENGLISH_ROWS="1"; RENDER_BATCHES="1"
-    SMOKE_S=120; PARITY_S=120; ENGINE_TESTS_S=300; STEP_COUNTS_S=0; CAPACITY_S=400; STEP_S=200; TF32_S=300
+    BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}
+    SMOKE_S=120; PARITY_S=120; VOCODER_PARITY_S=120; ENGINE_TESTS_S=300; STEP_COUNTS_S=0; CAPACITY_S=400; STEP_S=200; TF32_S=300
     ENGLISH_S=200; TICKS_S=300; JOBS_S=300; JOB_SESSIONS="1"; JOB_LOAD=2; JOB_CHARS=3000; JOB_WINDOW_S=4; JOB_SLOTS=2
 fi
 STAGES=" ${GPU_CHECK_STAGES:-1 2 3} "
@@ -63,29 +69,52 @@ from pathlib import Path
 path, stage, status, seconds, device, *files = sys.argv[1:]
 results = json.loads(Path(path).read_text()) if Path(path).exists() else {"device": device, "stages": {}}
 figures = {}
+
+
+def lines(text):  # JSON lines (or lines of which some are JSON; one cut off by a timeout is kept as text)
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                yield json.loads(line)
+            except ValueError:
+                yield {"unparsed": line}
+
+
 for name in files:
     p = Path(name)
     if not p.exists():
         continue
-    text = p.read_text()
+    text = p.read_text(errors="replace")
     try:
         figures[p.name] = json.loads(text)
-    except ValueError:  # JSON lines (or lines of which some are JSON)
-        figures[p.name] = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    except ValueError:
+        figures[p.name] = list(lines(text))
 results["stages"][stage] = {"status": status, "seconds": int(seconds), **({"figures": figures} if figures else {})}
 Path(path).write_text(json.dumps(results, indent=1))
 EOF
-    tar -czf "$OUT_DIR/bundle.tar.gz.part" -C "$WORK" . && mv "$OUT_DIR/bundle.tar.gz.part" "$OUT_DIR/bundle.tar.gz"
+    tar -czf "$WORK.tar.gz" -C "$WORK" . && mv -f "$WORK.tar.gz" "$OUT_DIR/bundle.tar.gz"  # (never half a bundle)
     echo "-- $STAGE: $status ($(( $(date +%s) - STAGE_START )) s; $(( $(date +%s) - CHECK_START )) s in all)"
 }
-# bounded NAME SECONDS CMD...: the command under `timeout -s INT` (then KILL 10 s later), its whole output in
-# $WORK/NAME.txt and on the console; returns its status (124: out of time)
+# left_s: seconds left of the whole check's budget
+left_s() { echo $(( CHECK_START + BUDGET_S - $(date +%s) )); }
+# bounded NAME SECONDS CMD...: the command under `timeout -s INT` (then KILL 5 s later), for SECONDS or what is left
+# of the budget (less the kill's grace), its whole output in $WORK/NAME.txt and on the console; returns its status
+# (124 or 137: out of time; 125: not started, the budget is spent)
 bounded() {
-    local name=$1 seconds=$2; shift 2
-    timeout -s INT -k 10 "$seconds" "$@" 2>&1 | tee "$WORK/$name.txt"
+    local name=$1 seconds=$2 left; shift 2
+    left=$(( $(left_s) - 5 ))
+    [ "$left" -lt "$seconds" ] && seconds=$left
+    if [ "$seconds" -lt 5 ]; then
+        echo "-- $name: not started, the check's budget (${BUDGET_S} s) is spent" | tee "$WORK/$name.txt"
+        return 125
+    fi
+    timeout -s INT -k 5 "$seconds" "$@" 2>&1 | tee "$WORK/$name.txt"
     return "${PIPESTATUS[0]}"
 }
-outcome() { case $1 in 0) echo ok ;; 124) echo "out of time" ;; *) echo "failed ($1)" ;; esac; }
+outcome() {
+    case $1 in 0) echo ok ;; 124|137) echo "out of time" ;; 125) echo "out of time (budget)" ;; *) echo "failed ($1)" ;;
+    esac
+}
 
 # ---- 0. smoke ------------------------------------------------------------------------------------------------------
 stage 0 "smoke: wheels, imports, device, memory log"
@@ -95,7 +124,7 @@ status=ok
 if [ "${GPU_CHECK_WHEELS:-$([ "$DEVICE" = cuda ] && echo 1 || echo 0)}" = 1 ]; then
     # into /tmp/site, which goes AFTER the image's site-packages (a .pth file, not PYTHONPATH): a carried wheel never
     # shadows a package the image has; fetch_gpu_wheels.sh carries only what the image lacks
-    if timeout -s INT 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    if timeout -s INT 25 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl > "$WORK/wheels.txt" 2>&1; then
         site=$("$PY" -c "import site; print(site.getsitepackages()[0])")
         echo /tmp/site > "$site/zz_gpu_check_wheels.pth" 2>/dev/null \
@@ -115,7 +144,7 @@ else
     echo "device cpu: no nvidia-smi, no memory log" | tee "$OUT_DIR/gpumem.csv"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-bounded versions "$SMOKE_S" "$PY" -c "
+bounded versions $(( SMOKE_S - ($(date +%s) - STAGE_START) )) "$PY" -c "
 import json, torch, transformers, tokenizers, numpy, chatterbox
 import synth.engine, synth.t3_runner, agent_server.cli
 cuda = torch.cuda.is_available()
@@ -131,8 +160,11 @@ record "$status" "$WORK/versions.json"
 if wants 1; then
 stage 1 "parity: graph replay == eager (runner level, vocoder), then the engine's tests on $DEVICE"
 export SYNTH_TEST_DEVICE=$DEVICE SYNTH_PARITY_JSON=$WORK/parity.jsonl
-bounded parity "$PARITY_S" "${PYTEST[@]}" tests/synth/test_graph_parity.py
+# the decode + sampling graphs, then the vocoder's, each bounded on its own (a slow first half never eats the second)
+bounded parity "$PARITY_S" "${PYTEST[@]}" tests/synth/test_graph_parity.py -k "not vocoder"
 parity=$?
+bounded vocoder_parity "$VOCODER_PARITY_S" "${PYTEST[@]}" tests/synth/test_graph_parity.py -k vocoder
+vocoder_parity=$?
 engine_tests=(tests/synth/test_cuda_graphs.py tests/synth/test_t3_runner.py tests/synth/test_engine_equivalence.py
               tests/synth/test_reference_equivalence.py)
 [ "$DEVICE" = cpu ] && engine_tests=(tests/synth/test_cuda_graphs.py tests/synth/test_engine_graphs.py)
@@ -144,7 +176,8 @@ if [ "$STEP_COUNTS_S" -gt 0 ]; then  # runs them in CI
     counts=$(outcome $?)
 fi
 unset SYNTH_TEST_DEVICE SYNTH_PARITY_JSON
-record "parity $(outcome $parity); engine tests $(outcome $engine); step counts $counts" "$WORK/parity.jsonl"
+record "parity $(outcome $parity); vocoder parity $(outcome $vocoder_parity); engine tests $(outcome $engine); step\
+ counts $counts" "$WORK/parity.jsonl"
 fi
 
 # ---- 2. capacity ---------------------------------------------------------------------------------------------------
@@ -196,3 +229,5 @@ fi
 STAGE=all; STAGE_START=$CHECK_START
 record "done"
 echo "== done in $(( $(date +%s) - CHECK_START )) s; results: $OUT_DIR/results.json"
+exec >&- 2>&-  # tee sees the end of its input: wait until it has written the log's last lines
+wait "$TEE_PID" 2>/dev/null || true

@@ -49,11 +49,13 @@ def _record(result: dict[str, Any]) -> None:
             out.write(json.dumps(result) + "\n")
 
 
-def _fill_cache(runner: T3Runner, n_rows: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+def _fill_cache(runner: T3Runner, n_rows: int, n_keys: int, seed: int) -> None:
+    """Random keys and values where the step reads them (the bucket's rows and keys), drawn on the cache's device:
+    a full-size cache holds billions of values, which a host generator takes tens of seconds to draw."""
+    g = torch.Generator(device=runner.cache.all_keys.device).manual_seed(seed)
     for tensor in (runner.cache.all_keys, runner.cache.all_values):
-        part = tensor[:, :n_rows]
-        part.copy_((0.5 * torch.randn(part.shape, generator=g)).to(part.dtype))
+        part = tensor[:, :n_rows, :, :n_keys]
+        part.copy_(0.5 * torch.randn(part.shape, generator=g, device=part.device, dtype=torch.float32))
 
 
 def _set_params(runner: T3Runner, n_rows: int) -> None:
@@ -122,7 +124,7 @@ def test_graphed_decode_and_sampling_equal_eager_step_by_step(variant: str, size
             runner.decode(n_rows, n_keys)  # the captures (their warm-up runs write only what is reset below)
             runner.sample(n_rows)
             assert runner._decode_graphs[(n_rows, n_keys)].captured and runner._sample_graphs[n_rows].captured
-            _fill_cache(runner, n_rows, seed=n_rows)
+            _fill_cache(runner, n_rows, n_keys, seed=n_rows)
             _set_params(runner, n_rows)
             snapshot = (runner.cache.all_keys[:, :n_rows].clone(), runner.cache.all_values[:, :n_rows].clone(),
                         torch.zeros_like(runner.seen))
