@@ -27,4 +27,4 @@ test: browser-deps scale-deps monitoring-deps lint
 lint: install
 	.venv/bin/python -m mypy
 	.venv/bin/python -m ruff check agent_server synth scripts tests/agent_server tests/synth tests/browser tests/conftest.py \
-		tests/deploy tests/services.py tests/test_layering.py tests/test_docs.py tests/test_architecture_doc.py
+		tests/deploy tests/services.py tests/test_layering.py tests/test_docs.py tests/test_architecture_doc.py tests/test_gpu_check.py

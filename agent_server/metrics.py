@@ -387,9 +387,14 @@ class JobsCollector(Collector):
                     {"": render.cache_hits}),
             counter("tts_jobs_claims_lost", "Jobs this replica stopped because another replica took them over",
                     {"": runner.claims_lost}),
-            counter("tts_jobs_webhooks", "Webhook deliveries, by result",
+            counter("tts_jobs_webhooks", "Webhooks this replica ended, by result (delivered, failed: every attempt "
+                    "made or the receiver refused, refused: the URL not allowed)",
                     {"delivered": runner.webhooks_delivered, "failed": runner.webhooks_failed,
                      "refused": runner.webhooks_refused}, "result"),
+            counter("tts_jobs_webhook_attempts", "Webhook POSTs this replica made (retries included)",
+                    {"": runner.webhook_attempts}),
+            gauge("tts_jobs_webhooks_pending", "Webhooks in the outbox (due or waiting for a retry), fleet-wide",
+                  jobs.webhooks_pending),
             unfinished,
             chars,
         ]

@@ -8,14 +8,17 @@ Keys (P = the server's `--redis-prefix` + "jobs:"):
     P active:<key id>     set: the key's unfinished jobs (the running-jobs quota)
     P chars:<key id>:<day>  the key's characters submitted that UTC day (expires after two days)
     P list:<key id>       sorted set of the key's job ids, all score 0: ids sort by time (`model.new_job_id`)
+    P webhooks            sorted set: the webhook outbox, job id -> when its next attempt is due (unix s); a job
+                          with a webhook has `hook` = 1 in its hash, and `hook_attempts` once one was made
 
 Every change that must not be seen half-done is one Lua script (submit with its quotas, claim, renew, store a
-segment, finish, release). The queue: `submit` XADDs an entry; a worker takes new entries with XREADGROUP (the
-entry is then pending, owned by that worker) and renews its claim with XCLAIM of its own entry (idle time back to
-0) while it works; XAUTOCLAIM with `visibility_s` as the minimum idle time hands the entries of a worker that
-stopped renewing (killed, hung, partitioned) to the next worker that claims. A worker whose entry was handed on
-finds out at its next renewal (LOST) and stops; if it still stores a segment meanwhile, HSETNX keeps the first
-copy and nothing is counted twice. `finish` XACKs and XDELs the entry.
+segment, finish with its webhook entering the outbox, release, take due webhooks, put one back). The queue: `submit`
+XADDs an entry; a worker takes new entries with XREADGROUP (the entry is then pending, owned by that worker) and
+renews its claim with XCLAIM of its own entry (idle time back to 0) while it works; XAUTOCLAIM with `visibility_s`
+as the minimum idle time hands the entries of a worker that stopped renewing (killed, hung, partitioned) to the next
+worker that claims. A worker whose entry was handed on finds out at its next renewal (LOST) and stops; if it still
+stores a segment meanwhile, HSETNX keeps the first copy and nothing is counted twice. `finish` XACKs and XDELs the
+entry.
 
 TTLs: a segment hash lives `job_ttl_s` after its last write while the job runs (every store pushes it out), the
 record has none until the job finishes; then the audio expires `job_ttl_s` later and the record
@@ -44,6 +47,7 @@ from agent_server.jobs.store import (
     Claim,
     Claimed,
     ClaimState,
+    DueWebhook,
     IncompleteJob,
     JobStore,
     KeyLimits,
@@ -63,10 +67,12 @@ PROGRESS_FIELDS = ("spec", "status", "segments_done", "audio_samples", "started_
                    "claims")
 
 _S_DONE = str(int(JobStatus.DONE))
+_S_FAILED = str(int(JobStatus.FAILED))
 
 # The end of a job, shared by `finish` and by `claim` (a job claimed too often fails there).
-# KEYS[1] job, KEYS[2] segs, KEYS[3] active set, KEYS[4] queue. Locals: job_id, status, error, now, job_ttl_ms,
-# record_ttl_ms. Leaves `finished` = 1 when it finished the job here, 0 when it had finished before, -1 gone.
+# KEYS[1] job, KEYS[2] segs, KEYS[3] active set, KEYS[4] queue, KEYS[5] webhook outbox. Locals: job_id, status,
+# error, now, job_ttl_ms, record_ttl_ms. Leaves `finished` = 1 when it finished the job here, 0 when it had finished
+# before, -1 gone. A job with a webhook that ends DONE or FAILED enters the outbox, due now.
 _FINISH = """
 local finished = 0
 local st = redis.call('HGET', KEYS[1], 'status')
@@ -84,12 +90,17 @@ elseif tonumber(st) < """ + _S_DONE + """ then
   end
   redis.call('PEXPIRE', KEYS[1], record_ttl_ms)
   redis.call('PEXPIRE', KEYS[2], job_ttl_ms)
+  if (status == '""" + _S_DONE + """' or status == '""" + _S_FAILED + """')
+      and redis.call('HGET', KEYS[1], 'hook') == '1' then
+    redis.call('ZADD', KEYS[5], now, job_id)
+  end
   finished = 1
 end
 """
 
 # KEYS: job, active, chars, list, queue. ARGV: id, max_running, daily_chars, text_chars, chars_ttl_s, spec, plan,
-# segments_total, list_cutoff_id, list_ttl_ms, job key prefix -> {1, entry} | {0, 'running'|'chars', used}
+# segments_total, list_cutoff_id, list_ttl_ms, job key prefix, hook (1: a webhook) -> {1, entry} |
+# {0, 'running'|'chars', used}
 SUBMIT_LUA = """
 local max_running = tonumber(ARGV[2])
 if max_running > 0 and redis.call('SCARD', KEYS[2]) >= max_running then
@@ -107,7 +118,7 @@ redis.call('INCRBY', KEYS[3], chars)
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'spec', ARGV[6], 'plan', ARGV[7], 'segments_total', ARGV[8], 'status', 0,
-           'segments_done', 0, 'audio_samples', 0, 'claims', 0)
+           'segments_done', 0, 'audio_samples', 0, 'claims', 0, 'hook', ARGV[12])
 local entry = redis.call('XADD', KEYS[5], '*', 'job', ARGV[1])
 redis.call('HSET', KEYS[1], 'entry', entry)
 redis.call('ZADD', KEYS[4], 0, ARGV[1])
@@ -116,7 +127,7 @@ redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[10]))
 return {1, entry, used}
 """
 
-# KEYS: job, segs, active, queue. ARGV: id, entry, worker, now, max_claims, job_ttl_ms, record_ttl_ms
+# KEYS: job, segs, active, queue, webhooks. ARGV: id, entry, worker, now, max_claims, job_ttl_ms, record_ttl_ms
 # -> 1 claimed, 0 skipped (gone, finished, a stale entry: acked and deleted), 2 failed here (too many claims)
 CLAIM_LUA = """
 local job_id, status, now = ARGV[1], '""" + str(int(JobStatus.FAILED)) + """', ARGV[4]
@@ -182,7 +193,7 @@ redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
 return 0
 """
 
-# KEYS: job, segs, active, queue. ARGV: id, status, error, now, job_ttl_ms, record_ttl_ms
+# KEYS: job, segs, active, queue, webhooks. ARGV: id, status, error, now, job_ttl_ms, record_ttl_ms
 # -> 1 finished here, 0 finished before, -1 gone, -2 DONE asked with segments missing
 FINISH_LUA = """
 local job_id, status, error, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -194,6 +205,22 @@ if status == '""" + _S_DONE + """' then
 end
 """ + _FINISH + """
 return finished
+"""
+
+# KEYS: webhooks. ARGV: now, lease_s, n -> the job ids due (soonest first), each now due again only after the lease
+TAKE_WEBHOOKS_LUA = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local leased_until = tonumber(ARGV[1]) + tonumber(ARGV[2])
+for _, id in ipairs(due) do redis.call('ZADD', KEYS[1], leased_until, id) end
+return due
+"""
+
+# KEYS: job, webhooks. ARGV: id, attempts, due -> 1 put back, 0 no longer there (done elsewhere, or the record gone)
+RETRY_WEBHOOK_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'hook_attempts', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+return 1
 """
 
 
@@ -212,6 +239,8 @@ class RedisJobStore(JobStore):
         self._release = redis.register_script(RELEASE_LUA)
         self._put_segment = redis.register_script(PUT_SEGMENT_LUA)
         self._finish = redis.register_script(FINISH_LUA)
+        self._take_webhooks = redis.register_script(TAKE_WEBHOOKS_LUA)
+        self._retry_webhook = redis.register_script(RETRY_WEBHOOK_LUA)
 
     # ---- names ------------------------------------------------------------------------------------
 
@@ -233,6 +262,10 @@ class RedisJobStore(JobStore):
     @property
     def _queue(self) -> str:
         return f"{self._p}queue"
+
+    @property
+    def _webhooks(self) -> str:
+        return f"{self._p}webhooks"
 
     @property
     def _job_ttl_ms(self) -> int:
@@ -264,7 +297,8 @@ class RedisJobStore(JobStore):
             keys=[self._job(job.id), self._active(job.key_id), self._chars(job.key_id, utc_day(now_s)),
                   self._list(job.key_id), self._queue],
             args=[job.id, limits.max_running_jobs, limits.daily_chars, job.text_chars, 2 * SECONDS_PER_DAY,
-                  job.spec_json(), plan_to_json(plan), len(plan), cutoff_id, int(keep_ms), self._p + "job:"])
+                  job.spec_json(), plan_to_json(plan), len(plan), cutoff_id, int(keep_ms), self._p + "job:",
+                  int(job.webhook_url is not None)])
         if int(result[0]) == 1:
             return None
         if _s(result[1]) == "running":
@@ -328,7 +362,7 @@ class RedisJobStore(JobStore):
             before = await self.get(job_id)  # (the script must name the key's active set up front)
             active = self._active(before.key_id if before is not None else "")
             outcome = int(await self._claim(
-                keys=[self._job(job_id), self._segs(job_id), active, self._queue],
+                keys=[self._job(job_id), self._segs(job_id), active, self._queue, self._webhooks],
                 args=[job_id, entry, self.worker_id, repr(now_s), self.max_claims, self._job_ttl_ms,
                       self._record_ttl_ms]))
             job = await self.get(job_id) if outcome else None
@@ -403,12 +437,39 @@ class RedisJobStore(JobStore):
         if job is None:
             return None, False
         outcome = int(await self._finish(
-            keys=[self._job(job_id), self._segs(job_id), self._active(job.key_id), self._queue],
+            keys=[self._job(job_id), self._segs(job_id), self._active(job.key_id), self._queue, self._webhooks],
             args=[job_id, int(status), error or "", repr(now_s), self._job_ttl_ms, self._record_ttl_ms]))
         if outcome == -2:
             raise IncompleteJob(f"{job_id}: {len(await self.stored_segments(job_id))} of {job.segments_total} "
                                 "segments stored")
         return await self.get(job_id), outcome == 1
+
+    # ---- the webhook outbox -------------------------------------------------------------------------
+
+    async def take_webhooks(self, max_n: int, now_s: float, lease_s: float) -> list[DueWebhook]:
+        ids = [_s(job_id) for job_id in await self._take_webhooks(keys=[self._webhooks],
+                                                                  args=[repr(now_s), repr(lease_s), max_n])]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(self._job(job_id), (*PROGRESS_FIELDS, "hook_attempts"))
+            rows = await pipe.execute()
+        due: list[DueWebhook] = []
+        for job_id, row in zip(ids, rows, strict=True):
+            job = _record(row[:-1])
+            if job is None:
+                await self._redis.zrem(self._webhooks, job_id)
+            else:
+                due.append(DueWebhook(job, int(row[-1] or 0)))
+        return due
+
+    async def webhook_retry(self, job_id: str, attempts: int, due_s: float) -> None:
+        await self._retry_webhook(keys=[self._job(job_id), self._webhooks], args=[job_id, attempts, repr(due_s)])
+
+    async def webhook_done(self, job_id: str) -> None:
+        await self._redis.zrem(self._webhooks, job_id)
+
+    async def webhooks_pending(self) -> int:
+        return int(await self._redis.zcard(self._webhooks))
 
 
 def _record(row: Sequence[Any]) -> Job | None:

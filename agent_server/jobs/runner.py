@@ -21,9 +21,12 @@ back to the queue at once (`store.release`); any other exception fails the job w
 `stop()` (the replica drains or shuts down) cancels the work and hands each claim back at once (`store.release`),
 so another replica takes the job without waiting out the visibility timeout.
 
-When every segment is stored the job is DONE; the one `finish` call that changed it (on whichever replica) sends
-the webhook (done or failed), in the background. A replica that stops while a webhook is being retried drops it
-(the receiver can poll the job).
+When every segment is stored the job is DONE. Webhooks (done or failed) go through the store's outbox: the
+`finish` that ended the job put it there, atomically, and every replica's runner takes what is due (`take_webhooks`,
+leased for one attempt's bound and a margin), makes one attempt each, up to `MAX_DELIVERIES` at a time, and drops it
+or schedules the next attempt as the sender's `RetryPolicy` says. A retry waits in the store, not in this process: a
+replica that stops or dies mid-schedule leaves its webhooks to the others (mid-attempt: after the lease), so each is
+delivered at least once, by whichever replica.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ import structlog
 from agent_server.jobs.assembly import Offload
 from agent_server.jobs.model import Job, JobSegment, JobStatus
 from agent_server.jobs.segment_audio import encode_segment
-from agent_server.jobs.store import Claim, ClaimState, JobStore, SegmentWrite
-from agent_server.jobs.webhooks import WebhookSender
+from agent_server.jobs.store import Claim, ClaimState, DueWebhook, JobStore, SegmentWrite
+from agent_server.jobs.webhooks import WebhookRefused, WebhookSender, loggable_url
 
 log = structlog.get_logger("agent_server.jobs.runner")
 
@@ -55,6 +58,8 @@ DEFAULT_MAX_JOBS = 4
 DEFAULT_POLL_S = 1.0
 RECANCEL_S = 0.1
 WEBHOOK_EVENTS = {JobStatus.DONE: "job.done", JobStatus.FAILED: "job.failed"}
+MAX_DELIVERIES = 16  # webhook attempts in flight per replica
+WEBHOOK_LEASE_MARGIN_S = 20.0  # a taken webhook is another replica's to take after its attempt's bound and this
 
 
 class JobInterrupted(Exception):
@@ -74,7 +79,8 @@ class RunnerStats:
     jobs_stopped: int = 0  # jobs stopped because they finished elsewhere (cancelled)
     webhooks_delivered: int = 0
     webhooks_failed: int = 0  # the receiver never took it (every attempt failed, or it refused with a 4xx)
-    webhooks_refused: int = 0  # the URL was not allowed by the time of the delivery (--webhook-allow)
+    webhooks_refused: int = 0  # the URL (or a redirect) was not allowed by the time of the delivery (--webhook-allow)
+    webhook_attempts: int = 0  # POSTs made (a retry counts again)
 
 
 class JobRunner:
@@ -99,13 +105,17 @@ class JobRunner:
         self._jobs: dict[str, asyncio.Task[None]] = {}
         self._deliveries: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._hooks_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._wake_hooks = asyncio.Event()
         self._stopping = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._loop(), name="job-runner")
+        if self._webhooks is not None:
+            self._hooks_task = asyncio.create_task(self._webhook_loop(), name="job-webhooks")
 
     def wake(self) -> None:
         """Look for work now (a job was just submitted here)."""
@@ -113,17 +123,23 @@ class JobRunner:
 
     async def stop(self) -> None:
         """Stop claiming; cancel the jobs running here (their claims come back after the visibility timeout, or at
-        once through the renders' JobInterrupted) and any webhook still being retried."""
+        once through the renders' JobInterrupted) and the webhook attempts in flight (theirs after the lease)."""
         self._stopping = True
         self._wake.set()
-        if self._loop_task is not None:
-            await _cancel_until_done([self._loop_task])
-            self._loop_task = None
+        self._wake_hooks.set()
+        loops = [task for task in (self._loop_task, self._hooks_task) if task is not None]
+        await _cancel_until_done(loops)
+        self._loop_task = self._hooks_task = None
         await _cancel_until_done([*self._jobs.values(), *self._deliveries])
 
     @property
     def running(self) -> list[str]:
         return list(self._jobs)
+
+    @property
+    def webhooks_in_flight(self) -> int:
+        """Webhook attempts under way here (each ends with its outcome written to the store)."""
+        return len(self._deliveries)
 
     def window(self) -> int:
         """Segments each job may have in flight now (at least 1)."""
@@ -159,9 +175,9 @@ class JobRunner:
         if room <= 0:
             return 0
         claimed = await self.store.claim(room, self._clock())
-        for job in claimed.failed:
+        for _job in claimed.failed:
             self.stats.jobs_failed += 1
-            self._notify(job)
+            self._wake_hooks.set()  # (their webhooks entered the outbox with the failure)
         for claim in claimed.claims:
             log.info("job_claimed", job_id=claim.job.id, claims=claim.job.claims, segments_done=claim.job.segments_done,
                      segments_total=claim.job.segments_total)
@@ -281,31 +297,70 @@ class JobRunner:
                  audio_s=round(job.audio_seconds, 2), error=error)
         if job.status == JobStatus.DONE and self._on_done is not None:
             self._on_done(job)
-        self._notify(job)
+        self._wake_hooks.set()  # (its webhook, if it has one, entered the outbox with the finish)
 
-    def _notify(self, job: Job) -> None:
-        """The webhook of a job this replica finished, in the background."""
+    # ---- webhooks -----------------------------------------------------------------------------------
+
+    async def _webhook_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await self.send_due_webhooks()
+            except Exception as exc:  # the store unreachable: try again next period
+                log.warning("webhooks_take_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+            self._wake_hooks.clear()
+            try:
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake_hooks.wait()
+            except TimeoutError:
+                pass
+
+    async def send_due_webhooks(self) -> int:
+        """Take the webhooks due now (up to MAX_DELIVERIES in flight here) and start an attempt for each; the
+        number started."""
+        room = MAX_DELIVERIES - len(self._deliveries)
+        if self._webhooks is None or room <= 0:
+            return 0
+        lease_s = self._webhooks.policy.attempt_bound_s + WEBHOOK_LEASE_MARGIN_S
+        due = await self.store.take_webhooks(room, self._clock(), lease_s)
+        for webhook in due:
+            task = asyncio.create_task(self._attempt(self._webhooks, webhook), name=f"webhook-{webhook.job.id}")
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+        return len(due)
+
+    async def _attempt(self, sender: WebhookSender, webhook: DueWebhook) -> None:
+        """One attempt at a taken webhook, then drop it or put it back for the next."""
+        job = webhook.job
         event = WEBHOOK_EVENTS.get(job.status)
-        if self._webhooks is None or job.webhook_url is None or event is None:
+        if job.webhook_url is None or event is None:
+            await self.store.webhook_done(job.id)
             return
-        task = asyncio.create_task(self._deliver(self._webhooks, job, event))
-        self._deliveries.add(task)
-        task.add_done_callback(self._deliveries.discard)
-
-    async def _deliver(self, webhooks: WebhookSender, job: Job, event: str) -> None:
-        if job.webhook_url is None:
-            return
-        delivery = await webhooks.deliver(job.webhook_url, orjson.dumps(job.status_json()), job.key_id, event)
-        if delivery.delivered:
-            self.stats.webhooks_delivered += 1
-        elif delivery.refused is not None and not delivery.attempts:
+        made = webhook.attempts + 1
+        try:
+            attempt = await sender.attempt(job.webhook_url, orjson.dumps(job.status_json()), job.key_id, event)
+        except WebhookRefused as refused:
             self.stats.webhooks_refused += 1
+            log.warning("webhook", job_id=job.id, url=loggable_url(job.webhook_url), webhook_event=event,
+                        attempt=made, refused=str(refused))
+            await self.store.webhook_done(job.id)
+            return
+        self.stats.webhook_attempts += 1
+        retry_in_s = sender.policy.retry_in_s(made, attempt)
+        log.info("webhook", job_id=job.id, url=loggable_url(job.webhook_url), webhook_event=event, attempt=made,
+                 status=attempt.status, error=attempt.error, delivered=attempt.delivered, retry_in_s=retry_in_s)
+        if retry_in_s is not None:
+            await self.store.webhook_retry(job.id, made, self._clock() + retry_in_s)
+            return
+        if attempt.delivered:
+            self.stats.webhooks_delivered += 1
         else:
             self.stats.webhooks_failed += 1
+        await self.store.webhook_done(job.id)
 
     async def drain_webhooks(self) -> None:
-        """Wait for the webhooks in flight (tests, and a graceful shutdown that can afford it)."""
-        while self._deliveries:
+        """Send every webhook due now and wait for the attempts, until none is due (tests, and a graceful shutdown
+        that can afford it). A retry scheduled for later is not waited for."""
+        while await self.send_due_webhooks() or self._deliveries:
             await asyncio.gather(*list(self._deliveries), return_exceptions=True)
 
 

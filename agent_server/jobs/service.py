@@ -113,6 +113,7 @@ class JobService:
         self.failure: str | None = None  # why the store could not be opened
         self.started = False
         self.queue_depth = 0  # refreshed every REFRESH_S
+        self.webhooks_pending = 0  # (the same)
         self.key_usage: dict[str, Usage] = {}  # the same
         self._recent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
@@ -210,8 +211,9 @@ class JobService:
             await asyncio.sleep(REFRESH_S)
 
     async def refresh(self) -> None:
-        """Read the queue depth and the recent keys' usage (for the metrics)."""
+        """Read the queue depth, the webhook outbox and the recent keys' usage (for the metrics)."""
         self.queue_depth = await self.store.queue_depth()
+        self.webhooks_pending = await self.store.webhooks_pending()
         limits = self.config.limits
         if limits.max_running_jobs or limits.daily_chars:
             now_s = time.time()

@@ -37,6 +37,7 @@ from agent_server.jobs.store import (
     Claim,
     Claimed,
     ClaimState,
+    DueWebhook,
     IncompleteJob,
     JobStore,
     KeyLimits,
@@ -84,6 +85,12 @@ CREATE TABLE IF NOT EXISTS segments (
     samples INTEGER NOT NULL,
     PRIMARY KEY (job_id, idx)
 );
+CREATE TABLE IF NOT EXISTS webhooks (
+    job_id TEXT PRIMARY KEY,
+    due_s REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS webhooks_by_due ON webhooks (due_s);
 CREATE TABLE IF NOT EXISTS usage (
     key_id TEXT NOT NULL,
     day TEXT NOT NULL,
@@ -354,7 +361,45 @@ class SqliteJobStore(JobStore):
                 raise IncompleteJob(f"{job_id}: {row[1]} of {total} segments stored")
         db.execute("UPDATE jobs SET status = ?, error = ?, finished_at_s = ?, worker = NULL, lease_until_s = 0 "
                    "WHERE id = ?", (status, error, now_s, job_id))
+        if status in (JobStatus.DONE, JobStatus.FAILED) and Job.from_stored(row[2], {}).webhook_url is not None:
+            db.execute("INSERT OR IGNORE INTO webhooks (job_id, due_s) VALUES (?, ?)", (job_id, now_s))
         return True
+
+    # ---- the webhook outbox -------------------------------------------------------------------------
+
+    async def take_webhooks(self, max_n: int, now_s: float, lease_s: float) -> list[DueWebhook]:
+        return await self._run(self._take_webhooks, max_n, now_s, lease_s)
+
+    def _take_webhooks(self, max_n: int, now_s: float, lease_s: float) -> list[DueWebhook]:
+        due: list[DueWebhook] = []
+        with _transaction(self.db) as db:
+            for job_id, attempts in db.execute(
+                    "SELECT job_id, attempts FROM webhooks WHERE due_s <= ? ORDER BY due_s LIMIT ?",
+                    (now_s, max_n)).fetchall():
+                row = db.execute(f"SELECT spec, {PROGRESS_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                if row is None:
+                    db.execute("DELETE FROM webhooks WHERE job_id = ?", (job_id,))
+                    continue
+                db.execute("UPDATE webhooks SET due_s = ? WHERE job_id = ?", (now_s + lease_s, job_id))
+                due.append(DueWebhook(_job(row), int(attempts)))
+        return due
+
+    async def webhook_retry(self, job_id: str, attempts: int, due_s: float) -> None:
+        await self._run(self._execute, "UPDATE webhooks SET attempts = ?, due_s = ? WHERE job_id = ?",
+                        (attempts, due_s, job_id))
+
+    async def webhook_done(self, job_id: str) -> None:
+        await self._run(self._execute, "DELETE FROM webhooks WHERE job_id = ?", (job_id,))
+
+    async def webhooks_pending(self) -> int:
+        return await self._run(self._count, "SELECT count(*) FROM webhooks")
+
+    def _execute(self, sql: str, args: tuple[Any, ...]) -> None:
+        self.db.execute(sql, args)
+
+    def _count(self, sql: str) -> int:
+        (n,) = self.db.execute(sql).fetchone()
+        return int(n)
 
     async def sweep(self, now_s: float) -> int:
         return await self._run(self._sweep, now_s)
@@ -372,6 +417,7 @@ class SqliteJobStore(JobStore):
         self.db.execute("DELETE FROM jobs WHERE purged = 1 AND finished_at_s <= ?",
                         (now_s - self.job_ttl_s - RECORD_GRACE_S,))
         self.db.execute("DELETE FROM usage WHERE day < ?", (utc_day(now_s - 2 * 86_400),))
+        self.db.execute("DELETE FROM webhooks WHERE job_id NOT IN (SELECT id FROM jobs)")
         return len(expired)
 
 

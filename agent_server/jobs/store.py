@@ -17,9 +17,14 @@ What both promise (tests/agent_server/jobs/test_store.py runs the same checks on
 - resume = the segments not in `stored_segments`: a job claimed again continues from the first one missing.
 - a claim is held while its worker renews it (`renew`, more often than `visibility_s`); one not renewed for
   `visibility_s` goes to the next worker that claims. A claim renewed after another worker took it is LOST.
-- `finish` happens once: the first call for a job changes it (and says so: that caller sends the webhook);
-  later ones return the record unchanged. A finished job's audio is kept `job_ttl_s`, its record
-  `job_ttl_s + RECORD_GRACE_S` (so that `GET` can answer "expired" rather than "no such job").
+- `finish` happens once: the first call for a job changes it (and says so); later ones return the record
+  unchanged. A finished job's audio is kept `job_ttl_s`, its record `job_ttl_s + RECORD_GRACE_S` (so that `GET`
+  can answer "expired" rather than "no such job").
+- the webhook outbox: a job that finishes DONE or FAILED with a `webhook_url` (by `finish`, or failed by `claim`)
+  enters it in the same atomic step, due at once. `take_webhooks` leases due ones to a worker, which makes one
+  attempt and then either drops it (`webhook_done`) or puts it back for later (`webhook_retry`); a worker that
+  dies mid-attempt leaves it to whoever takes it after the lease. So a webhook is delivered at least once, by
+  whichever replica, whatever happens to the one that finished the job.
 """
 
 from __future__ import annotations
@@ -81,6 +86,14 @@ class Claimed:
 
     claims: list[Claim]
     failed: list[Job]
+
+
+@dataclass(frozen=True, slots=True)
+class DueWebhook:
+    """A webhook whose next attempt is due, leased to the worker that took it."""
+
+    job: Job  # the record now: its status JSON is the body
+    attempts: int  # attempts made before this one
 
 
 class ClaimState(enum.IntEnum):
@@ -172,6 +185,25 @@ class JobStore:
     async def sweep(self, now_s: float) -> int:
         """Drop what expired (the embedded store; Redis expires on its own). Returns the jobs purged."""
         return 0
+
+    # ---- the webhook outbox -------------------------------------------------------------------------
+
+    async def take_webhooks(self, max_n: int, now_s: float, lease_s: float) -> list[DueWebhook]:
+        """Up to `max_n` webhooks due at `now_s`, soonest first, each leased to this worker: not handed out again
+        before `now_s + lease_s`. One whose job record is gone is dropped."""
+        raise NotImplementedError
+
+    async def webhook_retry(self, job_id: str, attempts: int, due_s: float) -> None:
+        """Put a taken webhook back, `attempts` made so far, its next attempt due at `due_s`."""
+        raise NotImplementedError
+
+    async def webhook_done(self, job_id: str) -> None:
+        """Drop a webhook from the outbox: delivered, refused, or given up."""
+        raise NotImplementedError
+
+    async def webhooks_pending(self) -> int:
+        """Webhooks in the outbox, due or not (metrics: `tts_jobs_webhooks_pending`)."""
+        raise NotImplementedError
 
 
 class IncompleteJob(RuntimeError):

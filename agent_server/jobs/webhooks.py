@@ -25,7 +25,10 @@ followed only for 307/308 (which keep the POST), only to a URL that passes the s
 `MAX_REDIRECTS` times; any other redirect ends the delivery.
 
 Retries: a connection error, a timeout, 408, 429 or a 5xx is tried again after `first_delay_s`, doubling up to
-`max_delay_s`, `attempts` times in all; any other status ends it (2xx: delivered; 4xx: the receiver refuses).
+`max_delay_s` (or after the answer's `Retry-After`, when it asks for longer, still at most `max_delay_s`),
+`attempts` times in all; any other status ends it (2xx: delivered; 4xx: the receiver refuses). The sender makes one
+attempt at a time (`WebhookSender.attempt`) and `RetryPolicy.retry_in_s` says when the next one is due: the job
+store keeps that schedule (its webhook outbox, runner.py), so a retry survives the replica that started it.
 
 The client is a minimal HTTP/1.1 POST over asyncio streams (TLS with the system's trust store for https): the
 runtime has no HTTP client library, and the connection must go to the checked address while TLS verifies the
@@ -35,6 +38,7 @@ URL's host name, which a general client does not offer.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import hmac
 import ipaddress
@@ -42,7 +46,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 import structlog
@@ -68,7 +72,6 @@ SECRET_PREFIX = "whsec_"
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]  # (host, port) -> addresses
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class WebhookRefused(Exception):
@@ -186,17 +189,16 @@ async def check_url(url: str, allow: AllowList, resolve: Resolver = system_resol
 @dataclass(frozen=True, slots=True)
 class Attempt:
     status: int | None  # the HTTP status, None when no answer came
-    error: str | None  # what went wrong (no answer, a refused redirect), None for an answer
+    error: str | None  # what went wrong (no answer), None for an answer
+    retry_after_s: float | None = None  # the answer's Retry-After (seconds), when it had one
 
+    @property
+    def delivered(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
 
-@dataclass(slots=True)
-class Delivery:
-    """How one webhook went: every attempt, and whether it got a 2xx."""
-
-    url: str
-    attempts: list[Attempt] = field(default_factory=list)
-    delivered: bool = False
-    refused: str | None = None  # why it was not (or no longer) tried: an address outside the allow list ...
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or _retryable(self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,64 +212,59 @@ class RetryPolicy:
         """The wait before retry number `retry` (1, 2, ...)."""
         return min(self.max_delay_s, self.first_delay_s * 2.0 ** (retry - 1))
 
+    def retry_in_s(self, made: int, last: Attempt) -> float | None:
+        """After `made` attempts, the last one `last`: the wait before the next, or None when there is none
+        (delivered, refused by the receiver, or every attempt made). A receiver's Retry-After lengthens the
+        wait, never beyond `max_delay_s`."""
+        if last.delivered or not last.retryable or made >= self.attempts:
+            return None
+        wait_s = self.delay_s(made)
+        if last.retry_after_s is not None:
+            wait_s = max(wait_s, min(self.max_delay_s, last.retry_after_s))
+        return wait_s
+
+    @property
+    def attempt_bound_s(self) -> float:
+        """The longest one attempt can take (its redirects included): how long a replica holds a delivery."""
+        return self.timeout_s * (MAX_REDIRECTS + 1)
+
 
 class WebhookSender:
     """Signs and delivers webhooks. `secret_for(key_id)` gives the key's secret (`webhook_secret`)."""
 
     def __init__(self, allow: AllowList, secret_for: Callable[[str], str], *, policy: RetryPolicy | None = None,
-                 resolve: Resolver = system_resolver, sleep: Sleep = asyncio.sleep,
-                 clock: Callable[[], float] = time.time, ssl_context: ssl.SSLContext | None = None) -> None:
+                 resolve: Resolver = system_resolver, clock: Callable[[], float] = time.time,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.allow = allow
         self.policy = policy or RetryPolicy()
         self._secret_for = secret_for
         self._resolve = resolve
-        self._sleep = sleep
         self._clock = clock
         self._ssl = ssl_context
 
-    async def deliver(self, url: str, body: bytes, key_id: str, event: str) -> Delivery:
-        """POST `body` to `url`, retrying as the policy says. Never raises for the receiver's faults."""
-        delivery = Delivery(url)
+    async def attempt(self, url: str, body: bytes, key_id: str, event: str) -> Attempt:
+        """One signed POST of `body` to `url` (signed now), following allowed 307/308 redirects. Never raises for
+        the receiver's faults (no answer is an Attempt without a status); raises WebhookRefused for a URL, or a
+        redirect, that may not be called."""
         headers = {"Content-Type": "application/json", EVENT_HEADER: event,
                    SIGNATURE_HEADER: sign(self._secret_for(key_id), body, int(self._clock()))}
-        for number in range(1, self.policy.attempts + 1):
-            if number > 1:
-                await self._sleep(self.policy.delay_s(number - 1))
-                headers[SIGNATURE_HEADER] = sign(self._secret_for(key_id), body, int(self._clock()))
-            try:
-                attempt = await self._attempt(url, body, headers)
-            except WebhookRefused as refused:
-                delivery.refused = str(refused)
-                break
-            delivery.attempts.append(attempt)
-            if attempt.status is not None and 200 <= attempt.status < 300:
-                delivery.delivered = True
-                break
-            if attempt.status is not None and not _retryable(attempt.status):
-                break
-        log.info("webhook", url=_loggable(url), webhook_event=event, delivered=delivery.delivered,
-                 attempts=len(delivery.attempts), refused=delivery.refused,
-                 last_status=delivery.attempts[-1].status if delivery.attempts else None)
-        return delivery
-
-    async def _attempt(self, url: str, body: bytes, headers: dict[str, str]) -> Attempt:
-        """One POST, following allowed 307/308 redirects. Raises WebhookRefused for a URL not allowed."""
         for _ in range(MAX_REDIRECTS + 1):
             target = await check_url(url, self.allow, self._resolve)
             try:
                 async with asyncio.timeout(self.policy.timeout_s):
-                    status, location = await self._post(target, body, headers)
+                    status, answer = await self._post(target, body, headers)
             except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
                 return Attempt(None, f"{type(exc).__name__}: {exc}"[:200])
+            location = answer.get("location")
             if status in FOLLOWED_REDIRECTS and location:
                 url = urljoin(url, location)
                 continue
             if 300 <= status < 400:
                 raise WebhookRefused(f"redirect {status} not followed (only 307/308 to an allowed address)")
-            return Attempt(status, None)
+            return Attempt(status, None, parse_retry_after_s(answer.get("retry-after"), self._clock()))
         raise WebhookRefused(f"more than {MAX_REDIRECTS} redirects")
 
-    async def _post(self, target: Target, body: bytes, headers: dict[str, str]) -> tuple[int, str | None]:
+    async def _post(self, target: Target, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
         context = None
         if target.scheme == "https":
             context = self._ssl or ssl.create_default_context()
@@ -309,26 +306,40 @@ async def _connect_any(target: Target, context: ssl.SSLContext | None) -> tuple[
     raise last if last is not None else OSError("no address to connect to")
 
 
-def _parse_head(head: bytes) -> tuple[int, str | None]:
-    """(status, Location) of a response head. Raises ValueError for one that is not HTTP/1.x."""
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    """(status, headers by lower-case name) of a response head. Raises ValueError for one that is not HTTP/1.x."""
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]
     if not version.startswith("HTTP/1.") or not code.isdigit():
         raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-    location = None
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "location":
-            location = value.strip()
-    return int(code), location
+        if name.strip():
+            headers[name.strip().lower()] = value.strip()
+    return int(code), headers
+
+
+def parse_retry_after_s(value: str | None, now_s: float) -> float | None:
+    """Retry-After as seconds from now: delay-seconds or an HTTP date (RFC 9110 10.2.3); None when absent or
+    unreadable."""
+    if value is None:
+        return None
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - now_s) if when.tzinfo is not None else None
 
 
 def _retryable(status: int) -> bool:
     return status >= 500 or status in RETRY_STATUSES
 
 
-def _loggable(url: str) -> str:
+def loggable_url(url: str) -> str:
     """The URL without its query (which may carry a receiver's token)."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}{parts.path}"

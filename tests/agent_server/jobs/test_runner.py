@@ -5,8 +5,9 @@ lost its claim storing nothing twice; a cancel stopping the work; failures and t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,14 @@ from agent_server.jobs.runner import JobInterrupted, JobRunner
 from agent_server.jobs.segment_audio import decode_segment, encode_segment
 from agent_server.jobs.sqlite_store import SqliteJobStore
 from agent_server.jobs.store import Claim, Claimed, JobStore, KeyLimits
-from agent_server.jobs.webhooks import SIGNATURE_HEADER, AllowList, WebhookSender, verify_signature, webhook_secret
+from agent_server.jobs.webhooks import (
+    SIGNATURE_HEADER,
+    AllowList,
+    RetryPolicy,
+    WebhookSender,
+    verify_signature,
+    webhook_secret,
+)
 
 from tests.agent_server.jobs.conftest import fresh_prefix, make_job, make_plan, redis_client, run
 from tests.agent_server.jobs.webhook_receiver import Receiver
@@ -159,6 +167,66 @@ def test_a_job_runs_to_done_and_its_webhook_arrives_signed(tmp_path: Path) -> No
             assert orjson.loads(hook.body) == done.status_json()
             assert verify_signature(webhook_secret(ROOT, job.key_id), hook.body,
                                     hook.headers.get(SIGNATURE_HEADER.lower()), done.finished_at_s or 0)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("backend", ["redis", "sqlite"])
+def test_a_webhook_retry_outlives_the_replica_that_scheduled_it(backend: str, request: pytest.FixtureRequest,
+                                                                  tmp_path: Path) -> None:
+    """The receiver fails the first attempt; the replica that made it dies before the retry (Redis: another
+    replica makes it; embedded: the process after a restart). The retry waits in the store's outbox, so it is made,
+    signed, exactly once more."""
+    receiver = Receiver([(503, {}), (200, {})])
+    policy = RetryPolicy(attempts=3, first_delay_s=0.3, max_delay_s=1.0, timeout_s=2.0)
+    if backend == "redis":
+        server: RedisServer = request.getfixturevalue("redis")
+        prefix = fresh_prefix()
+
+        def replica(worker: str) -> AbstractAsyncContextManager[JobStore]:
+            return redis_store(server, prefix, worker)
+    else:
+        def replica(worker: str) -> AbstractAsyncContextManager[JobStore]:
+            return sqlite_store(tmp_path / "jobs")
+
+    def runner_on(store: JobStore) -> JobRunner:
+        hooks = WebhookSender(AllowList.parse(["127.0.0.0/8"]), lambda key_id: webhook_secret(ROOT, key_id),
+                              policy=policy)
+        return JobRunner(store, Engine().render, webhooks=hooks, renew_s=RENEW_S, poll_s=0.05)
+
+    async def scenario() -> None:
+        await receiver.start()
+        try:
+            async with replica("w1") as store:
+                job = make_job(1_796_000_000.0, webhook_url=receiver.url + "/hook")
+                await store.submit(job, make_plan(2), KeyLimits(), job.created_at_s)
+                first = runner_on(store)
+                await first.start()
+                await until(lambda: len(receiver.received) == 1)  # the 503
+                # killed once the retry is in the store (killed mid-attempt, it would wait out the lease)
+                await until(lambda: first.stats.webhook_attempts == 1 and first.webhooks_in_flight == 0)
+                await killed(first)
+                assert await store.webhooks_pending() == 1
+            assert first.stats.webhooks_delivered == 0
+            async with replica("w2") as store:
+                second = runner_on(store)
+                await second.start()
+                try:
+                    await until(lambda: second.stats.webhooks_delivered == 1)
+                    assert await store.webhooks_pending() == 0
+                    await asyncio.sleep(3 * policy.first_delay_s)  # nothing more is sent
+                finally:
+                    await second.stop()
+                done = await store.get(job.id)
+        finally:
+            await receiver.stop()
+        assert [hook.path for hook in receiver.received] == ["/hook", "/hook"]
+        assert done is not None and done.status == JobStatus.DONE
+        for hook in receiver.received:
+            assert orjson.loads(hook.body) == done.status_json()
+            assert verify_signature(webhook_secret(ROOT, job.key_id), hook.body,
+                                    hook.headers.get(SIGNATURE_HEADER.lower()), time.time())
+        assert (second.stats.webhook_attempts, second.stats.webhooks_failed) == (1, 0)
 
     run(scenario())
 

@@ -256,9 +256,13 @@ def test_the_webhook_arrives_signed_with_the_keys_secret(tmp_path: Path) -> None
                 job_id = await asyncio.to_thread(submit, server, body, KEYS[0])
                 done = await asyncio.to_thread(wait_status, server, job_id, "done", KEYS[0])
                 deadline_s = time.monotonic() + 10
-                while not receiver.received:
+                while jobs_of(server).runner.stats.webhooks_delivered < 1:
                     assert time.monotonic() < deadline_s
                     await asyncio.sleep(0.01)
+                scraped = await asyncio.to_thread(samples, server)
+                assert scraped[("tts_jobs_webhooks_total", "delivered")] == 1
+                assert scraped[("tts_jobs_webhook_attempts_total", "")] == 1
+                assert scraped[("tts_jobs_webhooks_pending", "")] == 0
                 secrets = {}
                 for key in KEYS:
                     response = await asyncio.to_thread(httpx.get, server.http_url + "/v1/jobs/webhook-secret",

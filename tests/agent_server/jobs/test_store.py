@@ -290,6 +290,55 @@ def test_a_job_that_keeps_losing_its_workers_fails(stores: Stores) -> None:
     run(scenario())
 
 
+def test_a_finished_job_with_a_webhook_enters_the_outbox_atomically_and_is_leased(stores: Stores) -> None:
+    """DONE or FAILED with a webhook_url (finished, or failed by claim): in the outbox at once; a taken webhook is
+    nobody else's until its lease ends; one put back is due when it says; one done is gone. Cancelled, or no URL:
+    never in it."""
+    url = "http://127.0.0.1:9/hook"
+
+    async def body(first: JobStore, second: JobStore) -> None:
+        done, failed, cancelled, silent, lost = (
+            make_job(NOW_S + i, webhook_url=None if i == 3 else url) for i in range(5))
+        for job in (done, failed, cancelled, silent, lost):
+            await first.submit(job, make_plan(1), KeyLimits(), NOW_S)
+        assert await first.take_webhooks(10, NOW_S, 5.0) == []
+        claims = {c.job.id: c for c in (await first.claim(5, NOW_S)).claims}
+        await first.put_segment(done.id, 0, b"a", 100)
+        await first.finish(done.id, JobStatus.DONE, None, NOW_S + 1)
+        await first.finish(failed.id, JobStatus.FAILED, "boom", NOW_S + 2)
+        await first.finish(cancelled.id, JobStatus.CANCELLED, None, NOW_S + 2)
+        await first.put_segment(silent.id, 0, b"a", 100)
+        await first.finish(silent.id, JobStatus.DONE, None, NOW_S + 2)
+        await first.finish(done.id, JobStatus.DONE, None, NOW_S + 3)  # a second finish: no second webhook
+        assert await second.webhooks_pending() == 2
+        taken = await second.take_webhooks(10, NOW_S + 3, 5.0)
+        assert [(w.job.id, w.job.status, w.attempts) for w in taken] == [
+            (done.id, JobStatus.DONE, 0), (failed.id, JobStatus.FAILED, 0)]
+        assert await first.take_webhooks(10, NOW_S + 7, 5.0) == []  # leased to the second worker
+        # the second worker died mid-attempt: after the lease the first takes both
+        assert [w.job.id for w in await first.take_webhooks(1, NOW_S + 8.5, 5.0)] == [done.id]
+        await first.webhook_retry(done.id, 1, NOW_S + 100)
+        (again,) = await first.take_webhooks(10, NOW_S + 9, 5.0)
+        assert again.job.id == failed.id
+        await first.webhook_done(failed.id)
+        assert await second.take_webhooks(10, NOW_S + 99, 5.0) == []  # the retry is not due yet
+        (retry,) = await second.take_webhooks(10, NOW_S + 100, 5.0)
+        assert (retry.job.id, retry.attempts) == (done.id, 1)
+        await second.webhook_done(done.id)
+        await first.webhook_retry(done.id, 2, NOW_S + 101)  # a late put-back of one done elsewhere: stays done
+        assert await first.webhooks_pending() == 0
+        assert await first.take_webhooks(10, NOW_S + 1000, 5.0) == []
+        # a job failed by claim (it kept losing its workers) enters the outbox too
+        first.max_claims = second.max_claims = 1
+        await asyncio.sleep(VISIBILITY_S * 1.5)  # nobody renews `lost`'s claim
+        outcome = await second.claim(1, NOW_S + 1000)
+        assert [j.id for j in outcome.failed] == [lost.id] and lost.id in claims
+        (hook,) = await first.take_webhooks(10, NOW_S + 1000, 5.0)
+        assert (hook.job.id, hook.job.status) == (lost.id, JobStatus.FAILED)
+
+    two_workers(stores, body)
+
+
 def test_the_redis_store_keeps_audio_job_ttl_s_and_records_a_grace_longer(redis: RedisServer) -> None:
     async def scenario() -> None:
         client = redis_client(redis)

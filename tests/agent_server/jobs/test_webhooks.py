@@ -5,6 +5,7 @@ address, retries with backoff, redirects only to allowed places; deliveries go t
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import ipaddress
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -16,10 +17,12 @@ from agent_server.jobs.webhooks import (
     EVENT_HEADER,
     SIGNATURE_HEADER,
     AllowList,
+    Attempt,
     RetryPolicy,
     WebhookRefused,
     WebhookSender,
     check_url,
+    parse_retry_after_s,
     sign,
     verify_signature,
     webhook_secret,
@@ -51,13 +54,8 @@ def with_receiver(answers: list[tuple[int, dict[str, str]]],
     return receiver
 
 
-def sender(allow: AllowList = LOOPBACK, sleeps: list[float] | None = None, **kwargs: Any) -> WebhookSender:
-    async def sleep(seconds: float) -> None:
-        if sleeps is not None:
-            sleeps.append(seconds)
-
-    return WebhookSender(allow, lambda key_id: webhook_secret(ROOT, key_id), sleep=sleep, clock=lambda: NOW_S,
-                         **kwargs)
+def sender(allow: AllowList = LOOPBACK, **kwargs: Any) -> WebhookSender:
+    return WebhookSender(allow, lambda key_id: webhook_secret(ROOT, key_id), clock=lambda: NOW_S, **kwargs)
 
 
 # ---- signatures ----------------------------------------------------------------------------------------
@@ -128,9 +126,8 @@ def test_every_address_a_host_resolves_to_must_be_allowed() -> None:
 
 def test_a_delivery_arrives_signed_with_the_keys_secret() -> None:
     async def body(receiver: Receiver) -> None:
-        delivery = await sender().deliver(receiver.url + "/hooks/tts?token=abc", BODY, "k_0123456789ab", "job.done")
-        assert delivery.delivered
-        assert [a.status for a in delivery.attempts] == [200]
+        attempt = await sender().attempt(receiver.url + "/hooks/tts?token=abc", BODY, "k_0123456789ab", "job.done")
+        assert attempt.delivered and attempt.status == 200
 
     receiver = with_receiver([(200, {})], body)
     (got,) = receiver.received
@@ -143,67 +140,67 @@ def test_a_delivery_arrives_signed_with_the_keys_secret() -> None:
     assert verify_signature(secret, got.body, got.headers.get(SIGNATURE_HEADER.lower()), NOW_S)
 
 
-def test_failures_are_retried_with_backoff_and_a_refusal_is_not() -> None:
-    sleeps: list[float] = []
+def test_an_attempt_reports_the_answer_and_its_retry_after() -> None:
+    async def body(receiver: Receiver) -> None:
+        answers = [await sender().attempt(receiver.url, BODY, "k_1", "job.failed") for _ in range(4)]
+        assert [(a.status, a.retryable, a.delivered) for a in answers] == [
+            (503, True, False), (429, True, False), (404, False, False), (204, False, True)]
+        assert [a.retry_after_s for a in answers] == [None, 30.0, None, None]
 
-    async def flaky(receiver: Receiver) -> None:
-        delivery = await sender(sleeps=sleeps).deliver(receiver.url, BODY, "k_1", "job.failed")
-        assert delivery.delivered
-        assert [a.status for a in delivery.attempts] == [503, 429, 200]
-
-    with_receiver([(503, {}), (429, {}), (200, {})], flaky)
-    assert sleeps == [1.0, 2.0]
-
-    sleeps.clear()
-
-    async def refusing(receiver: Receiver) -> None:
-        delivery = await sender(sleeps=sleeps).deliver(receiver.url, BODY, "k_1", "job.done")
-        assert not delivery.delivered
-        assert [a.status for a in delivery.attempts] == [404]
-
-    assert len(with_receiver([(404, {})], refusing).received) == 1
-    assert sleeps == []
+    with_receiver([(503, {}), (429, {"Retry-After": "30"}), (404, {}), (204, {})], body)
 
 
-def test_a_receiver_that_never_answers_is_tried_attempts_times_with_doubling_waits() -> None:
-    sleeps: list[float] = []
-    policy = RetryPolicy(attempts=5, first_delay_s=0.5, max_delay_s=3.0, timeout_s=2.0)
+def test_the_retry_policy_doubles_its_waits_and_stops_where_nothing_more_helps() -> None:
+    policy = RetryPolicy(attempts=5, first_delay_s=0.5, max_delay_s=3.0)
+    no_answer = Attempt(None, "ConnectionRefusedError")
+    assert [policy.retry_in_s(made, no_answer) for made in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, None]
+    assert policy.retry_in_s(1, Attempt(503, None)) == 0.5
+    assert policy.retry_in_s(1, Attempt(408, None)) == 0.5
+    assert policy.retry_in_s(1, Attempt(200, None)) is None  # delivered
+    assert policy.retry_in_s(1, Attempt(404, None)) is None  # the receiver refuses: no retry helps
+    assert policy.retry_in_s(1, Attempt(429, None, retry_after_s=2.0)) == 2.0  # the receiver asks for longer
+    assert policy.retry_in_s(3, Attempt(429, None, retry_after_s=0.1)) == 2.0  # never shorter than the backoff
+    assert policy.retry_in_s(1, Attempt(503, None, retry_after_s=3600.0)) == 3.0  # never beyond max_delay_s
 
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    assert parse_retry_after_s("120", NOW_S) == 120.0
+    assert parse_retry_after_s(email.utils.formatdate(NOW_S + 90, usegmt=True), NOW_S) == 90.0
+    assert parse_retry_after_s(email.utils.formatdate(NOW_S - 90, usegmt=True), NOW_S) == 0.0
+    assert parse_retry_after_s("soon", NOW_S) is None
+    assert parse_retry_after_s(None, NOW_S) is None
+
+
+def test_a_receiver_that_never_answers_gives_an_attempt_without_a_status() -> None:
     async def scenario() -> None:
         closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = closed.sockets[0].getsockname()[1]
         closed.close()
         await closed.wait_closed()  # nothing listens there any more: connection refused
-        delivery = await sender(sleeps=sleeps, policy=policy).deliver(f"http://127.0.0.1:{port}/", BODY, "k", "x")
-        assert not delivery.delivered
-        assert len(delivery.attempts) == 5
-        assert all(a.status is None and a.error for a in delivery.attempts)
+        attempt = await sender().attempt(f"http://127.0.0.1:{port}/", BODY, "k", "x")
+        assert attempt.status is None and attempt.error and attempt.retryable and not attempt.delivered
 
     run(scenario())
-    assert sleeps == [0.5, 1.0, 2.0, 3.0]
 
 
 def test_a_redirect_is_followed_only_as_307_or_308_and_only_to_an_allowed_address() -> None:
     async def allowed(receiver: Receiver) -> None:
-        delivery = await sender().deliver(receiver.url + "/old", BODY, "k", "job.done")
-        assert delivery.delivered
+        assert (await sender().attempt(receiver.url + "/old", BODY, "k", "job.done")).delivered
 
     receiver = with_receiver([(308, {"Location": "/new"}), (200, {})], allowed)
     assert [r.path for r in receiver.received] == ["/old", "/new"]
     assert receiver.received[1].body == BODY
 
     async def elsewhere(receiver: Receiver) -> None:
-        delivery = await sender().deliver(receiver.url + "/old", BODY, "k", "job.done")
-        assert not delivery.delivered
-        assert delivery.refused is not None and "outside --webhook-allow" in delivery.refused
+        with pytest.raises(WebhookRefused, match="outside --webhook-allow"):
+            await sender().attempt(receiver.url + "/old", BODY, "k", "job.done")
 
     receiver = with_receiver([(307, {"Location": "http://10.255.0.1/steal"})], elsewhere)
     assert len(receiver.received) == 1  # nothing went to 10.255.0.1: refused before any connection
 
     async def see_other(receiver: Receiver) -> None:
-        delivery = await sender().deliver(receiver.url + "/old", BODY, "k", "job.done")
-        assert not delivery.delivered
-        assert delivery.refused is not None and "302" in delivery.refused
+        with pytest.raises(WebhookRefused, match="302"):
+            await sender().attempt(receiver.url + "/old", BODY, "k", "job.done")
 
     receiver = with_receiver([(302, {"Location": "/new"})], see_other)
     assert len(receiver.received) == 1
@@ -212,9 +209,7 @@ def test_a_redirect_is_followed_only_as_307_or_308_and_only_to_an_allowed_addres
 def test_no_request_leaves_for_an_address_outside_the_allow_list() -> None:
     async def body(receiver: Receiver) -> None:
         only_ten = AllowList.parse(["10.0.0.0/8"])
-        delivery = await sender(allow=only_ten).deliver(receiver.url, BODY, "k", "job.done")
-        assert not delivery.delivered
-        assert delivery.attempts == []
-        assert delivery.refused is not None
+        with pytest.raises(WebhookRefused, match="outside --webhook-allow"):
+            await sender(allow=only_ten).attempt(receiver.url, BODY, "k", "job.done")
 
     assert with_receiver([(200, {})], body).received == []
