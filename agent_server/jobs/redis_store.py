@@ -8,6 +8,7 @@ Keys (P = the server's `--redis-prefix` + "jobs:"):
     P active:<key id>     set: the key's unfinished jobs (the running-jobs quota)
     P chars:<key id>:<day>  the key's characters submitted that UTC day (expires after two days)
     P list:<key id>       sorted set of the key's job ids, all score 0: ids sort by time (`model.new_job_id`)
+    P cancels             pub/sub channel: the id of each job cancelled (its renderer stops at once, wherever)
     P webhooks            sorted set: the webhook outbox, job id -> when its next attempt is due (unix s); a job
                           with a webhook has `hook` = 1 in its hash, and `hook_attempts` once one was made
 
@@ -31,7 +32,7 @@ Redis, not a Redis Cluster.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -193,7 +194,7 @@ redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
 return 0
 """
 
-# KEYS: job, segs, active, queue, webhooks. ARGV: id, status, error, now, job_ttl_ms, record_ttl_ms
+# KEYS: job, segs, active, queue, webhooks, cancels channel. ARGV: id, status, error, now, job_ttl_ms, record_ttl_ms
 # -> 1 finished here, 0 finished before, -1 gone, -2 DONE asked with segments missing
 FINISH_LUA = """
 local job_id, status, error, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -204,6 +205,9 @@ if status == '""" + _S_DONE + """' then
   if st and tonumber(st) < """ + _S_DONE + """ and redis.call('HLEN', KEYS[2]) ~= total then return -2 end
 end
 """ + _FINISH + """
+if finished == 1 and status == '""" + str(int(JobStatus.CANCELLED)) + """' then
+  redis.call('PUBLISH', KEYS[6], job_id)
+end
 return finished
 """
 
@@ -266,6 +270,10 @@ class RedisJobStore(JobStore):
     @property
     def _webhooks(self) -> str:
         return f"{self._p}webhooks"
+
+    @property
+    def _cancels(self) -> str:
+        return f"{self._p}cancels"
 
     @property
     def _job_ttl_ms(self) -> int:
@@ -437,12 +445,23 @@ class RedisJobStore(JobStore):
         if job is None:
             return None, False
         outcome = int(await self._finish(
-            keys=[self._job(job_id), self._segs(job_id), self._active(job.key_id), self._queue, self._webhooks],
+            keys=[self._job(job_id), self._segs(job_id), self._active(job.key_id), self._queue, self._webhooks,
+                  self._cancels],
             args=[job_id, int(status), error or "", repr(now_s), self._job_ttl_ms, self._record_ttl_ms]))
         if outcome == -2:
             raise IncompleteJob(f"{job_id}: {len(await self.stored_segments(job_id))} of {job.segments_total} "
                                 "segments stored")
         return await self.get(job_id), outcome == 1
+
+    async def watch_cancels(self, cancelled: Callable[[str], None]) -> None:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self._cancels)
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    cancelled(_s(message["data"]))
+        finally:
+            await pubsub.aclose()
 
     # ---- the webhook outbox -------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class JobRunner:
         self._deliveries: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._hooks_task: asyncio.Task[None] | None = None
+        self._cancels_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._wake_hooks = asyncio.Event()
         self._stopping = False
@@ -116,6 +117,8 @@ class JobRunner:
         self._loop_task = asyncio.create_task(self._loop(), name="job-runner")
         if self._webhooks is not None:
             self._hooks_task = asyncio.create_task(self._webhook_loop(), name="job-webhooks")
+        if self.store.shared:
+            self._cancels_task = asyncio.create_task(self._watch_cancels(), name="job-cancels")
 
     def wake(self) -> None:
         """Look for work now (a job was just submitted here)."""
@@ -127,9 +130,9 @@ class JobRunner:
         self._stopping = True
         self._wake.set()
         self._wake_hooks.set()
-        loops = [task for task in (self._loop_task, self._hooks_task) if task is not None]
+        loops = [task for task in (self._loop_task, self._hooks_task, self._cancels_task) if task is not None]
         await _cancel_until_done(loops)
-        self._loop_task = self._hooks_task = None
+        self._loop_task = self._hooks_task = self._cancels_task = None
         await _cancel_until_done([*self._jobs.values(), *self._deliveries])
 
     @property
@@ -147,12 +150,22 @@ class JobRunner:
         return max(1, wanted if isinstance(wanted, int) else wanted(len(self._jobs)))
 
     def cancelled(self, job_id: str) -> None:
-        """The job was cancelled (here, through the API): stop its work now rather than at the next renewal, so
-        its renders free their engine rows at the next step. A job running on another replica stops there at
-        that replica's next renewal."""
+        """The job was cancelled (through this replica's API, or another's: `store.watch_cancels`): stop its work
+        here now rather than at the next renewal, so its renders free their engine rows at the next step."""
         task = self._jobs.get(job_id)
         if task is not None:
+            log.info("job_cancel_heard", job_id=job_id)
             task.cancel()
+
+    async def _watch_cancels(self) -> None:
+        """Hear the fleet's cancels (a shared store) for as long as the runner runs; the renewal stays the
+        fallback while the store cannot be heard."""
+        while not self._stopping:
+            try:
+                await self.store.watch_cancels(self.cancelled)
+            except Exception as exc:
+                log.warning("job_cancels_unheard", error=f"{type(exc).__name__}: {exc}"[:300])
+            await asyncio.sleep(self.poll_s)
 
     async def _loop(self) -> None:
         while not self._stopping:

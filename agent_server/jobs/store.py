@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agent_server.jobs.model import QUOTA_CHARS, QUOTA_RUNNING, Job, JobSegment, JobStatus
@@ -185,6 +185,12 @@ class JobStore:
     async def sweep(self, now_s: float) -> int:
         """Drop what expired (the embedded store; Redis expires on its own). Returns the jobs purged."""
         return 0
+
+    async def watch_cancels(self, cancelled: Callable[[str], None]) -> None:
+        """Call `cancelled(job_id)` for each job cancelled through any replica, until the calling task is
+        cancelled; raises when the store cannot be reached (the caller watches again). A store that is not
+        `shared` returns at once: its one process's API tells its runner directly."""
+        return
 
     # ---- the webhook outbox -------------------------------------------------------------------------
 

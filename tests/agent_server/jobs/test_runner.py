@@ -395,6 +395,33 @@ def test_a_cancelled_job_stops_rendering_at_once_and_sends_no_webhook(tmp_path: 
     run(scenario())
 
 
+def test_a_cancel_through_another_replica_stops_the_render_at_once(redis: RedisServer) -> None:
+    """DELETE on replica B of a job replica A renders: A hears it (the store's cancels) and stops the render in
+    flight long before its next claim renewal."""
+    prefix = fresh_prefix()
+
+    async def scenario() -> None:
+        async with redis_store(redis, prefix, "a") as store_a, redis_store(redis, prefix, "b") as store_b:
+            job = make_job(1_796_000_000.0)
+            await store_a.submit(job, make_plan(40), KeyLimits(), job.created_at_s)
+            engine = Engine()
+            engine.hang_from = 1
+            runner = JobRunner(store_a, engine.render, renew_s=60.0, poll_s=0.02)  # no renewal within the test
+            await runner.start()
+            try:
+                await until(lambda: engine.hanging == 1)
+                await asyncio.sleep(0.2)  # (the watch is subscribed well before)
+                _, changed = await store_b.finish(job.id, JobStatus.CANCELLED, None, job.created_at_s + 1)
+                assert changed
+                await until(lambda: runner.running == [], timeout_s=3.0)
+                assert engine.cancelled == 1 and engine.rendered == [0]
+            finally:
+                await runner.stop()
+            assert await store_a.stored_segments(job.id) == {0}
+
+    run(scenario())
+
+
 def test_a_failing_segment_fails_the_job_and_an_interrupted_one_hands_it_back(tmp_path: Path) -> None:
     receiver = Receiver([(200, {})])
 
