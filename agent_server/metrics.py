@@ -144,6 +144,8 @@ class Metrics:
                                   by_model)
         self.prefills = counter("tts_engine_prefills", "Segments prefilled", by_model)
         self.audio_produced = counter("tts_engine_audio_seconds", "Seconds of audio the engine produced", by_model)
+        self.job_audio_produced = counter("tts_engine_job_audio_seconds", "Of tts_engine_audio_seconds, what job "
+                                          "segments got (the rest went to live sessions)", by_model)
         self.preemptions = counter("tts_engine_preemptions", "Job segments whose rows the engine took back for live "
                                    "ones (each starts over later; its caller hears one attempt)", by_model)
         self.job_rows_paused = counter("tts_engine_job_rows_paused", "Job rows that sat out a decode step while a "
@@ -163,7 +165,8 @@ class Metrics:
             self._init_labels(protocol)
         for model in self._models:  # the engine's series exist (at 0) before its first step
             for series in (self.steps, self.decode_step, self.prefill, self.vocoder, self.decode_rows,
-                           self.slot_steps, self.prefills, self.audio_produced, self.preemptions,
+                           self.slot_steps, self.prefills, self.audio_produced, self.job_audio_produced,
+                           self.preemptions,
                            self.job_rows_paused, self.job_steps_withdrawn):
                 series.labels(model)
 
@@ -202,6 +205,8 @@ class Metrics:
             self.slot_steps.labels(model).inc(stats.active_segments)
         if stats.audio_s:
             self.audio_produced.labels(model).inc(stats.audio_s)
+        if stats.job_audio_s:
+            self.job_audio_produced.labels(model).inc(stats.job_audio_s)
         if stats.preempted:
             self.preemptions.labels(model).inc(stats.preempted)
         if stats.job_rows_paused:
@@ -524,10 +529,13 @@ class DashboardFeed:
             "sessions": per_protocol("tts_sessions_active"),
             "contexts": int(cur.total("tts_contexts_active")),
             "audio_per_s": _rate(delta("tts_engine_audio_seconds_total"), dt_s),
+            "live_audio_per_s": _rate(delta("tts_engine_audio_seconds_total")
+                                      - delta("tts_engine_job_audio_seconds_total"), dt_s),
             "jobs": {
                 "queue": int(cur.total("tts_jobs_queue_depth")),
                 "running": int(cur.total("tts_jobs_running")),
-                "audio_per_s": _rate(delta("tts_jobs_audio_seconds_total"), dt_s),
+                "audio_per_s": _rate(delta("tts_engine_job_audio_seconds_total"), dt_s),
+                "stored_audio_per_s": _rate(delta("tts_jobs_audio_seconds_total"), dt_s),
                 "preempted": int(delta("tts_engine_preemptions_total")),
             },
             "busy": {

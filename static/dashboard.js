@@ -113,14 +113,14 @@ function render() {
   // the engine makes audio in bursts (a chunk per segment and step): per 0.5 s sample the rate swings between 0
   // and several s/s, so it is shown as the mean over the last AUDIO_RATE_WINDOW_S
   const span = Math.max(1, Math.round(AUDIO_RATE_WINDOW_S / hello.sample_period_s));
-  const audioRate = rollingMean(col((s) => s.audio_per_s), span);
-  // job audio (stored as each segment ends): part of the engine's, drawn beside it
+  // the engine's audio split by who got it (as each chunk renders): live sessions, and jobs beside them
+  const liveRate = rollingMean(col((s) => s.live_audio_per_s ?? s.audio_per_s), span);
   const jobRate = rollingMean(col((s) => (s.jobs ? s.jobs.audio_per_s : 0)), span);
   // (a mean of float deltas can come out a hair below zero: never show "-0.00")
   const rate = (values) => Math.max(0, values[values.length - 1]).toFixed(2);
-  $("now-audio").innerHTML = `${rate(audioRate)}<small>s/s</small> ${rate(jobRate)}<small>s/s from jobs</small>`;
+  $("now-audio").innerHTML = `${rate(liveRate)}<small>s/s live</small> ${rate(jobRate)}<small>s/s jobs</small>`;
   line("audio", t, [
-    { name: `engine audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: audioRate, fill: true },
+    { name: `live audio s per s (${AUDIO_RATE_WINDOW_S} s mean)`, color: C.accent, values: liveRate, fill: true },
     { name: "jobs", color: C.violet, values: jobRate },
   ], {});
 

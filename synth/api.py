@@ -278,6 +278,7 @@ class StepStats:
     model: Variant  # the model whose batch this is
     job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids (SchedulerConfig)
     job_steps_withdrawn: int = 0  # 1: a jobs-only step stopped mid-step for a live turn (Scheduler.withdraw)
+    job_audio_s: float = 0.0  # of audio_s, the seconds job segments emitted (the rest is live)
 
 
 class EngineLike:

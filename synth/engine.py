@@ -630,7 +630,8 @@ class Engine(EngineLike):
         if self.vocoder_worker is not None and self.vocoder_worker.failure:
             raise RuntimeError(f"vocoder worker died: {self.vocoder_worker.failure}")
         renders = self.vocoder_worker.take_stats() if self.vocoder_worker is not None else None
-        vocoder_ms, audio_s = (renders.ms, renders.audio_s) if renders is not None else (0.0, 0.0)
+        vocoder_ms, audio_s, job_audio_s = ((renders.ms, renders.audio_s, renders.job_audio_s)
+                                            if renders is not None else (0.0, 0.0, 0.0))
         self.steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d decoding, %d admitted, decode %.1f ms, prefill %.1f ms", self.steps,
@@ -644,7 +645,7 @@ class Engine(EngineLike):
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
             prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
             preempted=len(plan.preempted), job_rows_paused=plan.job_rows_paused, model=self.variant,
-            job_steps_withdrawn=int(withdrawn)))
+            job_steps_withdrawn=int(withdrawn), job_audio_s=job_audio_s))
 
     # --- setup -------------------------------------------------------------------------------------------
 

@@ -271,6 +271,7 @@ class RenderStats:
 
     ms: float = 0.0
     audio_s: float = 0.0
+    job_audio_s: float = 0.0  # of audio_s, what job segments got
     ticks: int = 0
     streams: int = 0
 
@@ -620,7 +621,7 @@ class VocoderWorker:
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         if job_tick:
             self.job_tick_s += JOB_TICK_AVERAGING * (elapsed_ms / 1e3 - self.job_tick_s)
-        audio_s = 0.0
+        audio_s = job_audio_s = 0.0
         now_s = time.monotonic()
         if debug:  # per stream: request#chunk index:tokens rendered/audio its listener holds now
             log.debug("render tick: %d streams, %.0f ms, %d threads, %s", len(tick), elapsed_ms, threads, " ".join(
@@ -630,6 +631,8 @@ class VocoderWorker:
             if pcm is None or speech.request_id not in self._speeches:
                 continue
             audio_s += pcm.size / OUTPUT_SAMPLE_RATE_HZ
+            if not speech.spec.live:
+                job_audio_s += pcm.size / OUTPUT_SAMPLE_RATE_HZ
             self._deliver(speech, pcm, now_s)
             if job.final:
                 self._finish(speech)
@@ -637,6 +640,7 @@ class VocoderWorker:
         with self._stats_lock:
             self._stats.ms += elapsed_ms
             self._stats.audio_s += audio_s
+            self._stats.job_audio_s += job_audio_s
             self._stats.ticks += 1
             self._stats.streams += len(tick)
 

@@ -109,7 +109,8 @@ def test_engine_series_are_per_model_and_count_preemptions(tmp_path: Path) -> No
     def step(model: Variant, preempted: int, paused: int = 0, withdrawn: int = 0) -> StepStats:
         return StepStats(at_monotonic_s=0.0, decode_rows=4, active_segments=2, max_slots=8, waiting_segments=0,
                          decode_ms=12.0, prefill_ms=0.0, prefill_segments=0, vocoder_ms=3.0, audio_s=0.08,
-                         preempted=preempted, model=model, job_rows_paused=paused, job_steps_withdrawn=withdrawn)
+                         preempted=preempted, model=model, job_rows_paused=paused, job_steps_withdrawn=withdrawn,
+                         job_audio_s=0.02 * preempted)
 
     for stats in (step("turbo", 0), step("multilingual", 1, paused=3), step("turbo", 2, withdrawn=1)):
         registry.on_step(stats)
@@ -122,6 +123,8 @@ def test_engine_series_are_per_model_and_count_preemptions(tmp_path: Path) -> No
     assert samples[("tts_engine_preemptions_total", (("model", "multilingual"),))] == 1
     assert samples[("tts_engine_job_rows_paused_total", (("model", "multilingual"),))] == 3
     assert samples[("tts_engine_job_steps_withdrawn_total", (("model", "turbo"),))] == 1
+    assert samples[("tts_engine_audio_seconds_total", (("model", "turbo"),))] == pytest.approx(0.16)
+    assert samples[("tts_engine_job_audio_seconds_total", (("model", "turbo"),))] == pytest.approx(0.04)
 
 
 # ---- a live server ---------------------------------------------------------------------------------

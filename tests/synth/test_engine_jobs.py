@@ -16,7 +16,17 @@ import pytest
 import torch
 
 from synth import default_voice
-from synth.api import AudioChunk, EventKind, ListenerClock, Priority, SamplingParams, SegmentEvent, SegmentRequest
+from synth.api import (
+    OUTPUT_SAMPLE_RATE_HZ,
+    AudioChunk,
+    EventKind,
+    ListenerClock,
+    Priority,
+    SamplingParams,
+    SegmentEvent,
+    SegmentRequest,
+    StepStats,
+)
 from synth.engine import LIVE_HELD_FOR_JOB_ROWS_S, Engine
 from synth.request import Status
 
@@ -95,6 +105,10 @@ def test_a_live_arrival_preempts_a_job_that_restarts_silently_with_the_same_toke
         _step_until_done(engine, alone, [f"alone-{k}"])
 
     got = Collector()
+    stats: list[StepStats] = []
+    assert engine.vocoder_worker is not None
+    engine.vocoder_worker.take_stats()  # (the references' renders are not this run's)
+    engine.set_stats_listener(stats.append)
     engine.submit(_job(got, "job-0", 0))
     for _ in range(3):
         engine._step()
@@ -123,6 +137,13 @@ def test_a_live_arrival_preempts_a_job_that_restarts_silently_with_the_same_toke
         assert np.array_equal(_pcm(got, rid), _pcm(alone, f"alone-{k}")), f"{rid}: audio differs from its run alone"
     events = [e for e in got.events["job-2"] if isinstance(e, SegmentEvent | AudioChunk)]
     assert isinstance(events[0], SegmentEvent) and events[0].kind == EventKind.STARTED
+    # the steps' stats split the audio by who got it (the metrics' live and job audio per second)
+    rest = engine.vocoder_worker.take_stats()  # rendered after the last step's record
+    job_s = sum(s.job_audio_s for s in stats) + rest.job_audio_s
+    all_s = sum(s.audio_s for s in stats) + rest.audio_s
+    delivered_job_s = sum(_pcm(got, f"job-{k}").size for k in range(3)) / OUTPUT_SAMPLE_RATE_HZ
+    assert job_s == pytest.approx(delivered_job_s) and delivered_job_s > 0
+    assert all_s - job_s == pytest.approx(_pcm(got, "live").size / OUTPUT_SAMPLE_RATE_HZ)
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="a CPU policy: only the CPU's compact step leaves rows out "

@@ -151,7 +151,8 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         assert scraped[("tts_jobs_running", "")] == 0 and scraped[("tts_jobs_available", "")] == 1
         feed = server.app.state.metrics.feed  # the dashboard's
         feed.sample_if_due()
-        assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "preempted"}
+        assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "stored_audio_per_s", "preempted"}
+        assert feed.history[-1]["live_audio_per_s"] >= 0
 
 
 def test_the_replica_that_finishes_a_job_makes_its_file_before_anyone_asks(tmp_path: Path) -> None:
