@@ -124,6 +124,7 @@ class RepoRun:
     rounds: list[RoundResult] = field(default_factory=list)
     engine_after: dict[str, Any] = field(default_factory=dict)  # /v1/status's engine after the rounds
     error: str = ""  # the server did not start (or died): why, with its log's tail
+    ready_s: float | None = None  # from the server's launch to its first ready answer (build, warm-up, graphs)
     saturation: dict[str, float] = field(default_factory=dict)  # --job-load: the jobs-only window
     job_rounds: list[JobRound] = field(default_factory=list)  # --job-load: round B per N
 
@@ -453,6 +454,7 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
              runs: list[RepoRun], save: Callable[[], None]) -> RepoRun:
     """One checkout's rounds, appended to `runs` at once and saved after every round (a run cut short keeps what
     it measured). A server that does not start is recorded in its run (`error`), not raised."""
+    launched_s = time.monotonic()
     server = Server(repo, args, extra, out_dir / f"{args.out.name}_{label}_server.log")
     run = RepoRun(label=label, repo=str(repo), commit=git_commit(repo), server_args=server.command[3:],
                   variant=args.variant, random_weights=None)
@@ -460,6 +462,7 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
     try:
         try:
             server.wait_ready(args.server_start_timeout_s)
+            run.ready_s = round(time.monotonic() - launched_s, 1)
         except (RuntimeError, TimeoutError) as exc:
             run.error = f"server did not start: {exc}"
             print(f"[{label}] {run.error}", flush=True)
@@ -469,7 +472,8 @@ def run_repo(label: str, repo: Path, args: argparse.Namespace, extra: list[str],
         run.random_weights = bool(engine.get("random_weights", args.weights.startswith("random")))
         max_new = args.max_new_tokens if args.max_new_tokens >= 0 else (
             RANDOM_WEIGHTS_MAX_NEW_TOKENS if run.random_weights else 0)
-        print(f"[{label}] {repo} @ {run.commit}: server ready on port {server.port}; max_new_tokens per segment "
+        print(f"[{label}] {repo} @ {run.commit}: server ready on port {server.port} after {run.ready_s} s; "
+              "max_new_tokens per segment "
               f"{max_new or 'server default'}", flush=True)
         asyncio.run(one_round(server.url, 1, args, max_new))  # warm-up: first-use costs are not capacity
         with BusyCores(args.busy_cores):

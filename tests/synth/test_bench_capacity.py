@@ -32,8 +32,10 @@ def test_bench_capacity_runs_on_tiny_weights(tmp_path: Path) -> None:
     failed, run = report["runs"]
     assert failed["label"] == "broken" and failed["rounds"] == []
     assert "server did not start" in failed["error"] and "no engine today" in failed["error"]
+    assert failed["ready_s"] is None
     assert (tmp_path / "logs" / "capacity_mine_server.log").is_file()
     assert run["label"] == "mine" and run["repo"] == str(ROOT) and run["random_weights"] is True
+    assert run["ready_s"] > 0  # the start-up's time (the GPU check reads what a full-size start costs)
     assert "--threads" in run["server_args"] and "--cpu-weights" in run["server_args"]
     assert [r["sessions"] for r in run["rounds"]] == [1, 2]
     for r in run["rounds"]:
