@@ -114,9 +114,11 @@ class JobRunner:
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._loop(), name="job-runner")
+        self._loop_task = asyncio.create_task(self._every_poll(self.claim_more, self._wake, "job_claim_failed"),
+                                              name="job-runner")
         if self._webhooks is not None:
-            self._hooks_task = asyncio.create_task(self._webhook_loop(), name="job-webhooks")
+            self._hooks_task = asyncio.create_task(
+                self._every_poll(self.send_due_webhooks, self._wake_hooks, "webhooks_take_failed"), name="job-webhooks")
         if self.store.shared:
             self._cancels_task = asyncio.create_task(self._watch_cancels(), name="job-cancels")
 
@@ -167,18 +169,20 @@ class JobRunner:
                 log.warning("job_cancels_unheard", error=f"{type(exc).__name__}: {exc}"[:300])
             await asyncio.sleep(self.poll_s)
 
-    async def _loop(self) -> None:
+    async def _every_poll(self, work: Callable[[], Awaitable[int]], wake: asyncio.Event, failed: str) -> None:
+        """`work` every `poll_s`, or at once when `wake` is set, until the runner stops; a failure (the store
+        unreachable) is logged as `failed` and tried again next period."""
         while not self._stopping:
             try:
-                await self.claim_more()
-            except Exception as exc:  # the store unreachable: try again next period
-                log.warning("job_claim_failed", error=f"{type(exc).__name__}: {exc}"[:300])
-            self._wake.clear()
+                await work()
+            except Exception as exc:
+                log.warning(failed, error=f"{type(exc).__name__}: {exc}"[:300])
+            wake.clear()
             try:
                 # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that lands as it times out,
                 # and stop() then waits for ever)
                 async with asyncio.timeout(self.poll_s):
-                    await self._wake.wait()
+                    await wake.wait()
             except TimeoutError:
                 pass
 
@@ -188,8 +192,8 @@ class JobRunner:
         if room <= 0:
             return 0
         claimed = await self.store.claim(room, self._clock())
-        for _job in claimed.failed:
-            self.stats.jobs_failed += 1
+        if claimed.failed:
+            self.stats.jobs_failed += len(claimed.failed)
             self._wake_hooks.set()  # (their webhooks entered the outbox with the failure)
         for claim in claimed.claims:
             log.info("job_claimed", job_id=claim.job.id, claims=claim.job.claims, segments_done=claim.job.segments_done,
@@ -313,19 +317,6 @@ class JobRunner:
         self._wake_hooks.set()  # (its webhook, if it has one, entered the outbox with the finish)
 
     # ---- webhooks -----------------------------------------------------------------------------------
-
-    async def _webhook_loop(self) -> None:
-        while not self._stopping:
-            try:
-                await self.send_due_webhooks()
-            except Exception as exc:  # the store unreachable: try again next period
-                log.warning("webhooks_take_failed", error=f"{type(exc).__name__}: {exc}"[:300])
-            self._wake_hooks.clear()
-            try:
-                async with asyncio.timeout(self.poll_s):
-                    await self._wake_hooks.wait()
-            except TimeoutError:
-                pass
 
     async def send_due_webhooks(self) -> int:
         """Take the webhooks due now (up to MAX_DELIVERIES in flight here) and start an attempt for each; the
