@@ -88,9 +88,6 @@ GRAPH_MODES = ("auto", "on", "off")
 # on a CPU, job rows decode beside a live segment only while its listener holds this much audio (the vocoder's job
 # renders wait for at least as much: JobYield.live_margin_s)
 LIVE_HELD_FOR_JOB_ROWS_S = 1.0
-# ... and only while the steps with live rows take less than this: half a speech token's 40 ms of audio, so that a
-# live stream stays well ahead of real time with the job rows beside it (full-size Turbo on one CPU thread: 124 ms)
-LIVE_STEP_FOR_JOB_ROWS_MS = 20.0
 DUPLICATE_REQUEST_ID = "duplicate request_id"
 
 
@@ -200,10 +197,9 @@ class Engine(EngineLike):
             eos_token=bundle.t3.hp.stop_speech_token, first_token_may_be_eos=not self.is_llama,
             track_states=config.alignment_analyzer,
             # on a CPU a job row slows every step of a live turn's first chunk, and of a live segment whose listener
-            # runs short or whose steps are slower than real time; on a GPU it is nearly free
+            # runs short; on a GPU it is nearly free
             pause_jobs_below_ids=self.first_audio_ids if self.runner.compact_rows else 0,
-            pause_jobs_below_held_s=LIVE_HELD_FOR_JOB_ROWS_S if self.runner.compact_rows else 0.0,
-            pause_jobs_above_step_ms=LIVE_STEP_FOR_JOB_ROWS_MS if self.runner.compact_rows else 0.0),
+            pause_jobs_below_held_s=LIVE_HELD_FOR_JOB_ROWS_S if self.runner.compact_rows else 0.0),
             on_release=self.runner.release)
         # step k+1 launched before step k's ids are read: "auto" with the decode's CUDA graphs (a step is then a few
         # launches the device runs while the host reads the step before; eager, the launches are the step, and a
@@ -472,9 +468,7 @@ class Engine(EngineLike):
         self._after_update(update)
         self._hand_to_vocoder(update)  # the worker renders them while the next steps decode
         self.note_turn()
-        decode_ms = (t1 - t0) * 1e3 - done.prefill_ms
-        self.scheduler.note_step(done.plan, decode_ms)
-        self._record(done.plan, decode_ms, done.prefill_ms)
+        self._record(done.plan, (t1 - t0) * 1e3 - done.prefill_ms, done.prefill_ms)
 
     def _launch(self, plan: StepPlan) -> StepOutput | None:
         """Launch this step; returns the step whose ids are read now: this one, or with overlapped steps the one

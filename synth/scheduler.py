@@ -25,11 +25,6 @@
   (ListenerClock): on a CPU a live stream slower than real time runs dry the more for every job row beside it
   (full-size Turbo, one thread: 124 ms a step for one row, 165 for four), so there job rows decode only beside
   live ones that are ahead of their listeners, and in the time between turns.
-  And they sit out while a live segment decodes and the steps with live rows take longer than
-  `pause_jobs_above_step_ms` (a moving average the engine feeds: `note_step`). A speech token is 40 ms of audio:
-  a live stream whose step takes longer than that falls behind real time, and further for every job row beside it,
-  whatever its listener holds now; so on a CPU that slow (the full-size model) job rows wait for the time between
-  turns, and on one fast enough (the tiny model) they keep decoding beside live rows.
   With several models on one thread (synth/models.py) their schedulers form one pause group (`join_pause_group`):
   a live turn's first ids on any model make every model's job rows sit out, since every model's step delays it.
 - A step in which only job segments decode or are admitted is `jobs_only`: a runner that can stop between layers
@@ -65,7 +60,6 @@ from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
 from synth.rows import IntArray, RowTable
 
 EOS_DEFAULT = 6562
-LIVE_STEP_AVERAGING = 0.2  # the weight of a step's time in `Scheduler.live_step_ms`
 _NO_ROWS: IntArray = np.zeros(0, np.int64)
 # A waiting segment's rank: (priority, 0 if its session has heard nothing yet else 1); lower is admitted first.
 Rank = tuple[int, int]
@@ -92,7 +86,6 @@ class StepPlan:
     # every decoding row and every admitted segment is a job's (and there is one): a live turn arriving mid-step may
     # stop it (T3Runner.execute's `interrupt`; then `Scheduler.withdraw`)
     jobs_only: bool = False
-    live_decode: bool = False  # a live segment's row decodes this step (its time feeds `Scheduler.note_step`)
 
     @property
     def is_empty(self) -> bool:
@@ -162,9 +155,6 @@ class SchedulerConfig:
     # ... and while a live segment decodes whose listener holds less than this much audio (0: never; a listener that
     # has reported nothing yet counts as holding none): on a CPU, job rows beside it slow the ids it runs short of
     pause_jobs_below_held_s: float = 0.0
-    # ... and while a live segment decodes and the steps with live rows take longer than this (a moving average;
-    # 0: never): a live stream whose step is slower than real time falls further behind for every job row beside it
-    pause_jobs_above_step_ms: float = 0.0
     # keep `StepPlan.decode` and each running segment's `tokens` up to date every step (a Python loop over the
     # rows: only for the alignment analyzer, which reads them)
     track_states: bool = False
@@ -191,9 +181,7 @@ class Scheduler:
         self.job_rows_paused = 0  # job rows that sat out a step for a live turn's first ids or a short listener
         self.job_steps_withdrawn = 0  # jobs-only steps stopped mid-step for a live turn (`withdraw`), so far
         self._pause_group: list[Scheduler] = [self]  # whose live segments make this one's job rows sit out
-        self._may_pause = (config.pause_jobs_below_ids > 0 or config.pause_jobs_below_held_s > 0
-                           or config.pause_jobs_above_step_ms > 0)
-        self.live_step_ms = 0.0  # moving average of the decode time of steps with a live row (`note_step`)
+        self._may_pause = config.pause_jobs_below_ids > 0 or config.pause_jobs_below_held_s > 0
 
     # --- queries -----------------------------------------------------------------------------------------
 
@@ -309,13 +297,12 @@ class Scheduler:
         if admitted:
             sample_rows = np.concatenate([cond, np.array([s.rows[0] for s in admitted], np.int64)])
             rows_needed = max(rows_needed, max(max(s.rows) for s in admitted) + 1)
-        live_decode = bool(rows.size) and not bool(table.held[rows].all())
         plan = StepPlan(prefill=admitted, decode_rows=rows, decode_pos=pos, decode_speech_pos=speech_pos,
                         decode_feed=feed, sample_rows=sample_rows, sample_gens=table.gen[sample_rows],
                         sample_next_pos=table.next_pos[sample_rows], rows_needed=rows_needed,
                         longest_keys=int(pos.max()) + 1 if pos.size else 1, decode_segments=int(cond.size),
                         preempted=self._preempted, job_rows_paused=paused,
-                        jobs_only=jobs_only and not self._preempted, live_decode=live_decode)
+                        jobs_only=jobs_only and not self._preempted)
         self._preempted = []
         for state in admitted:  # their first id comes from this step's prefill: they decode from the next
             table.start_decoding(state.rows)
@@ -406,26 +393,12 @@ class Scheduler:
 
     def _jobs_sit_out(self) -> bool:
         """A live turn's first segment holds rows and has fewer valid ids than `pause_jobs_below_ids`, or a live
-        segment decodes whose listener holds less than `pause_jobs_below_held_s`, or whose steps take longer than
-        `pause_jobs_above_step_ms`, here or on another model of the pause group."""
-        config = self.config
-        below, held_s, step_ms = config.pause_jobs_below_ids, config.pause_jobs_below_held_s, \
-            config.pause_jobs_above_step_ms
+        segment decodes whose listener holds less than `pause_jobs_below_held_s`, here or on another model of the
+        pause group."""
+        below, held_s = self.config.pause_jobs_below_ids, self.config.pause_jobs_below_held_s
         if below > 0 and any(s.first_turn_below(below) for s in self._pause_group):
             return True
-        if step_ms > 0 and any(s.live_step_slow(step_ms) for s in self._pause_group):
-            return True
         return held_s > 0 and any(s.live_listener_short(held_s) for s in self._pause_group)
-
-    def note_step(self, plan: StepPlan, decode_ms: float) -> None:
-        """A step's decode time (the engine, after each step it ran whole): the steps with a live row feed
-        `live_step_ms`."""
-        if plan.live_decode and self.config.pause_jobs_above_step_ms > 0:
-            self.live_step_ms += LIVE_STEP_AVERAGING * (decode_ms - self.live_step_ms)
-
-    def live_step_slow(self, limit_ms: float) -> bool:
-        """A live segment holds rows here and the steps with live rows take longer than `limit_ms` (on average)."""
-        return self.live_step_ms > limit_ms and any(s.is_live for s in self.running)
 
     def live_listener_short(self, held_s: float) -> bool:
         """A live segment holds rows here and its listener holds less than `held_s` seconds of audio (or has not

@@ -465,61 +465,6 @@ def test_job_rows_sit_out_while_a_live_listener_holds_less_than_the_margin() -> 
         assert job.rows[0] in other.schedule().decode_rows.tolist() and other.job_rows_paused == 0
 
 
-def test_job_rows_sit_out_while_the_live_steps_are_slower_than_the_limit() -> None:
-    """pause_jobs_above_step_ms=20: the engine notes each step's decode time; the steps with a live row feed a moving
-    average, and while it is above the limit and a live segment decodes, job rows sit out whatever its listener
-    holds. Jobs-only steps do not count; a fast step brings them back; with 0 (a GPU) nothing is averaged."""
-    clock = ListenerClock()
-    sched = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4, pause_jobs_below_held_s=1.0,
-                       pause_jobs_above_step_ms=20.0)
-    job = _job_decoding(sched, 2)
-    job_row = job.rows[0]
-    for _ in range(5):  # jobs-only steps, however slow, are not the live rows' time
-        plan = sched.schedule()
-        assert plan.jobs_only and not plan.live_decode
-        sched.note_step(plan, 500.0)
-        _update(sched, plan, [7] * plan.sample_rows.size)
-    assert sched.live_step_ms == 0.0
-    live = _state("live", cfg=False, first=False, max_new=80, listener=clock)
-    assert sched.add(live)
-    clock.report(30.0, time.monotonic())  # its listener holds plenty: only the step time can hold the jobs back
-    plan = sched.schedule()
-    _update(sched, plan, [7] * plan.sample_rows.size)
-    for _ in range(10):  # live steps of 5 ms: the job row decodes beside the live one
-        plan = sched.schedule()
-        assert plan.live_decode and job_row in plan.decode_rows.tolist() and plan.job_rows_paused == 0
-        sched.note_step(plan, 5.0)
-        _update(sched, plan, [7] * plan.sample_rows.size)
-    for _ in range(3):  # slow ones (the full-size model on a CPU): the average passes 20 ms, the job row sits out
-        plan = sched.schedule()
-        sched.note_step(plan, 120.0)
-        _update(sched, plan, [7] * plan.sample_rows.size)
-    assert sched.live_step_ms > 20.0
-    pos_before = int(sched.table.next_pos[job_row])
-    plan = sched.schedule()
-    assert plan.live_decode and plan.decode_rows.tolist() == list(live.rows) and plan.job_rows_paused == 1
-    for _ in range(12):  # fast again: once under the limit the job row resumes where it stopped
-        sched.note_step(plan, 2.0)
-        _update(sched, plan, [7] * plan.sample_rows.size)
-        plan = sched.schedule()
-        if job_row in plan.decode_rows.tolist():
-            break
-    assert sched.live_step_ms < 20.0 and job_row in plan.decode_rows.tolist()
-    assert int(plan.decode_pos[plan.decode_rows.tolist().index(job_row)]) == pos_before
-    eos = [EOS_DEFAULT if sched.owner_of(row) is live else 7 for row in plan.sample_rows.tolist()]
-    _update(sched, plan, eos)
-    sched.live_step_ms = 500.0  # slow, but no live segment decodes: the job row decodes
-    assert job_row in sched.schedule().decode_rows.tolist()
-
-    gpu = _scheduler(max_slots=4, max_rows=4, max_waiting=8, prefill_budget=4)
-    gpu_job = _job_decoding(gpu, 2)
-    gpu.add(_state("live", cfg=False, first=False))
-    _run(gpu, 1)
-    plan = gpu.schedule()
-    gpu.note_step(plan, 500.0)
-    assert gpu.live_step_ms == 0.0 and gpu_job.rows[0] in gpu.schedule().decode_rows.tolist()
-
-
 def test_a_jobs_only_step_is_marked_and_withdrawing_it_puts_its_rows_back_where_they_were() -> None:
     """A step is `jobs_only` when only job segments decode or are admitted (a live turn may stop it). Withdrawn, its
     decoding rows are planned again at the same positions, with the same speech positions, and the segments it
