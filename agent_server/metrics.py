@@ -192,7 +192,8 @@ class Metrics:
     def on_step(self, stats: StepStats) -> None:
         """The engine's stats listener: engine thread, once per model per step. Keep it to a few counter adds."""
         model = stats.model
-        self.steps.labels(model).inc()
+        if not stats.renders_only:
+            self.steps.labels(model).inc()
         if stats.decode_rows:
             self.decode_step.labels(model).observe(stats.decode_ms / 1000.0)
             self.decode_rows.labels(model).inc(stats.decode_rows)

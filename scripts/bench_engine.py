@@ -186,15 +186,16 @@ def time_to_first_audio(bundle: ModelBundle, n_tokens: int, cpu_weights: str = "
         if attempt == "measured":
             # the step that emitted the first chunk is the first one recorded after it; none when the vocoder's
             # thread finished that chunk after T3 had generated the whole (short) segment
-            k = next((i for i, st in enumerate(steps) if st.at_monotonic_s >= marks["chunk"]), len(steps) - 1)
-            decode_ms = sorted(st.decode_ms for st in steps[1:k + 1])
+            stepped = [st for st in steps if not st.renders_only]  # (renders-only records: T3 was idle)
+            k = next((i for i, st in enumerate(stepped) if st.at_monotonic_s >= marks["chunk"]), len(stepped) - 1)
+            decode_ms = sorted(st.decode_ms for st in stepped[1:k + 1])
             sampled = generated[:k + 1]  # one token per step up to the first chunk
             dropped = sum(t >= SPEECH_VOCAB_SIZE for t in sampled)
             result = {"first_chunk_s": marks["chunk"] - submitted, "first_token_s": marks["first_token"] - submitted,
                       "first_chunk_tokens": marks["chunk_tokens"], "steps_to_first_chunk": k + 1,
                       "dropped_ids_before_first_chunk": dropped,
                       "median_decode_step_ms": decode_ms[len(decode_ms) // 2],
-                      "first_render_ms": steps[k].vocoder_ms,
+                      "first_render_ms": stepped[k].vocoder_ms,
                       "s3gen_ms_per_audio_s": (sum(st.vocoder_ms for st in steps)
                                                / max(sum(st.audio_s for st in steps), 1e-9)),
                       "audio_s": sum(st.audio_s for st in steps)}

@@ -279,6 +279,7 @@ class StepStats:
     job_rows_paused: int = 0  # job rows that sat out this step for a live turn's first ids (SchedulerConfig)
     job_steps_withdrawn: int = 0  # 1: a jobs-only step stopped mid-step for a live turn (Scheduler.withdraw)
     job_audio_s: float = 0.0  # of audio_s, the seconds job segments emitted (the rest is live)
+    renders_only: bool = False  # no step: the vocoder's renders while T3 was idle (not an engine iteration)
 
 
 class EngineLike:

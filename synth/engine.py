@@ -462,6 +462,8 @@ class Engine(EngineLike):
             if leased is not None and plan.decode_rows.size:
                 leased.decode_ms = (t1 - t0) * 1e3 - (done.prefill_ms if done is not None else 0.0)
         self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
+        if done is None and self._in_flight is None:  # no step: what the vocoder rendered meanwhile still counts
+            self._record_renders()
         if done is None or result is None:
             return
         update = self.scheduler.update(done.plan, result)
@@ -624,6 +626,19 @@ class Engine(EngineLike):
                token_ids: tuple[int, ...] = ()) -> SegmentEvent:
         return SegmentEvent(request_id=state.request_id, kind=kind, at_monotonic_s=time.monotonic(),
                             speech_tokens=state.n_valid, token_ids=token_ids, reason=reason)
+
+    def _record_renders(self) -> None:
+        """With no step to record (T3 idle): the vocoder's renders since the last record, as a renders-only
+        StepStats, so that audio rendered after the last step (a segment's tail) is not left uncounted."""
+        worker, listener = self.vocoder_worker, self._stats_listener
+        if worker is None or listener is None or not worker.has_stats():
+            return
+        renders = worker.take_stats()
+        listener(StepStats(
+            at_monotonic_s=time.monotonic(), decode_rows=0, active_segments=len(self.scheduler.running),
+            max_slots=self.max_slots, waiting_segments=self.scheduler.n_waiting, decode_ms=0.0, prefill_ms=0.0,
+            prefill_segments=0, vocoder_ms=renders.ms, audio_s=renders.audio_s, preempted=0, model=self.variant,
+            job_audio_s=renders.job_audio_s, renders_only=True))
 
     def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float, withdrawn: bool = False) -> None:
         """A step's stats; `withdrawn`: a jobs-only step stopped for a live turn (nothing decoded)."""

@@ -375,6 +375,10 @@ class VocoderWorker:
         self._inbox.put(message)
         return message.problem if message.done.wait(timeout_s) else None
 
+    def has_stats(self) -> bool:
+        """Renders happened since the last `take_stats` (a cheap look, without the lock)."""
+        return self._stats.ticks > 0
+
     def take_stats(self) -> RenderStats:
         with self._stats_lock:
             stats, self._stats = self._stats, RenderStats()

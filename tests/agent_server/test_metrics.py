@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,8 @@ def test_engine_series_are_per_model_and_count_preemptions(tmp_path: Path) -> No
                          preempted=preempted, model=model, job_rows_paused=paused, job_steps_withdrawn=withdrawn,
                          job_audio_s=0.02 * preempted)
 
-    for stats in (step("turbo", 0), step("multilingual", 1, paused=3), step("turbo", 2, withdrawn=1)):
+    tail = replace(step("turbo", 0), decode_rows=0, audio_s=0.5, renders_only=True)  # T3 idle, the vocoder not
+    for stats in (step("turbo", 0), step("multilingual", 1, paused=3), step("turbo", 2, withdrawn=1), tail):
         registry.on_step(stats)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in registry.registry.collect() for s in family.samples}
@@ -123,7 +125,7 @@ def test_engine_series_are_per_model_and_count_preemptions(tmp_path: Path) -> No
     assert samples[("tts_engine_preemptions_total", (("model", "multilingual"),))] == 1
     assert samples[("tts_engine_job_rows_paused_total", (("model", "multilingual"),))] == 3
     assert samples[("tts_engine_job_steps_withdrawn_total", (("model", "turbo"),))] == 1
-    assert samples[("tts_engine_audio_seconds_total", (("model", "turbo"),))] == pytest.approx(0.16)
+    assert samples[("tts_engine_audio_seconds_total", (("model", "turbo"),))] == pytest.approx(0.66)
     assert samples[("tts_engine_job_audio_seconds_total", (("model", "turbo"),))] == pytest.approx(0.04)
 
 
