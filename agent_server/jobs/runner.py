@@ -333,7 +333,14 @@ class JobRunner:
         return len(due)
 
     async def _attempt(self, sender: WebhookSender, webhook: DueWebhook) -> None:
-        """One attempt at a taken webhook, then drop it or put it back for the next."""
+        """One attempt at a taken webhook, then drop it or put it back for the next. The store unreachable
+        meanwhile: logged, and the lease hands the webhook to the next taker."""
+        try:
+            await self._attempt_once(sender, webhook)
+        except Exception as exc:
+            log.warning("webhook_store_failed", job_id=webhook.job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _attempt_once(self, sender: WebhookSender, webhook: DueWebhook) -> None:
         job = webhook.job
         event = WEBHOOK_EVENTS.get(job.status)
         if job.webhook_url is None or event is None:

@@ -395,6 +395,40 @@ def test_a_cancelled_job_stops_rendering_at_once_and_sends_no_webhook(tmp_path: 
     run(scenario())
 
 
+def test_a_webhook_attempt_whose_store_fails_afterwards_is_left_to_the_lease(tmp_path: Path) -> None:
+    """The POST was made, then the store cannot be told: the attempt ends quietly (no task dies with it), and the
+    webhook, still leased in the outbox, is taken again once the lease ends."""
+    receiver = Receiver([(200, {})])
+
+    async def scenario() -> None:
+        await receiver.start()
+        try:
+            async with sqlite_store(tmp_path / "jobs") as store:
+                job = make_job(1_796_000_000.0, webhook_url=receiver.url)
+                await store.submit(job, make_plan(1), KeyLimits(), job.created_at_s)
+                await store.put_segment(job.id, 0, b"a", 100)
+                await store.finish(job.id, JobStatus.DONE, None, job.created_at_s)
+                runner = JobRunner(store, Engine().render, webhooks=sender(receiver))
+
+                async def unreachable(job_id: str) -> None:
+                    raise ConnectionError("the store went away")
+
+                store.webhook_done = unreachable  # type: ignore[method-assign]
+                (due,) = await store.take_webhooks(1, time.time(), 30.0)
+                await runner._attempt(runner_sender(runner), due)  # returns: nothing raised
+                assert len(receiver.received) == 1 and runner.stats.webhooks_delivered == 1
+                assert await store.webhooks_pending() == 1  # still there, for the next taker after the lease
+        finally:
+            await receiver.stop()
+
+    run(scenario())
+
+
+def runner_sender(runner: JobRunner) -> WebhookSender:
+    assert runner._webhooks is not None
+    return runner._webhooks
+
+
 def test_a_cancel_through_another_replica_stops_the_render_at_once(redis: RedisServer) -> None:
     """DELETE on replica B of a job replica A renders: A hears it (the store's cancels) and stops the render in
     flight long before its next claim renewal."""
