@@ -49,10 +49,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-import structlog
-
-log = structlog.get_logger("agent_server.jobs.webhooks")
-
 SIGNATURE_HEADER = "X-Agent-Server-Signature"
 EVENT_HEADER = "X-Agent-Server-Event"
 SIGNATURE_VERSION = "v1"

@@ -408,25 +408,21 @@ def test_a_webhook_attempt_whose_store_fails_afterwards_is_left_to_the_lease(tmp
                 await store.submit(job, make_plan(1), KeyLimits(), job.created_at_s)
                 await store.put_segment(job.id, 0, b"a", 100)
                 await store.finish(job.id, JobStatus.DONE, None, job.created_at_s)
-                runner = JobRunner(store, Engine().render, webhooks=sender(receiver))
+                hooks = sender(receiver)
+                runner = JobRunner(store, Engine().render, webhooks=hooks)
 
                 async def unreachable(job_id: str) -> None:
                     raise ConnectionError("the store went away")
 
                 store.webhook_done = unreachable  # type: ignore[method-assign]
                 (due,) = await store.take_webhooks(1, time.time(), 30.0)
-                await runner._attempt(runner_sender(runner), due)  # returns: nothing raised
+                await runner._attempt(hooks, due)  # returns: nothing raised
                 assert len(receiver.received) == 1 and runner.stats.webhooks_delivered == 1
                 assert await store.webhooks_pending() == 1  # still there, for the next taker after the lease
         finally:
             await receiver.stop()
 
     run(scenario())
-
-
-def runner_sender(runner: JobRunner) -> WebhookSender:
-    assert runner._webhooks is not None
-    return runner._webhooks
 
 
 def test_a_cancel_through_another_replica_stops_the_render_at_once(redis: RedisServer) -> None:
