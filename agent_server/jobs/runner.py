@@ -60,6 +60,7 @@ RECANCEL_S = 0.1
 WEBHOOK_EVENTS = {JobStatus.DONE: "job.done", JobStatus.FAILED: "job.failed"}
 MAX_DELIVERIES = 16  # webhook attempts in flight per replica
 WEBHOOK_LEASE_MARGIN_S = 20.0  # a taken webhook is another replica's to take after its attempt's bound and this
+HAND_BACK_BOUND_S = 2.0  # a stop gives an interrupted webhook attempt back to the outbox within this
 
 
 class JobInterrupted(Exception):
@@ -109,6 +110,7 @@ class JobRunner:
         self._cancels_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._wake_hooks = asyncio.Event()
+        self._hook_timers: set[asyncio.TimerHandle] = set()  # wake-ups at the retries this replica scheduled
         self._stopping = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -128,10 +130,14 @@ class JobRunner:
 
     async def stop(self) -> None:
         """Stop claiming; cancel the jobs running here (their claims come back after the visibility timeout, or at
-        once through the renders' JobInterrupted) and the webhook attempts in flight (theirs after the lease)."""
+        once through the renders' JobInterrupted) and the webhook attempts in flight (each given back to the outbox,
+        due at once; or, the store unreachable, left to the lease)."""
         self._stopping = True
         self._wake.set()
         self._wake_hooks.set()
+        for timer in self._hook_timers:
+            timer.cancel()
+        self._hook_timers.clear()
         loops = [task for task in (self._loop_task, self._hooks_task, self._cancels_task) if task is not None]
         await _cancel_until_done(loops)
         self._loop_task = self._hooks_task = self._cancels_task = None
@@ -173,11 +179,11 @@ class JobRunner:
         """`work` every `poll_s`, or at once when `wake` is set, until the runner stops; a failure (the store
         unreachable) is logged as `failed` and tried again next period."""
         while not self._stopping:
+            wake.clear()  # (before the work: a wake while it runs is for the next round, not lost)
             try:
                 await work()
             except Exception as exc:
                 log.warning(failed, error=f"{type(exc).__name__}: {exc}"[:300])
-            wake.clear()
             try:
                 # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that lands as it times out,
                 # and stop() then waits for ever)
@@ -337,8 +343,36 @@ class JobRunner:
         meanwhile: logged, and the lease hands the webhook to the next taker."""
         try:
             await self._attempt_once(sender, webhook)
+        except asyncio.CancelledError:
+            if self._stopping:
+                await _shielded(self._hand_back(webhook))
+            raise
         except Exception as exc:
             log.warning("webhook_store_failed", job_id=webhook.job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _hand_back(self, webhook: DueWebhook) -> None:
+        """A stop interrupted the attempt: the webhook is due again at once for any taker (this attempt not
+        counted; the receiver may have had it, so it may arrive twice, as at-least-once allows). Bounded; the store
+        unreachable, the lease hands it on instead. A webhook the attempt already dropped stays dropped."""
+        try:
+            async with asyncio.timeout(HAND_BACK_BOUND_S):
+                await self.store.webhook_retry(webhook.job.id, webhook.attempts, self._clock())
+            log.info("webhook_handed_back", job_id=webhook.job.id, attempts=webhook.attempts)
+        except Exception as exc:
+            log.warning("webhook_store_failed", job_id=webhook.job.id, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    def _wake_hooks_in(self, delay_s: float) -> None:
+        """Take due webhooks again `delay_s` from now (when a retry this replica scheduled falls due), not only at
+        the next poll."""
+        handle: asyncio.TimerHandle | None = None
+
+        def fire() -> None:
+            if handle is not None:
+                self._hook_timers.discard(handle)
+            self._wake_hooks.set()
+
+        handle = asyncio.get_running_loop().call_later(delay_s, fire)
+        self._hook_timers.add(handle)
 
     async def _attempt_once(self, sender: WebhookSender, webhook: DueWebhook) -> None:
         job = webhook.job
@@ -361,6 +395,8 @@ class JobRunner:
                  status=attempt.status, error=attempt.error, delivered=attempt.delivered, retry_in_s=retry_in_s)
         if retry_in_s is not None:
             await self.store.webhook_retry(job.id, made, self._clock() + retry_in_s)
+            if not self._stopping:
+                self._wake_hooks_in(retry_in_s)  # (after the write: the wake-up never comes before the due time)
             return
         if attempt.delivered:
             self.stats.webhooks_delivered += 1

@@ -136,7 +136,11 @@ async def killed(runner: JobRunner) -> None:
     async def no_release(claim: Claim) -> None:
         return None
 
+    async def no_hand_back(job_id: str, attempts: int, due_s: float) -> None:
+        return None
+
     runner.store.release = no_release  # type: ignore[method-assign]
+    runner.store.webhook_retry = no_hand_back  # type: ignore[method-assign]
     await runner.stop()
 
 
@@ -261,6 +265,34 @@ def test_a_killed_replicas_job_is_resumed_elsewhere_from_the_first_missing_segme
             done = await b.get(job.id)
             assert done is not None and (done.status, done.segments_done, done.claims) == (JobStatus.DONE, SEGMENTS, 2)
             assert await file_of(b, job.id, "wav") == expected_file(job, "wav")  # as an uninterrupted run's
+
+    run(scenario())
+
+
+def test_a_wake_that_comes_while_the_runner_claims_is_not_lost(tmp_path: Path) -> None:
+    """A job submitted (and the runner woken) while a claim is under way is claimed at once, not a poll later: the
+    wake is for the next round, so clearing it after the round would lose it."""
+
+    async def scenario() -> None:
+        async with sqlite_store(tmp_path / "jobs") as store:
+            engine = Engine()
+            runner = JobRunner(store, engine.render, poll_s=30.0)
+            real_claim = store.claim
+            job = make_job(1_796_000_000.0, seed=5)
+
+            async def claim_then_submit(max_jobs: int, now_s: float) -> Claimed:
+                claimed = await real_claim(max_jobs, now_s)
+                if not claimed.claims and await store.get(job.id) is None:  # the first round: nothing queued yet
+                    await store.submit(job, make_plan(2), KeyLimits(), job.created_at_s)
+                    runner.wake()  # what the API does on a submit
+                return claimed
+
+            store.claim = claim_then_submit  # type: ignore[method-assign]
+            await runner.start()
+            try:
+                await until(lambda: engine.rendered == [0, 1], timeout_s=5.0)
+            finally:
+                await runner.stop()
 
     run(scenario())
 
@@ -423,6 +455,74 @@ def test_a_webhook_attempt_whose_store_fails_afterwards_is_left_to_the_lease(tmp
             await receiver.stop()
 
     run(scenario())
+
+
+async def finished_with_webhook(store: JobStore, url: str) -> Job:
+    job = make_job(1_796_000_000.0, webhook_url=url)
+    await store.submit(job, make_plan(1), KeyLimits(), job.created_at_s)
+    await store.put_segment(job.id, 0, b"a", 100)
+    await store.finish(job.id, JobStatus.DONE, None, job.created_at_s)
+    return job
+
+
+def test_a_webhook_retry_is_made_when_it_falls_due_not_at_the_next_poll(tmp_path: Path) -> None:
+    """The runner that scheduled a retry wakes for it at its due time: with a 30 s poll, a retry 0.3 s after a 503
+    is made within seconds."""
+    receiver = Receiver([(503, {}), (200, {})])
+    policy = RetryPolicy(attempts=3, first_delay_s=0.3, max_delay_s=1.0, timeout_s=2.0)
+
+    async def scenario() -> None:
+        await receiver.start()
+        try:
+            async with sqlite_store(tmp_path / "jobs") as store:
+                await finished_with_webhook(store, receiver.url)
+                hooks = WebhookSender(AllowList.parse(["127.0.0.0/8"]), lambda key_id: webhook_secret(ROOT, key_id),
+                                      policy=policy)
+                runner = JobRunner(store, Engine().render, webhooks=hooks, poll_s=30.0)
+                await runner.start()
+                try:
+                    await until(lambda: runner.stats.webhooks_delivered == 1, timeout_s=5.0)
+                finally:
+                    await runner.stop()
+        finally:
+            await receiver.stop()
+        assert len(receiver.received) == 2
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("backend", ["redis", "sqlite"])
+def test_a_runner_stopped_mid_attempt_gives_the_webhook_back_due_at_once(backend: str, request: pytest.FixtureRequest,
+                                                                         tmp_path: Path) -> None:
+    """A graceful stop while the receiver has not answered: the webhook is due again at once (not after the lease),
+    the interrupted attempt not counted; the next taker delivers it."""
+    hold = asyncio.Event()
+    receiver = Receiver([(200, {})], hold=hold)
+
+    async def scenario(store: JobStore) -> None:
+        job = await finished_with_webhook(store, receiver.url)
+        runner = JobRunner(store, Engine().render, webhooks=sender(receiver), poll_s=0.05)
+        await runner.start()
+        await until(lambda: len(receiver.received) == 1)
+        await runner.stop()
+        (due,) = await store.take_webhooks(4, time.time(), 30.0)
+        assert (due.job.id, due.attempts) == (job.id, 0)
+        hold.set()
+
+    async def on_backend() -> None:
+        await receiver.start()
+        try:
+            if backend == "redis":
+                async with redis_store(request.getfixturevalue("redis"), fresh_prefix(), "w1") as store:
+                    await scenario(store)
+            else:
+                async with sqlite_store(tmp_path / "jobs") as store:
+                    await scenario(store)
+        finally:
+            hold.set()
+            await receiver.stop()
+
+    run(on_backend())
 
 
 def test_a_cancel_through_another_replica_stops_the_render_at_once(redis: RedisServer) -> None:

@@ -16,12 +16,13 @@ class Received:
 @dataclass
 class Receiver:
     """An HTTP/1.1 server on 127.0.0.1 answering each request with the next (status, headers) of `answers`
-    (the last one repeats)."""
+    (the last one repeats); with `hold`, only once it is set (a receiver that hangs)."""
 
     answers: list[tuple[int, dict[str, str]]]
     received: list[Received] = field(default_factory=list)
     port: int = 0
     server: asyncio.Server | None = None
+    hold: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -45,6 +46,8 @@ class Receiver:
                 headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
         self.received.append(Received(head[0].split(" ")[1], headers, body))
+        if self.hold is not None:
+            await self.hold.wait()
         status, extra = self.answers[min(len(self.received), len(self.answers)) - 1]
         lines = [f"HTTP/1.1 {status} X", "Content-Length: 2", "Connection: close",
                  *(f"{k}: {v}" for k, v in extra.items())]
