@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from typing import Any
 
 import anyio
 import structlog
-from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -59,7 +57,7 @@ from agent_server.jobs.request import (
     parse_job_request,
 )
 from agent_server.jobs.segments import plan_segments
-from agent_server.jobs.store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, JobStore, KeyLimits
+from agent_server.jobs.store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, STORE_ERRORS, JobStore, KeyLimits
 from agent_server.jobs.webhooks import AllowList, Resolver, WebhookRefused, check_url, system_resolver
 
 log = structlog.get_logger("agent_server.jobs.api")
@@ -73,10 +71,13 @@ STATUS_TOO_LARGE = http_status(Outcome.TOO_LARGE)
 STATUS_QUOTA = http_status(Outcome.OVER_LIMIT)
 STATUS_RANGE = http_status(Outcome.OUT_OF_RANGE)
 STATUS_UNAVAILABLE = http_status(Outcome.NOT_READY)
-BODY_SLACK_BYTES = 64 * 1024  # a body may be this much bigger than its text at 4 UTF-8 bytes a character
+# a body holds up to max_job_chars characters at BODY_BYTES_PER_CHAR each, plus BODY_SLACK_BYTES: 12 bytes is the
+# most JSON spends on one character (outside the BMP, as an escaped surrogate pair "\\ud83d\\ude00", which
+# json.dumps' ensure_ascii writes); the characters themselves are counted after parsing
+BODY_BYTES_PER_CHAR = 12
+BODY_SLACK_BYTES = 64 * 1024
 FILE_CHUNK_BYTES = 64 * 1024
 SEED_LIMIT = 2**63
-STORE_ERRORS = (RedisError, OSError, sqlite3.OperationalError)
 WEBHOOK_SECRET_PATH = JOBS_PATH + "/webhook-secret"
 
 
@@ -196,10 +197,10 @@ class JobsApi:
         return JSONResponse(body, status_code=STATUS_ACCEPTED, headers={"Location": status_url})
 
     async def _body(self, request: Request) -> bytes:
-        """The body, refused (413) past what `max_job_chars` characters of UTF-8 can take."""
-        limit = 4 * self.max_job_chars + BODY_SLACK_BYTES
+        """The body, refused (413) past what `max_job_chars` characters of JSON can take."""
+        limit = BODY_BYTES_PER_CHAR * self.max_job_chars + BODY_SLACK_BYTES
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
         body = bytearray()
         async for chunk in request.stream():
@@ -217,7 +218,8 @@ class JobsApi:
         if before is not None and not valid_job_id(before):
             raise JobError(STATUS_UNPROCESSABLE, "before", "must be a job id (the `next` of the previous page)",
                            "bad_request")
-        jobs = await self.store.list_jobs(key_id, limit=limit + 1, before=before)  # one ahead: is there more?
+        # one ahead: is there more?
+        jobs = await self.store.list_jobs(key_id, self._clock(), limit=limit + 1, before=before)
         page = jobs[:limit]
         more = len(jobs) > limit
         return JSONResponse({"jobs": [job.status_json() for job in page], "next": page[-1].id if more else None})
@@ -330,7 +332,7 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit()) or not low <= int(raw) <= high:
         raise JobError(STATUS_UNPROCESSABLE, name, f"must be an integer in [{low}, {high}]", "bad_request")
     return int(raw)
 

@@ -106,6 +106,9 @@ def encode_whole(pcm_segments: list[npt.NDArray[np.float32]], fmt: StreamFormat)
     return out + b"".join(encoder.finish())
 
 
+STALE_BUILD_S = 600.0  # a file being built is written to all the time: one untouched this long was left by a kill
+
+
 class AudioFiles:
     """Finished jobs' files on this replica's disk, one per (job, format name), made on first request."""
 
@@ -182,6 +185,36 @@ class AudioFiles:
         finally:
             temp.unlink(missing_ok=True)
 
+    async def sweep(self, source: SegmentSource, ttl_s: float, now_s: float) -> int:
+        """Remove the files of jobs whose results expired (`ttl_s` after they finished) or whose record is gone, and
+        what a build cut off by a kill left behind (a temporary file untouched for STALE_BUILD_S). The number of
+        files removed. A store that cannot be read raises, and nothing more is removed this time."""
+        listed = await self._offload(self._listing)
+        by_job: dict[str, list[Path]] = {}
+        removed = 0
+        for path, modified_s in listed:
+            if path.name.startswith("."):
+                if modified_s < now_s - STALE_BUILD_S and path.name[1:].split(".", 1)[0] not in self._building_jobs():
+                    await self._offload(_remove, path)
+                    removed += 1
+            else:
+                by_job.setdefault(path.name.split(".", 1)[0], []).append(path)
+        for job_id, paths in by_job.items():
+            job = await source.get(job_id)
+            if job is None or job.expired(now_s, ttl_s):
+                for path in paths:
+                    await self._offload(_remove, path)
+                removed += len(paths)
+        return removed
+
+    def _building_jobs(self) -> set[str]:
+        return {name.split(".", 1)[0] for name in self._building}
+
+    def _listing(self) -> list[tuple[Path, float]]:
+        if not self.directory.is_dir():
+            return []
+        return [(p, p.stat().st_mtime) for p in self.directory.iterdir() if p.is_file()]
+
     def _evict(self, keep: Path) -> None:
         """Drop the least recently used files until the rest fit in `max_bytes` (never `keep`)."""
         files = [(p.stat(), p) for p in self.directory.iterdir() if p.is_file() and not p.name.startswith(".")]
@@ -192,3 +225,7 @@ class AudioFiles:
             if path != keep:
                 path.unlink(missing_ok=True)
                 total -= st.st_size
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)

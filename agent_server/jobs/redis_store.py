@@ -316,9 +316,11 @@ class RedisJobStore(JobStore):
     async def get(self, job_id: str) -> Job | None:
         return _record(await self._redis.hmget(self._job(job_id), PROGRESS_FIELDS))
 
-    async def list_jobs(self, key_id: str, *, limit: int = DEFAULT_LIST_LIMIT, before: str | None = None) -> list[Job]:
+    async def list_jobs(self, key_id: str, now_s: float, *, limit: int = DEFAULT_LIST_LIMIT,
+                        before: str | None = None) -> list[Job]:
         """Up to `limit` records, newest first. The listing outlives its records (an id stays 30 days, a record
-        its TTL and grace), so ids whose record is gone are skipped, forgotten, and replaced by older ones."""
+        its TTL and grace), so ids whose record is gone or whose results expired are skipped, forgotten, and
+        replaced by older ones."""
         listing = self._list(key_id)
         limit = check_list_limit(limit)
         jobs: list[Job] = []
@@ -335,7 +337,7 @@ class RedisJobStore(JobStore):
             gone: list[str] = []
             for job_id, row in zip(ids, rows, strict=True):
                 job = _record(row)
-                if job is None:
+                if job is None or job.expired(now_s, self.job_ttl_s):
                     gone.append(job_id)
                 else:
                     jobs.append(job)

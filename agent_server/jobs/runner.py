@@ -16,7 +16,9 @@ A segment is rendered by `render`, the collaborator the app provides: in the sec
 the engine at job priority (live segments always admitted first), through the phrase cache. Its seed is
 `job.seed + segment.index` (as a live context's segments are seeded), so a segment rendered again after a crash
 is the same audio. `render` raising `JobInterrupted` (the engine shutting down, a replica draining) hands the job
-back to the queue at once (`store.release`); any other exception fails the job with that segment's error.
+back to the queue at once (`store.release`); any other exception fails the job with that segment's error. A store
+that cannot be reached (`STORE_ERRORS`) fails nothing: the call is made again, backing off up to
+`STORE_RETRY_MAX_S`, for as long as the claim is this replica's (the keeper stops the work when it is not).
 
 `stop()` (the replica drains or shuts down) cancels the work and hands each claim back at once (`store.release`),
 so another replica takes the job without waiting out the visibility timeout.
@@ -37,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,7 +49,7 @@ import structlog
 from agent_server.jobs.assembly import Offload
 from agent_server.jobs.model import Job, JobSegment, JobStatus
 from agent_server.jobs.segment_audio import encode_segment
-from agent_server.jobs.store import Claim, ClaimState, DueWebhook, JobStore, SegmentWrite
+from agent_server.jobs.store import STORE_ERRORS, Claim, ClaimState, DueWebhook, JobStore, SegmentWrite
 from agent_server.jobs.webhooks import WebhookRefused, WebhookSender, loggable_url
 
 log = structlog.get_logger("agent_server.jobs.runner")
@@ -54,12 +57,15 @@ log = structlog.get_logger("agent_server.jobs.runner")
 Pcm = npt.NDArray[np.float32]
 Render = Callable[[Job, JobSegment], Awaitable[Pcm]]
 Window = int | Callable[[int], int]  # segments in flight per job, or a function of the jobs running here
+T = TypeVar("T")
 DEFAULT_MAX_JOBS = 4
 DEFAULT_POLL_S = 1.0
 RECANCEL_S = 0.1
 WEBHOOK_EVENTS = {JobStatus.DONE: "job.done", JobStatus.FAILED: "job.failed"}
 MAX_DELIVERIES = 16  # webhook attempts in flight per replica
 WEBHOOK_LEASE_MARGIN_S = 20.0  # a taken webhook is another replica's to take after its attempt's bound and this
+STORE_RETRY_FIRST_S = 0.5  # a job's store call that failed is made again after this, doubling
+STORE_RETRY_MAX_S = 5.0
 HAND_BACK_BOUND_S = 2.0  # a stop gives an interrupted webhook attempt back to the outbox within this
 
 
@@ -204,13 +210,21 @@ class JobRunner:
         for claim in claimed.claims:
             log.info("job_claimed", job_id=claim.job.id, claims=claim.job.claims, segments_done=claim.job.segments_done,
                      segments_total=claim.job.segments_total)
+            superseded = self._jobs.get(claim.job.id)
+            if superseded is not None:
+                # this replica's own claim came back to it (its renewals stopped past the visibility timeout: the
+                # store was away, or the clock jumped): the fresh claim replaces the old work, which resumes from
+                # the first segment missing; two tasks on one job would render each segment twice
+                log.info("job_claimed_again_here", job_id=claim.job.id)
+                superseded.cancel()
             task = asyncio.create_task(self.run_claim(claim), name=f"job-{claim.job.id}")
             self._jobs[claim.job.id] = task
             task.add_done_callback(partial(self._forget, claim.job.id))
         return len(claimed.claims)
 
-    def _forget(self, job_id: str, _task: asyncio.Task[None]) -> None:
-        self._jobs.pop(job_id, None)
+    def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
+        if self._jobs.get(job_id) is task:  # (not a fresh claim's task that replaced this one)
+            del self._jobs[job_id]
 
     # ---- one job ------------------------------------------------------------------------------------
 
@@ -244,10 +258,10 @@ class JobRunner:
     async def _render_missing(self, claim: Claim) -> bool:
         """Render and store every segment not stored yet. False: the job finished elsewhere (nothing more stored)."""
         job = claim.job
-        plan = await self.store.plan(job.id)
+        plan = await self._store_call(job.id, "plan", lambda: self.store.plan(job.id))
         if plan is None:
             return False
-        stored = await self.store.stored_segments(job.id)
+        stored = await self._store_call(job.id, "stored_segments", lambda: self.store.stored_segments(job.id))
         pending = collections.deque(seg for seg in plan if seg.index not in stored)
         if stored:
             log.info("job_resumed", job_id=job.id, first_missing=pending[0].index if pending else None,
@@ -274,13 +288,29 @@ class JobRunner:
     async def _segment(self, job: Job, segment: JobSegment) -> SegmentWrite:
         pcm = await self._render(job, segment)
         blob = await self._offload(encode_segment, pcm)
-        outcome = await self.store.put_segment(job.id, segment.index, blob, int(pcm.size))
+        outcome = await self._store_call(job.id, "put_segment",
+                                         lambda: self.store.put_segment(job.id, segment.index, blob, int(pcm.size)))
         if outcome == SegmentWrite.STORED:
             self.stats.segments_rendered += 1
             self.stats.audio_samples += int(pcm.size)
         elif outcome == SegmentWrite.ALREADY_STORED:
             self.stats.segments_already_stored += 1
         return outcome
+
+    async def _store_call(self, job_id: str, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, made again while the store cannot be reached (a Redis reply timing out, a failover, a locked
+        or full disk), backing off to STORE_RETRY_MAX_S: a passing store fault costs a job time, never the job.
+        A write that reached the store before its reply was lost is safe to repeat (a segment is stored once).
+        Ended by the work's cancel: the claim no longer this replica's, the job finished, or the runner stopping."""
+        wait_s = STORE_RETRY_FIRST_S
+        while True:
+            try:
+                return await call()
+            except STORE_ERRORS as exc:
+                log.warning("job_store_failed", job_id=job_id, call=what, retry_in_s=wait_s,
+                            error=f"{type(exc).__name__}: {exc}"[:300])
+            await asyncio.sleep(wait_s)
+            wait_s = min(STORE_RETRY_MAX_S, 2 * wait_s)
 
     async def _release(self, claim: Claim) -> None:
         try:
@@ -309,7 +339,8 @@ class JobRunner:
                 return
 
     async def _finish(self, job_id: str, status: JobStatus, error: str | None) -> None:
-        job, changed = await self.store.finish(job_id, status, error, self._clock())
+        job, changed = await self._store_call(job_id, "finish",
+                                              lambda: self.store.finish(job_id, status, error, self._clock()))
         if job is None or not changed:
             return
         if status == JobStatus.DONE:

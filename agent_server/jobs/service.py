@@ -11,7 +11,8 @@
 - each job gets its share of the engine's rows: `max_slots // jobs running here` segments in flight (at least 1),
   and at most `--job-workers` (default: max_slots) jobs run here at once: job segments in the engine's queues stay
   about max_slots, far below its wait-queue bound, so they never crowd a live segment out of it;
-- the embedded store is swept every `SWEEP_S` (expired jobs purged; Redis expires keys by itself);
+- every `SWEEP_S` the embedded store is swept (expired jobs purged; Redis expires keys by itself), and so are the
+  files this replica assembled (those of expired jobs removed, with what a kill mid-build left);
 - for the metrics, the queue depth and the per-key usage are read every `REFRESH_S` in the background (a scrape
   never waits on the store).
 
@@ -102,7 +103,10 @@ class JobService:
         self.store: JobStore = self._make_store()
         self.files = AudioFiles(config.data_dir / "jobs" / "files", max_bytes=int(config.files_mb * MIB))
         self.render = EngineRender(hub)
-        self.runner = JobRunner(self.store, self.render, webhooks=WebhookSender(self.allow, self.secret_of),
+        # a replica without --webhook-allow takes no webhooks from the outbox (in a fleet, another replica may allow
+        # them; this one would refuse and drop them all)
+        sender = WebhookSender(self.allow, self.secret_of) if self.allow.networks else None
+        self.runner = JobRunner(self.store, self.render, webhooks=sender,
                                 max_jobs=max(1, config.workers or hub.settings.max_slots.default or 1),
                                 segments_in_flight=self._window, on_done=self._prepare_file)
         self.api = JobsApi(self.store, self.files, route=lambda language: hub.port.router.route(language=language),
@@ -154,8 +158,7 @@ class JobService:
                         "change when this process restarts")
         self._tasks = [asyncio.create_task(self._run_when_ready(), name="jobs-start"),
                        asyncio.create_task(self._refresh_loop(), name="jobs-refresh")]
-        if not self.store.shared:
-            self._tasks.append(asyncio.create_task(self._sweep_loop(), name="jobs-sweep"))
+        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="jobs-sweep"))
 
     async def stop_work(self) -> None:
         """Stop rendering, hand the claims back (the drain's first step: the engine is still running)."""
@@ -192,12 +195,18 @@ class JobService:
         slots = engine.max_slots if engine is not None else 1
         return max(1, slots // max(1, running))
 
+    async def sweep(self, now_s: float) -> tuple[int, int]:
+        """(jobs purged from the embedded store, files of expired jobs removed from this replica's disk)."""
+        purged = await self.store.sweep(now_s)
+        removed = await self.files.sweep(self.store, self.store.job_ttl_s, now_s)
+        if purged or removed:
+            log.info("jobs_swept", purged=purged, files_removed=removed)
+        return purged, removed
+
     async def _sweep_loop(self) -> None:
         while True:
             try:
-                purged = await self.store.sweep(time.time())
-                if purged:
-                    log.info("jobs_swept", purged=purged)
+                await self.sweep(time.time())
             except Exception as exc:
                 log.warning("jobs_sweep_failed", error=f"{type(exc).__name__}: {exc}"[:300])
             await asyncio.sleep(SWEEP_S)

@@ -195,13 +195,15 @@ class SqliteJobStore(JobStore):
         row = self.db.execute(f"SELECT spec, {PROGRESS_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else _job(row)
 
-    async def list_jobs(self, key_id: str, *, limit: int = DEFAULT_LIST_LIMIT, before: str | None = None) -> list[Job]:
-        return await self._run(self._list, key_id, check_list_limit(limit), before)
+    async def list_jobs(self, key_id: str, now_s: float, *, limit: int = DEFAULT_LIST_LIMIT,
+                        before: str | None = None) -> list[Job]:
+        return await self._run(self._list, key_id, now_s, check_list_limit(limit), before)
 
-    def _list(self, key_id: str, limit: int, before: str | None) -> list[Job]:
+    def _list(self, key_id: str, now_s: float, limit: int, before: str | None) -> list[Job]:
         rows = self.db.execute(
-            f"SELECT spec, {PROGRESS_COLUMNS} FROM jobs WHERE key_id = ? AND id < ? ORDER BY id DESC LIMIT ?",
-            (key_id, before if before is not None else "\U0010ffff", limit)).fetchall()
+            f"SELECT spec, {PROGRESS_COLUMNS} FROM jobs WHERE key_id = ? AND id < ? "
+            "AND (finished_at_s IS NULL OR finished_at_s > ?) ORDER BY id DESC LIMIT ?",
+            (key_id, before if before is not None else "\U0010ffff", now_s - self.job_ttl_s, limit)).fetchall()
         return [_job(row) for row in rows]
 
     async def usage(self, key_id: str, now_s: float) -> Usage:

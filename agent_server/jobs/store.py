@@ -20,6 +20,7 @@ What both promise (tests/agent_server/jobs/test_store.py runs the same checks on
 - `finish` happens once: the first call for a job changes it (and says so); later ones return the record
   unchanged. A finished job's audio is kept `job_ttl_s`, its record `job_ttl_s + RECORD_GRACE_S` (so that `GET`
   can answer "expired" rather than "no such job").
+- a store that cannot be reached raises one of `STORE_ERRORS` (the API answers 503; the runner tries again).
 - the webhook outbox: a job that finishes DONE or FAILED with a `webhook_url` (by `finish`, or failed by `claim`)
   enters it in the same atomic step, due at once. `take_webhooks` leases due ones to a worker, which makes one
   attempt and then either drops it (`webhook_done`) or puts it back for later (`webhook_retry`); a worker that
@@ -31,12 +32,16 @@ from __future__ import annotations
 
 import enum
 import math
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
 from agent_server.jobs.model import QUOTA_CHARS, QUOTA_RUNNING, Job, JobSegment, JobStatus
 
+STORE_ERRORS = (RedisError, OSError, sqlite3.OperationalError)  # the store unreachable (or its disk full)
 DEFAULT_JOB_TTL_S = 86_400.0  # --job-ttl-s
 RECORD_GRACE_S = 7 * 86_400.0  # an expired job's record stays this much longer: GET says "expired"
 DEFAULT_VISIBILITY_S = 60.0  # a claim not renewed this long goes back to the queue
@@ -141,9 +146,11 @@ class JobStore:
     async def get(self, job_id: str) -> Job | None:
         raise NotImplementedError
 
-    async def list_jobs(self, key_id: str, *, limit: int = DEFAULT_LIST_LIMIT, before: str | None = None) -> list[Job]:
-        """The key's jobs, newest first, ids below `before` (the last id of the previous page): `limit` of them
-        (`check_list_limit`), fewer only where the listing ends."""
+    async def list_jobs(self, key_id: str, now_s: float, *, limit: int = DEFAULT_LIST_LIMIT,
+                        before: str | None = None) -> list[Job]:
+        """The key's jobs whose results have not expired at `now_s`, newest first, ids below `before` (the last id
+        of the previous page): `limit` of them (`check_list_limit`), fewer only where the listing ends. (An expired
+        job's record outlives its results by RECORD_GRACE_S, for `get`; the listing has left it.)"""
         raise NotImplementedError
 
     async def usage(self, key_id: str, now_s: float) -> Usage:

@@ -74,6 +74,11 @@ class WebhookRefused(Exception):
     """The URL may not be called (scheme, or an address outside --webhook-allow): no retry helps."""
 
 
+class WebhookUnresolved(WebhookRefused):
+    """The URL's host did not resolve. Refused at submission; at delivery (the name resolved when the job was
+    submitted) a passing resolver fault, so that attempt failed and is retried."""
+
+
 # ---- signing ----------------------------------------------------------------------------------------------
 
 
@@ -95,7 +100,7 @@ def verify_signature(secret: str, body: bytes, header: str | None, now_s: float,
         return False
     parts = dict(item.split("=", 1) for item in header.split(",") if "=" in item)
     stamp, mac = parts.get("t", ""), parts.get(SIGNATURE_VERSION, "")
-    if not stamp.isdigit() or not mac:
+    if not (stamp.isascii() and stamp.isdigit()) or not mac:
         return False
     expected = hmac.new(secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, mac) and abs(now_s - int(stamp)) <= tolerance_s
@@ -167,9 +172,9 @@ async def check_url(url: str, allow: AllowList, resolve: Resolver = system_resol
     try:
         addresses = tuple(await resolve(host, port))
     except (OSError, UnicodeError) as exc:
-        raise WebhookRefused(f"{host} does not resolve: {exc}") from None
+        raise WebhookUnresolved(f"{host} does not resolve: {exc}") from None
     if not addresses:
-        raise WebhookRefused(f"{host} resolves to no address")
+        raise WebhookUnresolved(f"{host} resolves to no address")
     refused = [a for a in addresses if not allow.allows(a)]
     if refused:
         raise WebhookRefused(f"{host} resolves to {', '.join(refused)}, outside --webhook-allow")
@@ -245,10 +250,12 @@ class WebhookSender:
         headers = {"Content-Type": "application/json", EVENT_HEADER: event,
                    SIGNATURE_HEADER: sign(self._secret_for(key_id), body, int(self._clock()))}
         for _ in range(MAX_REDIRECTS + 1):
-            target = await check_url(url, self.allow, self._resolve)
             try:
-                async with asyncio.timeout(self.policy.timeout_s):
+                async with asyncio.timeout(self.policy.timeout_s):  # (the name's resolution included)
+                    target = await check_url(url, self.allow, self._resolve)
                     status, answer = await self._post(target, body, headers)
+            except WebhookUnresolved as exc:
+                return Attempt(None, str(exc)[:200])
             except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
                 return Attempt(None, f"{type(exc).__name__}: {exc}"[:200])
             location = answer.get("location")
@@ -307,7 +314,7 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
+    if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
         raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -322,7 +329,7 @@ def parse_retry_after_s(value: str | None, now_s: float) -> float | None:
     unreadable."""
     if value is None:
         return None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

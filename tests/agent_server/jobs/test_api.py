@@ -6,7 +6,9 @@ If-Range, HEAD), cancel, another key's job and an expired one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 
-from agent_server.jobs.api import JobsApi
+from agent_server.jobs.api import BODY_BYTES_PER_CHAR, BODY_SLACK_BYTES, JobsApi
 from agent_server.jobs.assembly import AudioFiles, encode_whole
 from agent_server.jobs.model import Job, JobSegment, JobStatus
 from agent_server.jobs.request import job_format, one_model
@@ -157,11 +159,30 @@ def test_bad_requests_name_the_field_in_the_native_error_shape(tmp_path: Path) -
         assert_error(await post({"text": "Hi.", "webhook_url": "ftp://x.example/"}), 422, "webhook_url")
         assert_error(await post({"text": "Hi.", "webhook_url": "http://127.0.0.1:9/"}), 422, "webhook_url",
                      "webhook_refused")  # --webhook-allow: none
-        too_big = await client.post("/v1/jobs", content=b" " * (4 * 2_000 + 64 * 1024 + 1))
+        too_big = await client.post("/v1/jobs", content=b" " * (BODY_BYTES_PER_CHAR * 2_000 + BODY_SLACK_BYTES + 1))
         assert_error(too_big, 413, "body", "body_too_large")
-        assert await served.store.list_jobs("k_alice") == []
+        assert await served.store.list_jobs("k_alice", time.time()) == []
 
     scenario(tmp_path, body)
+
+
+def test_a_text_at_the_limit_is_accepted_however_its_json_escapes_it(tmp_path: Path) -> None:
+    """`max_job_chars` characters outside the BMP, each escaped as a surrogate pair (12 bytes: what json.dumps and
+    so requests' json= send): accepted, not refused as a body too large."""
+    chars = 20_000
+
+    async def body(served: Served, client: httpx.AsyncClient) -> None:
+        served.allow(0)
+        words = "\U0001d407\U0001d41e\U0001d425\U0001d425\U0001d428. "  # "𝐇𝐞𝐥𝐥𝐨. " in mathematical bold
+        text = (words * chars)[:chars - 1] + "."
+        payload = json.dumps({"text": text}).encode()  # (ensure_ascii: 12 bytes a character)
+        assert len(payload) > 4 * chars + BODY_SLACK_BYTES
+        response = await client.post("/v1/jobs", content=payload)
+        assert response.status_code == 202, response.text
+        assert_error(await client.post("/v1/jobs", content=json.dumps({"text": text + "x"}).encode()), 422, "text",
+                     "text_too_long")
+
+    scenario(tmp_path, body, max_job_chars=chars)
 
 
 def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
@@ -187,6 +208,7 @@ def test_a_job_is_accepted_runs_and_is_listed(tmp_path: Path) -> None:
         assert listed["next"] is None
         assert (await client.get("/v1/jobs", headers={KEY_HEADER: "k_bob"})).json()["jobs"] == []
         assert_error(await client.get("/v1/jobs?limit=0"), 422, "limit")
+        assert_error(await client.get("/v1/jobs?limit=%C2%B2"), 422, "limit")  # "²": isdigit(), not int()
         assert_error(await client.get("/v1/jobs?before=nope"), 422, "before")
 
     scenario(tmp_path, body)

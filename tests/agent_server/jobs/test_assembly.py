@@ -5,7 +5,8 @@ job runs (every prefix a growing stream sent is a prefix of the file); Range par
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy.typing as npt
 import pytest
 
 from agent_server.audio.codecs import make_encoder
-from agent_server.jobs.assembly import AudioFiles, JobAudioAborted, encode_whole, job_audio
+from agent_server.jobs.assembly import STALE_BUILD_S, AudioFiles, JobAudioAborted, encode_whole, job_audio
 from agent_server.jobs.byte_range import ByteRange, Unsatisfiable, parse_range
 from agent_server.jobs.model import Job, JobStatus
 from agent_server.jobs.request import JOB_FORMATS, job_format
@@ -166,6 +167,44 @@ def test_the_finished_file_is_made_once_for_concurrent_requests_and_old_ones_are
         files.max_bytes = paths[0].stat().st_size  # room for one file: the older one goes
         wav = await files.file(source, source.job, "wav", job_format("wav"))
         assert wav.exists() and not paths[0].exists()
+
+    run(scenario())
+
+
+def test_a_sweep_removes_the_files_of_expired_and_gone_jobs_and_what_a_kill_left(tmp_path: Path,
+                                                                                  blobs: list[bytes]) -> None:
+    """Files of a job whose results expired (`ttl_s` after it finished) or whose record is gone are removed; a
+    served job's stay. A build's temporary file untouched for STALE_BUILD_S (the process was killed mid-build) goes;
+    a fresh one (a build under way) stays."""
+    ttl_s = 3_600.0
+
+    async def scenario() -> None:
+        source = Source(blobs, shown=len(blobs), status=JobStatus.DONE)
+        files = AudioFiles(tmp_path / "files", max_bytes=10_000_000)
+        ids = ["job_kept", "job_expired", "job_gone"]
+        finished_s = {"job_kept": NOW_S, "job_expired": NOW_S - ttl_s - 1.0}
+        for job_id in ids:
+            await files.file(source, replace(source.job, id=job_id), "wav", job_format("wav"))
+        await files.file(source, replace(source.job, id="job_expired"), "flac", job_format("flac"))
+        stale = files.directory / ".job_gone.mp3.0123"
+        fresh = files.directory / ".job_kept.mp3.4567"
+        for temp in (stale, fresh):
+            temp.write_bytes(b"half")
+        os.utime(stale, (NOW_S - STALE_BUILD_S - 1.0, NOW_S - STALE_BUILD_S - 1.0))
+        os.utime(fresh, (NOW_S - 1.0, NOW_S - 1.0))
+
+        class Store:
+            async def get(self, job_id: str) -> Job | None:
+                if job_id not in finished_s:
+                    return None
+                return replace(source.job, id=job_id, finished_at_s=finished_s[job_id])
+
+            async def segment(self, job_id: str, index: int) -> bytes | None:
+                return None
+
+        removed = await files.sweep(Store(), ttl_s, NOW_S)
+        assert removed == 4  # expired wav and flac, gone wav, the stale temporary file
+        assert sorted(p.name for p in files.directory.iterdir()) == [".job_kept.mp3.4567", "job_kept.wav"]
 
     run(scenario())
 

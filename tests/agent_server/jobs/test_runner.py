@@ -5,6 +5,7 @@ lost its claim storing nothing twice; a cancel stopping the work; failures and t
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pytest
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from agent_server.jobs.assembly import encode_whole, job_audio
 from agent_server.jobs.model import Job, JobSegment, JobStatus
@@ -293,6 +295,82 @@ def test_a_wake_that_comes_while_the_runner_claims_is_not_lost(tmp_path: Path) -
                 await until(lambda: engine.rendered == [0, 1], timeout_s=5.0)
             finally:
                 await runner.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("backend", ["redis", "sqlite"])
+def test_a_passing_store_fault_costs_the_job_time_not_the_job(backend: str, request: pytest.FixtureRequest,
+                                                                tmp_path: Path) -> None:
+    """The store fails once on each of plan, stored_segments, put_segment and finish (a Redis reply timing out, a
+    locked SQLite file): the runner makes each call again, and the job ends DONE with every segment, each once."""
+    error = RedisTimeout("Timeout reading from socket") if backend == "redis" else sqlite3.OperationalError("locked")
+
+    def failing_once(call: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
+        failed = False
+
+        async def flaky(*args: object) -> object:
+            nonlocal failed
+            if not failed:
+                failed = True
+                raise error
+            return await call(*args)
+        return flaky
+
+    async def scenario(store: JobStore) -> None:
+        job = make_job(1_796_000_000.0, seed=9)
+        await store.submit(job, make_plan(SEGMENTS), KeyLimits(), job.created_at_s)
+        for name in ("plan", "stored_segments", "put_segment", "finish"):
+            setattr(store, name, failing_once(getattr(store, name)))
+        engine = Engine()
+        runner = JobRunner(store, engine.render, renew_s=RENEW_S, poll_s=0.02)
+        await runner.start()
+        try:
+            await until(lambda: runner.stats.jobs_done == 1)
+        finally:
+            await runner.stop()
+        done = await store.get(job.id)
+        assert done is not None and done.status == JobStatus.DONE and done.error is None
+        assert (done.segments_done, runner.stats.jobs_failed) == (SEGMENTS, 0)
+        assert sorted(engine.rendered) == list(range(SEGMENTS))
+
+    async def on_backend() -> None:
+        if backend == "redis":
+            async with redis_store(request.getfixturevalue("redis"), fresh_prefix(), "w1") as store:
+                await scenario(store)
+        else:
+            async with sqlite_store(tmp_path / "jobs") as store:
+                await scenario(store)
+
+    run(on_backend())
+
+
+def test_a_claim_that_comes_back_to_its_own_runner_replaces_the_old_work(tmp_path: Path) -> None:
+    """The runner's own lease ran out (its clock jumped past the visibility timeout) and it claims the job again:
+    one task works on it from then on, the runner still counts it as running, and stop() hands it back."""
+    now = [1_796_000_000.0]
+
+    async def scenario() -> None:
+        async with sqlite_store(tmp_path / "jobs") as store:
+            job = make_job(now[0], seed=4)
+            await store.submit(job, make_plan(SEGMENTS), KeyLimits(), now[0])
+            engine = Engine()
+            engine.hang_from = 2
+            runner = JobRunner(store, engine.render, renew_s=RENEW_S, poll_s=30.0, clock=lambda: now[0])
+            assert await runner.claim_more() == 1
+            first = runner._jobs[job.id]
+            await until(lambda: engine.hanging == 1)
+            now[0] += 10 * VISIBILITY_S  # the lease runs out under the runner's feet
+            assert await runner.claim_more() == 1
+            await until(lambda: engine.hanging == 2)  # the fresh claim resumed at segment 2
+            await asyncio.sleep(5 * RENEW_S)  # the old work's renewal would find its claim LOST by now
+            assert first is not runner._jobs.get(job.id) and first.done()
+            assert engine.rendered == [0, 1] and engine.cancelled == 1  # the old render stopped, nothing twice
+            assert runner.running == [job.id]
+            await runner.stop()
+            assert engine.cancelled == 2
+            record = await store.get(job.id)
+            assert record is not None and record.status == JobStatus.QUEUED  # handed back
 
     run(scenario())
 

@@ -285,6 +285,46 @@ def test_the_webhook_arrives_signed_with_the_keys_secret(tmp_path: Path) -> None
     run(scenario(), timeout_s=90)
 
 
+def test_a_replica_without_webhook_allow_leaves_the_outbox_alone(tmp_path: Path) -> None:
+    """A process with --webhook-allow stops mid-delivery (the webhook goes back to the outbox, due); the next
+    process on the same data has no --webhook-allow (in a fleet: a replica configured apart, or mid-deploy). It
+    takes nothing from the outbox: it would refuse the webhook and drop it. One with the allow-list delivers it."""
+    hold = asyncio.Event()
+    receiver = Receiver([(200, {})], hold=hold)
+    allowed = JobsConfig(data_dir=tmp_path, webhook_allow=("127.0.0.0/8",), webhook_secret="fleet-root-secret")
+
+    async def pending() -> int:
+        store = SqliteJobStore(tmp_path / "jobs")
+        await store.start()
+        try:
+            return await store.webhooks_pending()
+        finally:
+            await store.stop()
+
+    async def scenario() -> None:
+        await receiver.start()
+        try:
+            with serving(tmp_path, FakeEngine(), config=allowed) as server:
+                body = {"text": "One short job.", "webhook_url": receiver.url + "/hook"}
+                await asyncio.to_thread(submit, server, body)
+                while not receiver.received:
+                    await asyncio.sleep(0.01)
+            assert await pending() == 1  # the stop gave the attempt back
+            with serving(tmp_path, FakeEngine(), config=JobsConfig(data_dir=tmp_path)):
+                await asyncio.sleep(3.0)  # three of the runner's polls
+            assert await pending() == 1 and len(receiver.received) == 1
+            hold.set()
+            with serving(tmp_path, FakeEngine(), config=allowed) as server:
+                while jobs_of(server).runner.stats.webhooks_delivered < 1:
+                    await asyncio.sleep(0.01)
+            assert await pending() == 0 and len(receiver.received) == 2
+        finally:
+            hold.set()
+            await receiver.stop()
+
+    run(scenario(), timeout_s=90)
+
+
 def test_a_job_is_its_keys_only(tmp_path: Path) -> None:
     with serving(tmp_path, FakeEngine(), api_keys=KEYS) as server:
         job_id = submit(server, {"text": "Hello from key a."}, KEYS[0])

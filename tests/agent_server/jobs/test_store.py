@@ -99,11 +99,11 @@ def test_a_job_round_trips_and_lists_newest_first(stores: Stores) -> None:
                 "error": None}
             assert (got.key_id, got.seed, got.output_format, got.text_chars) == ("k_test", 7, "wav", 60)
             assert await store.plan(jobs[0].id) == make_plan(3)
-            first_page = await store.list_jobs("k_test", limit=2)
+            first_page = await store.list_jobs("k_test", NOW_S, limit=2)
             assert [j.id for j in first_page] == [jobs[4].id, jobs[3].id]
-            second_page = await store.list_jobs("k_test", limit=2, before=first_page[-1].id)
+            second_page = await store.list_jobs("k_test", NOW_S, limit=2, before=first_page[-1].id)
             assert [j.id for j in second_page] == [jobs[2].id, jobs[1].id]
-            assert [j.id for j in await store.list_jobs("k_other")] == [other.id]
+            assert [j.id for j in await store.list_jobs("k_other", NOW_S)] == [other.id]
             assert await store.get("job_000000000000ffffffffff") is None
 
     run(scenario())
@@ -232,6 +232,26 @@ def test_a_segment_is_stored_once_and_counted_once(stores: Stores) -> None:
         assert await first.put_segment("job_000000000000ffffffffff", 0, b"x", 1) == SegmentWrite.JOB_GONE
 
     two_workers(stores, body)
+
+
+def test_the_listing_leaves_out_jobs_whose_results_expired(stores: Stores) -> None:
+    """`GET /v1/jobs/{id}` of an expired job answers 404 `job_expired` (its record is kept a grace longer for that):
+    the listing leaves it out and still fills the page with older jobs."""
+    async def scenario() -> None:
+        async with stores("w1") as store:
+            jobs = [make_job(NOW_S + i) for i in range(4)]
+            for job in jobs:
+                await store.submit(job, make_plan(1), KeyLimits(), NOW_S)
+            for job, finished_s in ((jobs[3], NOW_S + 10), (jobs[1], NOW_S + 20 + TTL_S)):
+                await store.put_segment(job.id, 0, b"a", 100)
+                await store.finish(job.id, JobStatus.DONE, None, finished_s)
+            assert [j.id for j in await store.list_jobs("k_test", NOW_S + 11)] == [j.id for j in reversed(jobs)]
+            now_s = NOW_S + 30 + TTL_S  # jobs[3] finished more than TTL_S ago; jobs[1] did not
+            assert [j.id for j in await store.list_jobs("k_test", now_s, limit=2)] == [jobs[2].id, jobs[1].id]
+            assert [j.id for j in await store.list_jobs("k_test", now_s)] == [jobs[2].id, jobs[1].id, jobs[0].id]
+            assert (await store.get(jobs[3].id)) is not None  # (kept for `get` to say "expired")
+
+    run(scenario())
 
 
 def test_finish_happens_once_and_done_needs_every_segment(stores: Stores) -> None:
@@ -374,9 +394,10 @@ def test_the_redis_listing_skips_expired_records_and_still_fills_the_page(redis:
             for job in jobs:
                 await store.submit(job, make_plan(1), KeyLimits(), NOW_S)
             await client.delete(store._job(jobs[4].id), store._job(jobs[3].id))  # expired: the ids stay listed
-            first_page = await store.list_jobs("k_test", limit=3)
+            first_page = await store.list_jobs("k_test", NOW_S, limit=3)
             assert [j.id for j in first_page] == [jobs[5].id, jobs[2].id, jobs[1].id]
-            assert [j.id for j in await store.list_jobs("k_test", limit=3, before=first_page[-1].id)] == [jobs[0].id]
+            second_page = await store.list_jobs("k_test", NOW_S, limit=3, before=first_page[-1].id)
+            assert [j.id for j in second_page] == [jobs[0].id]
             assert await client.zcard(store._list("k_test")) == 4  # the expired ids are forgotten
         finally:
             await store.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import ipaddress
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -168,6 +169,7 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     assert parse_retry_after_s(email.utils.formatdate(NOW_S + 90, usegmt=True), NOW_S) == 90.0
     assert parse_retry_after_s(email.utils.formatdate(NOW_S - 90, usegmt=True), NOW_S) == 0.0
     assert parse_retry_after_s("soon", NOW_S) is None
+    assert parse_retry_after_s("\u00b2", NOW_S) is None  # "²": isdigit() but no int
     assert parse_retry_after_s(None, NOW_S) is None
 
 
@@ -179,6 +181,23 @@ def test_a_receiver_that_never_answers_gives_an_attempt_without_a_status() -> No
         await closed.wait_closed()  # nothing listens there any more: connection refused
         attempt = await sender().attempt(f"http://127.0.0.1:{port}/", BODY, "k", "x")
         assert attempt.status is None and attempt.error and attempt.retryable and not attempt.delivered
+
+    run(scenario())
+
+
+def test_a_name_that_does_not_resolve_at_delivery_is_an_attempt_to_retry() -> None:
+    """The receiver's host resolved when the job was submitted; at delivery the resolver fails (EAI_AGAIN, a DNS
+    outage): that attempt got no answer and is retried, not refused for good. An address outside the allow-list
+    is still refused."""
+    async def failing(host: str, port: int) -> Sequence[str]:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    async def scenario() -> None:
+        attempt = await sender(resolve=failing).attempt("http://hooks.example/cb", BODY, "k", "job.done")
+        assert attempt.status is None and attempt.retryable and "does not resolve" in (attempt.error or "")
+        with pytest.raises(WebhookRefused, match="outside --webhook-allow"):
+            await sender(resolve=resolver({"hooks.example": ["10.0.0.5"]})).attempt(
+                "http://hooks.example/cb", BODY, "k", "job.done")
 
     run(scenario())
 
