@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
 from redis.exceptions import ResponseError
 
 from agent_server.jobs.model import Job, JobSegment, JobStatus, plan_from_json, plan_to_json
@@ -60,6 +61,8 @@ from agent_server.jobs.store import (
     running_refusal,
     utc_day,
 )
+
+log = structlog.get_logger("agent_server.jobs.redis_store")
 
 GROUP = "workers"
 MS_PER_S = 1000.0
@@ -228,6 +231,23 @@ return 1
 """
 
 
+# KEYS[1] queue. ARGV: group, idle_ms, this worker -> consumers deleted. A consumer that holds nothing and did
+# nothing for idle_ms is a replica gone (each process names its own, and a live one polls every second).
+FORGET_CONSUMERS_LUA = """
+local deleted = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) and info['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    deleted = deleted + 1
+  end
+end
+return deleted
+"""
+FORGET_CONSUMERS_IDLE_S = 86_400.0
+
+
 class RedisJobStore(JobStore):
     shared = True
 
@@ -245,6 +265,7 @@ class RedisJobStore(JobStore):
         self._finish = redis.register_script(FINISH_LUA)
         self._take_webhooks = redis.register_script(TAKE_WEBHOOKS_LUA)
         self._retry_webhook = redis.register_script(RETRY_WEBHOOK_LUA)
+        self._forget_consumers = redis.register_script(FORGET_CONSUMERS_LUA)
 
     # ---- names ------------------------------------------------------------------------------------
 
@@ -287,6 +308,17 @@ class RedisJobStore(JobStore):
 
     async def start(self) -> None:
         await self._ensure_group()
+        await self.forget_consumers(FORGET_CONSUMERS_IDLE_S)
+
+    async def forget_consumers(self, idle_s: float) -> int:
+        """Delete the group's consumers that hold no claim and were idle over `idle_s` (replicas that are gone), so
+        the group does not grow by one consumer a restart; atomic, so a consumer that just claimed is kept. The
+        number deleted."""
+        deleted = int(await self._forget_consumers(keys=[self._queue], args=[GROUP, int(idle_s * MS_PER_S),
+                                                                              self.worker_id]))
+        if deleted:
+            log.info("job_consumers_forgotten", consumers=deleted)
+        return deleted
 
     async def _ensure_group(self) -> None:
         try:

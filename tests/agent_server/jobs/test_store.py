@@ -382,6 +382,38 @@ def test_the_redis_store_keeps_audio_job_ttl_s_and_records_a_grace_longer(redis:
     run(scenario())
 
 
+def test_the_redis_group_forgets_consumers_of_replicas_that_are_gone(redis: RedisServer) -> None:
+    """Each process claims under a name of its own, so every restart adds a consumer to the group: those that hold
+    no claim and were idle long enough are deleted; one holding a claim, and the worker itself, are kept."""
+    async def scenario() -> None:
+        client = redis_client(redis)
+        prefix = fresh_prefix()
+        gone, holder, this = (RedisJobStore(client, prefix=prefix, worker_id=name, visibility_s=60.0)
+                              for name in ("gone", "holder", "this"))
+        try:
+            await gone.start()
+            for i, store in enumerate((gone, holder, this)):
+                job = make_job(NOW_S + i)
+                await store.submit(job, make_plan(1), KeyLimits(), NOW_S)
+                assert len((await store.claim(1, NOW_S)).claims) == 1
+                if store is not holder:  # done: its consumer holds nothing any more
+                    await store.put_segment(job.id, 0, b"a", 100)
+                    await store.finish(job.id, JobStatus.DONE, None, NOW_S + 1)
+            await asyncio.sleep(0.1)
+            assert await this.forget_consumers(0.05) == 1
+            consumers = await client.xinfo_consumers(this._queue, "workers")
+            assert sorted(_text(c["name"]) for c in consumers) == ["holder", "this"]
+            assert await this.forget_consumers(0.05) == 0
+        finally:
+            await client.aclose()
+
+    run(scenario())
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def test_the_redis_listing_skips_expired_records_and_still_fills_the_page(redis: RedisServer) -> None:
     """The listing keeps ids longer than their records: a page that meets expired ones fills up with older ids,
     and forgets the expired ones."""
