@@ -192,8 +192,10 @@ class Metrics:
     def on_step(self, stats: StepStats) -> None:
         """The engine's stats listener: engine thread, once per model per step. Keep it to a few counter adds."""
         model = stats.model
-        if not stats.renders_only:
+        if not stats.renders_only:  # (a renders-only record is no engine iteration: no step, no slot-steps)
             self.steps.labels(model).inc()
+            if stats.active_segments:
+                self.slot_steps.labels(model).inc(stats.active_segments)
         if stats.decode_rows:
             self.decode_step.labels(model).observe(stats.decode_ms / 1000.0)
             self.decode_rows.labels(model).inc(stats.decode_rows)
@@ -202,8 +204,6 @@ class Metrics:
             self.prefills.labels(model).inc(stats.prefill_segments)
         if stats.vocoder_ms:
             self.vocoder.labels(model).observe(stats.vocoder_ms / 1000.0)
-        if stats.active_segments:
-            self.slot_steps.labels(model).inc(stats.active_segments)
         if stats.audio_s:
             self.audio_produced.labels(model).inc(stats.audio_s)
         if stats.job_audio_s:

@@ -462,8 +462,8 @@ class Engine(EngineLike):
             if leased is not None and plan.decode_rows.size:
                 leased.decode_ms = (t1 - t0) * 1e3 - (done.prefill_ms if done is not None else 0.0)
         self._drain_inbox(block=False, cancels_only=True)  # aborts that landed mid-step
-        if done is None and self._in_flight is None:  # no step: what the vocoder rendered meanwhile still counts
-            self._record_renders()
+        if done is None and self._in_flight is None:  # no step: what the vocoder rendered meanwhile still counts,
+            self._record_renders(plan.job_rows_paused)  # and the job rows that sat out (another model's live turn)
         if done is None or result is None:
             return
         update = self.scheduler.update(done.plan, result)
@@ -627,18 +627,22 @@ class Engine(EngineLike):
         return SegmentEvent(request_id=state.request_id, kind=kind, at_monotonic_s=time.monotonic(),
                             speech_tokens=state.n_valid, token_ids=token_ids, reason=reason)
 
-    def _record_renders(self) -> None:
-        """With no step to record (T3 idle): the vocoder's renders since the last record, as a renders-only
-        StepStats, so that audio rendered after the last step (a segment's tail) is not left uncounted."""
+    def _record_renders(self, job_rows_paused: int = 0) -> None:
+        """With no step to record (T3 idle, or every row here sat out for another model's live turn): the vocoder's
+        renders since the last record and the job rows that sat out, as a renders-only StepStats (not an engine
+        step), so that audio rendered after the last step (a segment's tail) and those rows are not left
+        uncounted."""
         worker, listener = self.vocoder_worker, self._stats_listener
-        if worker is None or listener is None or not worker.has_stats():
+        rendered = worker is not None and worker.has_stats()
+        if listener is None or not (rendered or job_rows_paused):
             return
-        renders = worker.take_stats()
+        renders = worker.take_stats() if worker is not None and rendered else None
         listener(StepStats(
             at_monotonic_s=time.monotonic(), decode_rows=0, active_segments=len(self.scheduler.running),
             max_slots=self.max_slots, waiting_segments=self.scheduler.n_waiting, decode_ms=0.0, prefill_ms=0.0,
-            prefill_segments=0, vocoder_ms=renders.ms, audio_s=renders.audio_s, preempted=0, model=self.variant,
-            job_audio_s=renders.job_audio_s, renders_only=True))
+            prefill_segments=0, vocoder_ms=renders.ms if renders else 0.0, audio_s=renders.audio_s if renders else 0.0,
+            preempted=0, job_rows_paused=job_rows_paused, model=self.variant,
+            job_audio_s=renders.job_audio_s if renders else 0.0, renders_only=True))
 
     def _record(self, plan: StepPlan, decode_ms: float, prefill_ms: float, withdrawn: bool = False) -> None:
         """A step's stats; `withdrawn`: a jobs-only step stopped for a live turn (nothing decoded)."""
@@ -658,7 +662,7 @@ class Engine(EngineLike):
             at_monotonic_s=time.monotonic(), decode_rows=0 if withdrawn else int(plan.decode_rows.size),
             active_segments=len(self.scheduler.running), max_slots=self.max_slots,
             waiting_segments=self.scheduler.n_waiting, decode_ms=decode_ms, prefill_ms=prefill_ms,
-            prefill_segments=len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
+            prefill_segments=0 if withdrawn else len(plan.prefill), vocoder_ms=vocoder_ms, audio_s=audio_s,
             preempted=len(plan.preempted), job_rows_paused=plan.job_rows_paused, model=self.variant,
             job_steps_withdrawn=int(withdrawn), job_audio_s=job_audio_s))
 

@@ -57,7 +57,7 @@ import numpy as np
 
 from synth.api import HARD_MAX_NEW_TOKENS, Priority
 from synth.request import SPEECH_VOCAB_SIZE, SegmentState, Status
-from synth.rows import IntArray, RowTable
+from synth.rows import FREE, IntArray, RowTable
 
 EOS_DEFAULT = 6562
 _NO_ROWS: IntArray = np.zeros(0, np.int64)
@@ -171,6 +171,7 @@ class Scheduler:
         heapq.heapify(self._free_rows)
         self._row_owner: dict[int, SegmentState] = {}
         self.table = RowTable(config.max_rows, config.max_tokens)
+        self._row_index = np.arange(config.max_rows)
         self.running: list[SegmentState] = []
         self._waiting: list[tuple[Rank, int, SegmentState]] = []  # heap of (rank, arrival, state)
         self._arrival = itertools.count()
@@ -413,14 +414,39 @@ class Scheduler:
         return False
 
     def turn_pending(self) -> bool:
-        """A live turn's first segment waits in the queue, or holds rows and has no valid id yet (its stream is not
-        open: the vocoder worker does not know of it yet). Such a segment ranks first (Priority.LIVE, first audio),
-        so only the head of the queue is looked at."""
+        """A live segment someone waits for is on its way to the vocoder (waiting in the queue, or holding rows with
+        no valid id yet: its stream is not open, so the vocoder worker does not know of it): a turn's first segment,
+        or (`pause_jobs_below_held_s`, a CPU) a later one whose listener holds less than that (between two segments
+        of a turn no live stream is open, and a job render started then would hold the next one's first chunk). A
+        turn's first segment ranks first (Priority.LIVE, first audio), so for it only the head of the queue is
+        looked at."""
         if self.first_turn_below(1):
             return True
         while self._waiting and self._waiting[0][2].status != Status.WAITING:  # cancelled while waiting
             heapq.heappop(self._waiting)
-        return bool(self._waiting) and self._waiting[0][0] == (int(Priority.LIVE), 0)
+        if self._waiting and self._waiting[0][0] == (int(Priority.LIVE), 0):
+            return True
+        held_s = self.config.pause_jobs_below_held_s
+        return held_s > 0 and self._live_coming_short(held_s)
+
+    def _live_coming_short(self, held_s: float) -> bool:
+        """A live segment not with the vocoder yet (waiting, or holding rows before its first valid id) whose
+        listener clock holds less than `held_s` seconds of audio (or has not reported any)."""
+        now_s = time.monotonic()
+        table = self.table
+        # (a live segment's cond row, ids not held back, before its first valid id: numpy over rows, not a loop)
+        starting = np.flatnonzero((table.gen != FREE) & ~table.held & (table.feed == self._row_index)
+                                  & (table.n_valid == 0))
+        coming = [s for _, _, s in self._waiting if s.status == Status.WAITING and s.is_live]
+        coming += [owner for row in starting if (owner := self._row_owner.get(int(row))) is not None and owner.is_live]
+        for state in coming:
+            listener = state.request.listener
+            if listener is None:  # (no clock: as `live_listener_short`, it holds nothing back)
+                continue
+            held = listener.buffered_s(now_s)
+            if held is None or held < held_s:
+                return True
+        return False
 
     def first_turn_below(self, ids: int) -> bool:
         """A live turn's first segment holds rows here and has sampled fewer than `ids` valid ids."""

@@ -125,8 +125,10 @@ class JobYield:
       the jobs their share;
     - on a CPU, where a tick costs about the sum of its renders, one job chunk alone (`batch_with_live` False,
       `max_job_streams` 1), and that render is stopped (`stoppable`, synth/render_checkpoints.py) at its next
-      stage boundary when a live turn is submitted or its stream opens, or a live listener falls under
-      `stop_below_s`: the live chunk
+      stage boundary when a live turn is submitted or its stream opens, when a live stream opens whose listener
+      holds less than the margin (a turn's later segment: between two segments no live stream is open, so the
+      job tick may have started in that gap; `turn_pending` holds ticks back in the gap itself), or when a live
+      listener falls under `stop_below_s`, a segment's stream with no chunk out yet included: the live chunk
       waits for one stage of a job render (up to ~40 ms on one thread of CPU-4 with the tiny model), not for all
       of it (a 96-token chunk: 440 ms), and the decode gets its cores for the turn's first ids. A stopped render
       is rendered again later, to the same bits (nothing of it was applied). A job render that holds the decode's
@@ -308,8 +310,10 @@ class VocoderWorker:
         self.ticks = 0  # renders done (worker thread writes; tests read)
         self.job_renders_stopped = 0  # job ticks stopped for live work (JobYield)
         self.job_tick_s = 0.0  # recent job ticks' wall time (an EWMA; worker thread)
-        # set (engine thread) after feeding a live stream that awaits a turn's first audio; cleared by each drain
-        self._first_audio_opened = threading.Event()
+        # set (engine thread) after feeding a live stream that awaits a turn's first audio, or whose listener holds
+        # less than the jobs' margin (a job tick that started before it was known would not have started); cleared
+        # by each drain
+        self._live_opened = threading.Event()
         # a live turn's first segment is on its way from T3 (the engine sets it: Engine.turn_pending); any thread
         self.turn_pending: Callable[[], bool] = _never
         self.drains = 0  # inbox drains done
@@ -342,8 +346,16 @@ class VocoderWorker:
                 return
         self._inbox.put(items)
         now_s = time.monotonic()
-        if any(isinstance(item, StreamOpen) and item.live and _awaits_first_audio(item, now_s) for item in items):
-            self._first_audio_opened.set()  # after the put: a drain that clears it finds the open
+        if any(isinstance(item, StreamOpen) and item.live and self._wanted_now(item, now_s) for item in items):
+            self._live_opened.set()  # after the put: a drain that clears it finds the open
+
+    def _wanted_now(self, spec: StreamOpen, now_s: float) -> bool:
+        """A live stream that opens now is waited for: a turn's first audio, or a listener holding less than the
+        jobs' margin (JobYield.margin_s)."""
+        if _awaits_first_audio(spec, now_s):
+            return True
+        held_s = spec.listener.buffered_s(now_s) if spec.listener is not None else None
+        return held_s is not None and held_s < self.job_yield.margin_s(self.job_tick_s)
 
     def cancel(self, request_id: str) -> None:
         """Drop the stream's pending renders (its Outlet already drops its output)."""
@@ -412,7 +424,7 @@ class VocoderWorker:
                 self._fail(speech, f"vocoder failure: {self.failure}")
 
     def _drain(self, block: bool, timeout_s: float = IDLE_WAIT_S) -> None:
-        self._first_audio_opened.clear()
+        self._live_opened.clear()
         try:
             message = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
             while True:
@@ -653,11 +665,13 @@ class VocoderWorker:
         waits for them; the render stops if a live turn has been submitted (`turn_pending`) or its stream has opened
         meanwhile, or a live listener holds less than JobYield.stop_below_s."""
         self.lease.give_back()
-        if self._first_audio_opened.is_set() or self.turn_pending():
+        if self._live_opened.is_set() or self.turn_pending():
             return True
         now_s, floor_s = time.monotonic(), self.job_yield.stop_below_s
-        return any(speech.spec.live and speech.chunks_emitted and speech.buffered_s(now_s) < floor_s
-                   for speech in self._speeches.values())
+        # (a stream with no chunk yet counts once its listener has reported: a turn's later segment, whose listener
+        # plays the segments before it; one whose listener has not awaits first audio, handled above)
+        return any(speech.spec.live and (speech.chunks_emitted or not _awaits_first_audio(speech.spec, now_s))
+                   and speech.buffered_s(now_s) < floor_s for speech in self._speeches.values())
 
     def _deliver(self, speech: Speech, pcm: Pcm, now_s: float) -> None:
         n_tokens = pcm.size // SAMPLES_PER_SPEECH_TOKEN

@@ -47,14 +47,26 @@ from synth.api import (
     EngineOutput,
     EventKind,
     Priority,
+    SamplingParams,
     SegmentEvent,
     SegmentRequest,
+    max_tokens_for_text,
 )
 
 log = structlog.get_logger("agent_server.jobs.render")
 
 RETRY_S = 0.5  # a segment the engine could not take now (BUSY, EngineFull) is submitted again this much later
 SHUTDOWN_REASON = "shutdown"  # the engine's CANCELLED reason when it stops
+
+
+def job_params(model: str, job: Job, segment: JobSegment) -> SamplingParams:
+    """A job segment's sampling: the live rule's (`build_params`, seed + index), and its generation bound only where
+    the plan's is tighter than the engine's own for that text: so that a live context's segment and a job's of the
+    same text, voice and seed share one phrase-cache key (the key hashes the parameters)."""
+    params = build_params(model, job.sampling, (job.seed + segment.index) % SEED_MODULUS)
+    if segment.max_new_tokens == max_tokens_for_text(segment.text):
+        return params
+    return dataclasses.replace(params, max_new_tokens=segment.max_new_tokens)
 
 
 class RenderFailed(RuntimeError):
@@ -123,8 +135,7 @@ class EngineRender:
             raise JobInterrupted(f"the server is not serving ({hub.status.name.lower()})")
         try:
             routed = hub.port.router.route(language=job.language)  # (a FieldError: no loaded model speaks it)
-            params = dataclasses.replace(build_params(routed.model, job.sampling, (job.seed + segment.index) %
-                                                      SEED_MODULUS), max_new_tokens=segment.max_new_tokens)
+            params = job_params(routed.model, job, segment)
             voice = hub.voices.acquire(job.voice)  # (a FieldError: this server has no such voice)
         except ValueError as exc:
             raise RenderFailed(str(exc)) from None

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from synth.api import EngineOutput, EventKind, SamplingParams, SegmentEvent, SegmentRequest
+from synth.api import EngineError, EngineOutput, EventKind, SamplingParams, SegmentEvent, SegmentRequest
 from synth.engine import Engine
 from synth.voices import Voice
 
@@ -336,8 +336,13 @@ def _measure_once(engine: Engine, probe: StepProbe, n_segments: int, n_voices: i
     ids = [f"ops-{seed}-{n_segments}x{n_voices}-{i}" for i in range(n_segments)]
     try:
         for i, request_id in enumerate(ids):
-            engine.submit(SegmentRequest(request_id=request_id, text=TEXT, voice_id=voices[i % n_voices],
-                                         params=replace(params, seed=seed + 7 * i), sink=segments.sink(request_id)))
+            try:
+                engine.submit(SegmentRequest(request_id=request_id, text=TEXT, voice_id=voices[i % n_voices],
+                                             params=replace(params, seed=seed + 7 * i), sink=segments.sink(request_id)))
+            except EngineError:
+                if not engine.alive:  # it died on a step between two submissions (a loaded machine)
+                    raise EngineDied(engine.failure) from None
+                raise
         segments.wait(lambda: len(segments.started | segments.ended) == n_segments, "every segment's first token",
                       engine)
         if segments.ended:

@@ -254,6 +254,25 @@ def test_a_live_turn_arriving_mid_job_step_stops_it_and_every_segment_still_says
         assert np.array_equal(_pcm(got, rid), _pcm(alone, reference)), f"{rid}: audio differs from its run alone"
 
 
+def test_a_withdrawn_prefill_is_not_counted_as_a_prefill() -> None:
+    """A jobs-only step that prefills a job segment stops at layer 1 for a live turn and is withdrawn: its record
+    counts the withdrawn step, not a prefill (the segment is prefilled, and counted, when it is admitted again)."""
+    engine = make_engine("turbo", render_audio=False, max_slots=3, overlap_steps="off")
+    engine.voices.add(default_voice(tiny_bundle("turbo")))
+    got, stats = Collector(), list[StepStats]()
+    engine.set_stats_listener(stats.append)
+    engine.submit(_request(got, "job", "A job segment here.", seed=5, priority=Priority.JOB))
+    engine.turn_arrived = ArrivesAtLayer(1, lambda: engine.submit(
+        _request(got, "live", "Hello, caller.", seed=7, priority=Priority.LIVE)))
+    with torch.no_grad():
+        engine._step()  # the job's prefill: stopped at layer 1, withdrawn
+        assert engine.scheduler.job_steps_withdrawn == 1
+        _step_until_done(engine, got, ["job", "live"])
+    (withdrawn,) = [s for s in stats if s.job_steps_withdrawn]
+    assert (withdrawn.prefill_segments, withdrawn.decode_rows) == (0, 0)
+    assert sum(s.prefill_segments for s in stats) == 2
+
+
 def test_the_vocoder_hears_of_a_live_turn_from_its_submit_until_its_stream_opens(engine: Engine) -> None:
     """`turn_pending`, the vocoder worker's view: raised by the submit of a live turn's first segment (before the
     engine drains it), held while it is queued and prefilled, dropped once its first valid id has opened its stream

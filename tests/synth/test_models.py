@@ -234,6 +234,9 @@ def test_a_live_turn_on_one_model_stops_and_pauses_another_models_job_steps_with
     got = Collector()
     multi = _multi({"turbo": 2, "multilingual": 2})
     turbo = multi.engines["turbo"]
+    stats: list[StepStats] = []
+    for engine in multi.engines.values():
+        engine.set_stats_listener(stats.append)
     multi.submit(replace(job, sink=got.sink_for("job")))
     for _ in range(3):
         multi._step()
@@ -255,6 +258,8 @@ def test_a_live_turn_on_one_model_stops_and_pauses_another_models_job_steps_with
     for rid in ("job", "live"):
         assert got.tokens(rid) == alone.tokens(rid), f"{rid}: tokens differ from its one-model engine's"
     assert multi.status()["models"]["turbo"]["job_steps_withdrawn"] == 1  # type: ignore[index]
+    # the metrics see every row that sat out, also in Turbo's iterations where all of them did (nothing launched)
+    assert sum(s.job_rows_paused for s in stats if s.model == "turbo") == turbo.scheduler.job_rows_paused
 
 
 @pytest.mark.usefixtures("no_grad")

@@ -562,3 +562,26 @@ def test_a_turn_is_pending_from_its_queueing_to_its_first_valid_id() -> None:
     plan = sched.schedule()
     _update(sched, plan, [7] * plan.sample_rows.size)  # its first valid id: its stream opens
     assert not sched.turn_pending()
+
+
+def test_a_later_segment_for_a_short_listener_is_pending_until_its_first_valid_id() -> None:
+    """On a CPU (`pause_jobs_below_held_s`): between two segments of a turn no live stream is open in the vocoder,
+    so a later segment whose listener holds less than the margin is pending (job renders are held back and stopped)
+    while it waits or prefills, until its first valid id opens its stream. A listener holding more, and a GPU's
+    config (0), hold nothing."""
+    clock = ListenerClock()
+    clock.report(3.0, time.monotonic())
+    sched = _scheduler(max_slots=2, max_rows=4, max_waiting=8, prefill_budget=2, pause_jobs_below_held_s=1.0)
+    sched.add(_job("j"))
+    later = _state("later", cfg=False, first=False, listener=clock)
+    sched.add(later)
+    assert not sched.turn_pending()  # 3 s held
+    clock.report(0.1, time.monotonic())
+    assert sched.turn_pending()  # waiting, 0.1 s held
+    plan = sched.schedule()
+    assert later in plan.prefill and sched.turn_pending()  # holding rows, no valid id yet
+    _update(sched, plan, [7] * plan.sample_rows.size)  # its first valid id: the vocoder has its stream now
+    assert not sched.turn_pending()
+    gpu = _scheduler(max_slots=2, max_rows=4, max_waiting=8, prefill_budget=2)
+    gpu.add(_state("later", cfg=False, first=False, listener=clock))
+    assert not gpu.turn_pending()

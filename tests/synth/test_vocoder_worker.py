@@ -398,6 +398,40 @@ def test_a_job_render_stops_when_a_live_turn_opens_or_a_live_listener_runs_low(s
     assert worker.job_renders_stopped == 2 and [c.seq for c in col.chunks("job")] == [0]
 
 
+def test_a_job_render_stops_for_a_later_segment_whose_listener_runs_low(setup: Setup) -> None:
+    """A turn's later segment (its listener has reported: it plays the segments before) counts before its first
+    chunk: a job render stops when that listener falls under JobYield.stop_below_s while the segment's stream is
+    open with no chunk due yet; and a segment whose stream opens mid-render (fed by the engine thread) with its
+    listener under the jobs' margin stops it too (had the worker known of it, the job tick would not have
+    started)."""
+    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
+    col = Collector()
+    worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
+    worker._drain(block=False)
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    listener = ListenerClock()
+    listener.report(sent_audio_s=3.0, started_monotonic_s=time.monotonic())  # the session's listener holds 3 s
+    worker.feed([open_stream(setup, col, "second", setup.voices[0], 9, listener, reproducible=False),
+                 Feed("second", tuple(utterance(3, seed=9)))])  # 3 ids: no chunk due yet
+    worker._drain(block=False)
+    worker._start_stream(worker._speeches["second"], voice, setup.vocoder.prompt_cache(voice))
+    job_tick = worker._due(time.monotonic())
+    assert [speech.request_id for speech, _ in job_tick] == ["job"]  # 3 s held: the job may render
+    listener.report(sent_audio_s=0.1, started_monotonic_s=time.monotonic())  # now it holds 0.1 s
+    worker._render(job_tick)
+    assert worker.job_renders_stopped == 1 and not col.chunks("job")
+
+    worker._forget("second")
+    worker._drain(block=False)
+    job_tick = worker._due(time.monotonic())  # no live stream known: the job tick starts
+    assert [speech.request_id for speech, _ in job_tick] == ["job"]
+    worker.feed([open_stream(setup, col, "third", setup.voices[0], 11, listener, reproducible=False),
+                 Feed("third", tuple(utterance(20, seed=11)))])  # the engine thread, mid-render; 0.1 s held
+    worker._render(job_tick)
+    assert worker.job_renders_stopped == 2 and not col.chunks("job")
+
+
 def test_feeds_wait_when_the_worker_is_far_behind(setup: Setup) -> None:
     """The feed queue is bounded in decode steps: with the worker not draining, the bound is used up (proved by
     the slot count, not by waiting), and a drain frees it."""

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +20,21 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent_server.core.events import build_params
 from agent_server.jobs.assembly import encode_whole
-from agent_server.jobs.model import JobStatus
+from agent_server.jobs.model import JobSegment, JobStatus
+from agent_server.jobs.render import job_params
 from agent_server.jobs.request import job_format
 from agent_server.jobs.segment_audio import decode_segment, encode_segment
-from agent_server.jobs.segments import plan_segments
+from agent_server.jobs.segments import JOB_MAX_NEW_TOKENS, plan_segments
 from agent_server.jobs.service import JobsConfig, JobService
 from agent_server.jobs.sqlite_store import SqliteJobStore
 from agent_server.jobs.webhooks import SIGNATURE_HEADER, verify_signature
 from agent_server.settings import Settings
-from synth.api import Priority
+from synth.api import Priority, max_tokens_for_text
 
 from tests.agent_server.fake_engine import FakeEngine
-from tests.agent_server.jobs.conftest import run
+from tests.agent_server.jobs.conftest import make_job, run
 from tests.agent_server.jobs.webhook_receiver import Receiver
 from tests.agent_server.live_server import LiveServer, live_server
 from tests.agent_server.native_client import NativeClient
@@ -132,7 +135,7 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         for request in requests:
             seg = by_text[request.text]
             assert request.priority == Priority.JOB and not request.first_audio_pending and request.may_wait
-            assert (request.params.seed, request.params.max_new_tokens) == (11 + seg.index, seg.max_new_tokens)
+            assert request.params == job_params("english", make_job(0.0, seed=11), seg)  # seed + index
         assert audio_of(server, job_id, "wav") == expected_file(TEXT, 11, "wav")
 
         again = submit(server, {"text": TEXT, "seed": 11, "output_format": "mp3"})  # every segment a cache hit
@@ -153,6 +156,22 @@ def test_a_job_renders_at_job_priority_through_the_phrase_cache(tmp_path: Path) 
         feed.sample_if_due()
         assert set(feed.history[-1]["jobs"]) == {"queue", "running", "audio_per_s", "stored_audio_per_s", "preempted"}
         assert feed.history[-1]["live_audio_per_s"] >= 0
+
+
+def test_a_job_segment_has_a_live_segments_parameters_so_they_share_cache_entries() -> None:
+    """The phrase cache's key hashes the sampling parameters: a job segment's are the live rule's (seed + index,
+    the engine's own generation bound, left unset), so a sentence a live context or the pre-warm list rendered is
+    replayed for a job, and the other way round. Only a segment whose plan bound is tighter than the engine's (the
+    600-token cap of a job segment) sets it."""
+    job = make_job(1_796_000_000.0, seed=40)
+    short = JobSegment(2, "A short sentence.", 0, 17, max_tokens_for_text("A short sentence."))
+    assert job_params("english", job, short) == build_params("english", (), 42)
+    assert job_params("english", job, short).max_new_tokens is None
+    long_text = "word " * 200
+    capped = JobSegment(3, long_text, 0, len(long_text), JOB_MAX_NEW_TOKENS)
+    assert max_tokens_for_text(long_text) > JOB_MAX_NEW_TOKENS
+    assert job_params("english", job, capped) == replace(build_params("english", (), 43),
+                                                         max_new_tokens=JOB_MAX_NEW_TOKENS)
 
 
 def test_the_replica_that_finishes_a_job_makes_its_file_before_anyone_asks(tmp_path: Path) -> None:
