@@ -403,9 +403,9 @@ class Engine(EngineLike):
     # --- the thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        self.runner.bind_thread()  # cuda:N on this thread, no gradients
-        use_threads(self.threads.decode)  # this thread's OpenMP team (synth/cpu_threads.py)
         try:
+            self.runner.bind_thread()  # cuda:N on this thread, no gradients (in the try: a failure is reported)
+            use_threads(self.threads.decode)  # this thread's OpenMP team (synth/cpu_threads.py)
             self._warmup()
             self._ready.set()
             while not self._stop.is_set():

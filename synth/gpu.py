@@ -35,8 +35,8 @@ def bind_thread(device: torch.device) -> None:
     the voice preparation thread): its CUDA calls and streams go to `device` (cuda:N, not the process's current
     device, which is cuda:0 on a new thread), and it computes no gradients."""
     torch.set_grad_enabled(False)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:  # (a bare "cuda": the thread's current device,
+        torch.cuda.set_device(device)                        # which torch.cuda.set_device refuses to be told)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

@@ -60,9 +60,15 @@ class ModelBundle:
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """"auto", "cpu", "cuda" or "cuda:N" -> a device; a CUDA one always with its index (this thread's current
+    device for a bare "cuda"), so that every engine thread binds the same device (`gpu.bind_thread`: a new thread's
+    current device is cuda:0, and torch.cuda.set_device refuses a device without an index)."""
+    resolved = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                            "cpu" if device == "auto" else device)
+    index: int | None = resolved.index  # (None for a bare "cuda", whatever torch's stubs say)
+    if resolved.type == "cuda" and index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def config_problem(config: EngineConfig) -> str | None:

@@ -235,10 +235,10 @@ class MultiEngine(EngineLike):
     # --- the thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        for engine in self.engines.values():
-            engine.runner.bind_thread()
-        use_threads(self.default.threads.decode)
         try:
+            for engine in self.engines.values():
+                engine.runner.bind_thread()
+            use_threads(self.default.threads.decode)
             for engine in self.engines.values():
                 engine._warmup()
             self._ready.set()

@@ -399,11 +399,11 @@ class VocoderWorker:
     # --- the worker thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        use_threads(self.threads)
-        device = self.vocoder.device
-        gpu.bind_thread(device)
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         try:
+            use_threads(self.threads)
+            device = self.vocoder.device
+            gpu.bind_thread(device)
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while not self._stop.is_set():
                     if not self._speeches:

@@ -21,6 +21,7 @@ import torch
 from synth import default_voice, gpu
 from synth.api import EngineError, SamplingParams, SegmentRequest, Variant
 from synth.engine import Engine
+from synth.loading import resolve_device
 from synth.step_buffers import StepGraph, key_ladder
 from synth.t3_runner import T3Runner
 from synth.vocoder import StreamingVocoder
@@ -252,6 +253,40 @@ def test_every_engine_thread_binds_the_engine_device(monkeypatch: pytest.MonkeyP
     assert _start(engine, started), engine.failure
     assert {name for name, _ in bound} >= {"synth-engine", "synth-vocoder", "synth-voice-prep"}
     assert {device for _, device in bound} == {engine.device}
+
+
+def test_a_bare_cuda_device_gets_its_index_and_binds_without_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device cuda` (no index): torch.cuda.set_device refuses a device without one (a ValueError, raised in
+    torch's Python before any CUDA call, so this CPU build shows it). The device is resolved to this thread's
+    current one at start, and a bare one is never passed to set_device."""
+    set_to: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: set_to.append(device))
+    gpu.bind_thread(torch.device("cuda", 1))
+    assert set_to == [torch.device("cuda", 1)]
+    monkeypatch.undo()
+    gpu.bind_thread(torch.device("cuda"))  # (the real set_device would raise)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_an_engine_thread_that_cannot_bind_its_device_says_so_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                                        started: list[Engine]) -> None:
+    """A failure in a thread's first call (binding the device) kills the engine with its reason, so that a start
+    fails at once, naming it, instead of waiting out its whole timeout with no failure recorded."""
+    def refuse(device: torch.device) -> None:
+        raise ValueError(f"cannot bind {device}")
+
+    monkeypatch.setattr(gpu, "bind_thread", refuse)
+    engine = make_engine("turbo", render_audio=False, max_slots=1)
+    started.append(engine)
+    engine.start()
+    assert not engine.wait_ready(30)
+    assert not engine.alive and "cannot bind" in engine.failure
 
 
 # --- slots and memory -------------------------------------------------------------------------------------------
