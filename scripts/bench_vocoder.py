@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from synth import gpu
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import (
     DEFAULT_PROMPT_MAX_TOKENS,
@@ -383,6 +384,9 @@ def main() -> None:
                              "on the CPU the same static-buffer plumbing, eagerly)")
     parser.add_argument("--gemm-dtype", choices=sorted(GEMM_DTYPES), default="fp32",
                         help="batched mode, CPU: the vocoder's products (bf16 = the server's --cpu-vocoder bf16)")
+    parser.add_argument("--tf32", choices=("auto", "on", "off"), default="auto",
+                        help="batched mode, CUDA: TF32 for the vocoder's products, as the server's --vocoder-tf32 "
+                             "(auto: on, as the server with a bf16 T3, the GPU default)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(TICK_SHAPES), default=list(TICK_SHAPES),
                         help="batched mode: tick shapes (each (shape, batch) is one compilation with --compile)")
     args = parser.parse_args()
@@ -392,11 +396,12 @@ def main() -> None:
     if args.mode == "batched":
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if args.device == "auto" else args.device))
+        tf32 = gpu.use_vocoder_tf32(args.tf32, device, torch.bfloat16)  # (the server's switch, the same rule)
         with torch.inference_mode():
             batched = [row for v in args.variants.split(",") if v for row in bench_batched(v, args, device)]
         meta = {"mode": "batched", "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-                else "cpu", "preset": args.preset, "compile": args.compile, "tick_shapes": TICK_SHAPES}
+                else "cpu", "preset": args.preset, "compile": args.compile, "tick_shapes": TICK_SHAPES, "tf32": tf32}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "results": batched}, indent=2))
         print_batched(batched)

@@ -76,6 +76,9 @@ def measure(variant: str, preset: str, device: torch.device, streams: int) -> di
     ref = s3gen.embed_ref(synthetic_reference_wav(SAMPLE_RATE_HZ), SAMPLE_RATE_HZ, device=device)
     outputs = {}
     timings = {}
+    set_tf32(False)  # an untimed render first: cuBLAS/cuDNN set-up and lazy module loading are no mode's time
+    warm = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence)
+    render(warm, warm.prepare_voice(ref), streams)
     for tf32 in (False, True):
         set_tf32(tf32)
         vocoder = StreamingVocoder(s3gen, n_cfm_timesteps=steps, meanflow=meanflow, append_silence_tokens=silence)

@@ -746,6 +746,8 @@ class Engine(EngineLike):
         if problem:
             self._graphs_failed(self.graphs, "cuda_graphs", problem)
             runner.drop_graphs()
+            if self.config.overlap_steps == "auto":  # (auto overlaps graphed steps; eager ones are as with graphs off)
+                self.overlap_steps = False
             return
         self.graphs = replace(self.graphs, state="on", graphs=report.graphs, capture_s=report.capture_s,
                               pool_mb=round(report.pool_bytes / 1e6, 1), parity=runner.graph_parity)

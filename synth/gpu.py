@@ -93,12 +93,13 @@ def plan_slots(requested: int, *, budget_bytes: int, total_bytes: int, per_slot_
 def use_vocoder_tf32(mode: str, device: torch.device, t3_dtype: torch.dtype) -> bool:
     """TF32 for the vocoder's float32 products on CUDA (its matmuls and convolutions; ~8x the fp32 rate on a
     Hopper GPU). torch's switches are process-wide, so "auto" turns them on only when T3 does not compute in
-    float32 itself (bf16/fp16 products are unaffected by them); "on" turns them on in any case, "off" leaves them
-    off. Returns whether they are on."""
+    float32 itself (bf16/fp16 products are unaffected by them); "on" turns them on in any case, "off" turns them off
+    (both: torch's default for convolutions is TF32 on). Returns whether they are on."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"vocoder_tf32 must be 'auto', 'on' or 'off', not {mode!r}")
-    if device.type != "cuda" or mode == "off" or (mode == "auto" and t3_dtype == torch.float32):
+    if device.type != "cuda":
         return False
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return True
+    on = not (mode == "off" or (mode == "auto" and t3_dtype == torch.float32))
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on

@@ -105,6 +105,10 @@ class StepInputs:
         self._staging = [torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, pin_memory=True)
                          for _ in range(2 if pin else 0)]
         self._staging_bytes = [buffer.numpy() for buffer in self._staging]
+        # each slot's last copy, recorded on the stream: the host writes a slot again only once that copy is done
+        # (the engine has read a later step's ids by then, so it never waits; a caller that launches steps without
+        # reading any, as the parity test does, would otherwise overwrite inputs still queued for the device)
+        self._copied: list[Any] = [None] * len(self._staging)
         self._slot = 0
         self.device_bytes = torch.zeros(int_bytes + float_bytes, dtype=torch.uint8, device=device)
         host_ints = self.host[:int_bytes].view(torch.int64).view(len(INT_FIELDS), max_rows).numpy()
@@ -164,8 +168,14 @@ class StepInputs:
             self.device_bytes.copy_(self.host)
             return
         slot, self._slot = self._slot, 1 - self._slot
+        copied = self._copied[slot]
+        if copied is None:
+            copied = self._copied[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        else:
+            copied.synchronize()
         self._staging_bytes[slot][:] = self._host_bytes
         self.device_bytes.copy_(self._staging[slot], non_blocking=True)
+        copied.record()
 
 
 class StepGraph:
@@ -207,7 +217,7 @@ class StepGraph:
                 try:  # end the capture so that the stream is usable again; the first error is the one that counts
                     graph.capture_end()
                 except Exception:
-                    pass
+                    _end_pool_capture(graph, device)
                 raise
             graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
@@ -225,3 +235,21 @@ class StepGraph:
             self.graph.replay()
         else:
             self.fn()
+
+
+def _end_pool_capture(graph: Any, device: torch.device | None) -> None:
+    """After a capture_end that raised (an invalidated capture: cudaStreamEndCapture fails before the allocator is
+    told the capture ended): tell the allocator, and let go of the pool's reference, as torch.cuda.use_mem_pool
+    does. Otherwise the allocator keeps the capture "underway" for the rest of the process, and a later
+    empty_cache (dropping the graphs for eager) fails an internal assert (pytorch#180395, fixed after torch 2.11).
+    Nothing to do where capture_end got that far (endAllocateToPool then says it is not recording)."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    try:
+        pool = graph.pool()
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except Exception:
+        return
+    try:
+        torch._C._cuda_releasePool(index, pool)
+    except Exception:
+        pass

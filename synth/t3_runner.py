@@ -192,6 +192,11 @@ class T3Runner:
     def __init__(self, t3: T3, *, max_rows: int, max_len: int, device: torch.device, dtype: torch.dtype,
                  packed_linears: bool = True, bf16_weights: bool = False, cuda_graphs: bool = False,
                  compact_steps: bool = True) -> None:
+        # RoPE's inverse frequencies in float32, taken before the cast below (Module.to casts that buffer too: in
+        # bf16 a phase drifts by ~0.5 rad past position 1,000); None for GPT-2 (learned positions)
+        rope = None if t3.is_gpt else t3.tfmr.rotary_emb
+        self._rope_inv_freq = None if rope is None else rope.inv_freq.detach().to(device, torch.float32).clone()
+        self._rope_scale = 1.0 if rope is None else float(rope.attention_scaling)
         self.t3 = t3.to(device=device, dtype=dtype).eval()
         self.qkv = [] if t3.is_gpt else fuse_qkv_(self.t3)  # Llama: one q/k/v projection per layer
         split = {id(m) for layer in ([] if t3.is_gpt else self.t3.tfmr.layers)
@@ -683,8 +688,11 @@ class T3Runner:
         self._graph_pool = None
         self.graph_parity = ""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            try:  # (a failed capture may have left the allocator unable to: eager serves all the same)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            except RuntimeError as exc:
+                log.warning("the graphs' memory was not returned to the device: %s", exc)
 
     @property
     def graphs_captured(self) -> int:
@@ -908,6 +916,15 @@ class T3Runner:
         """h: [B, S, dim]; pos: [B, S] positions. Returns the final-norm hidden."""
         return self._gpt2_layers(h, pos, attend) if self.is_gpt else self._llama_layers(h, pos, attend)
 
+    def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, S, D] at positions `pos` [B, S]: LlamaRotaryEmbedding's forward, with its outer product
+        written as a broadcast multiply (each element is one product either way: the same bits in float32) so that
+        neither a bf16 inv_freq nor TF32 matmuls (on for the vocoder beside a bf16 T3) round the phases."""
+        assert self._rope_inv_freq is not None
+        freqs = pos[..., None].to(torch.float32) * self._rope_inv_freq  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+
     def _llama_layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
         """LlamaDecoderLayer's forward, in fewer ops: one q/k/v projection (`fuse_qkv_`), RMSNorm as the fused
         F.rms_norm (LlamaRMSNorm's six ops, to rounding), RoPE on q and k at once with rotate_half(x) * sin
@@ -915,7 +932,7 @@ class T3Runner:
         tfmr, lin = self.t3.tfmr, self._lin
         n_batch, n_new, _ = h.shape
         n_q, n_kv, half = self.n_heads, self.n_kv_heads, self.head_dim // 2
-        cos, sin = tfmr.rotary_emb(h, pos)  # [B, S, D]
+        cos, sin = self._rope(pos, h.dtype)  # [B, S, D]
         cos = cos[:, None]  # [B, 1, S, D]: every head
         sin_rotated = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
         for i, layer in enumerate(tfmr.layers):

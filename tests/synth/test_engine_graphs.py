@@ -109,10 +109,13 @@ def test_a_capture_that_fails_under_auto_means_eager_with_the_reason(
         raise RuntimeError(CAPTURE_ERROR)
 
     _simulate_graphs(engine, monkeypatch, fail)
+    assert engine.config.overlap_steps == "auto"
+    engine.overlap_steps = True  # what "auto" is with graphs on a CUDA device
     assert _start(engine, started), engine.failure
     status = engine.status()
     assert status["cuda_graphs_state"] == "fallback" and CAPTURE_ERROR in str(status["cuda_graphs_reason"])
     assert status["cuda_graphs_count"] == 0 and not engine.runner.use_graphs
+    assert not engine.overlap_steps  # eager steps as with graphs off: one change, not two, against "off"
     assert _tokens(engine) == eager_tokens
 
 
@@ -287,6 +290,27 @@ def test_an_engine_thread_that_cannot_bind_its_device_says_so_at_once(monkeypatc
     engine.start()
     assert not engine.wait_ready(30)
     assert not engine.alive and "cannot bind" in engine.failure
+
+
+def _tf32_switches() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def test_the_vocoders_tf32_switch_sets_both_of_torchs_on_cuda_and_leaves_a_cpu_alone() -> None:
+    """On CUDA "off" (and "auto" beside an fp32 T3) turns both switches off: torch's default for convolutions is
+    TF32 on, so leaving them alone would still run the vocoder's convolutions in TF32. On a CPU nothing changes."""
+    before = _tf32_switches()
+    cuda = torch.device("cuda", 0)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        assert not gpu.use_vocoder_tf32("off", cuda, torch.bfloat16) and _tf32_switches() == (False, False)
+        assert gpu.use_vocoder_tf32("auto", cuda, torch.bfloat16) and _tf32_switches() == (True, True)
+        assert not gpu.use_vocoder_tf32("auto", cuda, torch.float32) and _tf32_switches() == (False, False)
+        assert gpu.use_vocoder_tf32("on", cuda, torch.float32) and _tf32_switches() == (True, True)
+        assert not gpu.use_vocoder_tf32("off", torch.device("cpu"), torch.float32)
+        assert _tf32_switches() == (True, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 # --- slots and memory -------------------------------------------------------------------------------------------

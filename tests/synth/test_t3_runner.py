@@ -3,6 +3,7 @@ the same T3 (HF's own module over the whole row, as the reference builds it)."""
 
 from __future__ import annotations
 
+import copy
 from typing import cast
 
 import pytest
@@ -186,3 +187,19 @@ def test_a_released_rows_cfg_partner_stays_inside_a_smaller_row_bucket() -> None
     runner.inputs.upload()
     runner.sample(4)  # raised IndexError before the release reset the partners
     assert ints["partner"][3] == 3 and ints["partner"][9] == 9
+
+
+def test_rope_phases_stay_float32_when_the_model_computes_in_bf16() -> None:
+    """Module.to(bfloat16) casts RoPE's inv_freq buffer too (0.1939 becomes 0.1943 on the tiny model), which turns
+    a phase by ~0.5 rad past position 1,000; and an fp32 outer product computed as a matmul would round in TF32
+    where the vocoder has turned TF32 on. The runner keeps inv_freq in float32 (taken before the cast) and
+    multiplies elementwise: cos/sin equal the float32 model's, rounded once to bf16."""
+    fp32_t3 = copy.deepcopy(tiny_bundle("english").t3).eval()
+    pos = torch.arange(0, 2048, 97, device=DEVICE)[None]  # [1, S]
+    h32 = torch.zeros(1, pos.shape[1], 8, device=DEVICE)
+    cos32, sin32 = fp32_t3.to(DEVICE).tfmr.rotary_emb(h32, pos)
+    runner = T3Runner(copy.deepcopy(fp32_t3), max_rows=2, max_len=256, device=DEVICE, dtype=torch.bfloat16)
+    cos, sin = runner._rope(pos, torch.bfloat16)
+    assert torch.equal(cos, cos32.to(torch.bfloat16)) and torch.equal(sin, sin32.to(torch.bfloat16))
+    bf16_cos, _ = runner.t3.tfmr.rotary_emb(h32.to(torch.bfloat16), pos)  # what the cast module computes
+    assert not torch.equal(bf16_cos, cos32.to(torch.bfloat16))  # (so the test sees the difference)
