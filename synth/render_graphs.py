@@ -89,6 +89,7 @@ class GraphSet:
         self.capture = capture
         self.max_graphs = max_graphs
         self.pool: Any = None
+        self.stream: Any = None  # the side stream every capture of the set warms up and captures on
         self.captured = 0  # graphs built (captured, or with capture=False: static-buffer entries)
         self.failed = 0  # captures that raised (those signatures run eagerly)
         self.checked = 0  # captured signatures whose first replay matched an eager call
@@ -210,7 +211,9 @@ class ShapeGraphs:
             captured[:] = [self.fn(*args)]  # the last call, the captured one, leaves its outputs
 
         device = next((leaf.device for leaf in entry.inputs if isinstance(leaf, torch.Tensor)), None)
-        graph = StepGraph(call, capture=True, device=device, pool=self.graphs.pool)
+        if self.graphs.stream is None and device is not None and device.type == "cuda":
+            self.graphs.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        graph = StepGraph(call, capture=True, device=device, pool=self.graphs.pool, stream=self.graphs.stream)
         if self.graphs.pool is None:
             self.graphs.pool = graph.pool()
         entry.outputs, entry.out_spec = tree_flatten(captured[0])

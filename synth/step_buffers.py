@@ -193,16 +193,18 @@ class StepGraph:
     WARMUP_RUNS = 2
 
     def __init__(self, fn: Callable[[], None], *, capture: bool, device: torch.device | None = None, pool: Any = None,
-                 generators: Sequence[torch.Generator] = ()) -> None:
+                 generators: Sequence[torch.Generator] = (), stream: Any = None) -> None:
+        """`stream`: the side stream to warm up and capture on, one per owner of a pool (its warm-up temporaries
+        stay cached on one stream, not spread over torch's pool of streams); None: a new one."""
         self.fn = fn
         self.graph: Any = None
         if capture:
-            self.graph = self._capture(fn, device, pool, generators)
+            self.graph = self._capture(fn, device, pool, generators, stream)
 
     @classmethod
     def _capture(cls, fn: Callable[[], None], device: torch.device | None, pool: Any,
-                 generators: Sequence[torch.Generator]) -> Any:
-        side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                 generators: Sequence[torch.Generator], stream: Any = None) -> Any:
+        side = stream if stream is not None else torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(cls.WARMUP_RUNS):

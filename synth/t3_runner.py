@@ -262,6 +262,7 @@ class T3Runner:
         self._decode_graphs: dict[tuple[int, int], StepGraph] = {}
         self._sample_graphs: dict[int, StepGraph] = {}
         self._graph_pool: Any = None
+        self._capture_stream: Any = None  # the side stream every capture of this runner warms up and captures on
         self.graph_parity = ""  # `check_graphs`: "bitwise" or "within tolerance"
         # each step's sampled ids go to the host through one of two buffers (two steps may be in flight)
         pin = device.type == "cuda"
@@ -703,8 +704,10 @@ class T3Runner:
             with torch.inference_mode():
                 fn()
 
+        if self.use_graphs and self.device.type == "cuda" and self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         graph = StepGraph(run, capture=self.use_graphs, device=self.device, pool=self._graph_pool,
-                          generators=generators)
+                          generators=generators, stream=self._capture_stream)
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         return graph

@@ -54,8 +54,8 @@ def _simulate_graphs(engine: Engine, monkeypatch: pytest.MonkeyPatch,
     """The engine's runner captures graphs as on a CUDA device, through `capture(fn, draws)` (`draws`: the
     function draws from generators, i.e. it is a sampling graph)."""
     engine.runner.use_graphs = True
-    monkeypatch.setattr(StepGraph, "_capture",
-                        classmethod(lambda cls, fn, device, pool, generators: capture(fn, bool(generators))))
+    monkeypatch.setattr(StepGraph, "_capture", classmethod(
+        lambda cls, fn, device, pool, generators, stream=None: capture(fn, bool(generators))))
 
 
 def _t3_engine(variant: Variant = "turbo", cuda_graphs: str = "auto") -> Engine:
