@@ -24,6 +24,7 @@ On a GPU the worker renders on its own CUDA stream, so its kernels overlap the d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -314,6 +315,7 @@ class VocoderWorker:
         # less than the jobs' margin (a job tick that started before it was known would not have started); cleared
         # by each drain
         self._live_opened = threading.Event()
+        self._render_stream: Any = None  # the worker thread's CUDA stream (None elsewhere)
         # a live turn's first segment is on its way from T3 (the engine sets it: Engine.turn_pending); any thread
         self.turn_pending: Callable[[], bool] = _never
         self.drains = 0  # inbox drains done
@@ -404,6 +406,7 @@ class VocoderWorker:
             device = self.vocoder.device
             gpu.bind_thread(device)
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+            self._render_stream = stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 while not self._stop.is_set():
                     if not self._speeches:
@@ -535,6 +538,10 @@ class VocoderWorker:
 
     def _voice_ready(self, ready: _VoiceReady) -> None:
         self._preparing.discard(ready.key)
+        if self._render_stream is not None:
+            # made on the preparation thread's stream, read on this one: freed later, a block must not go back to the
+            # preparer's stream while renders queued here still read it
+            _used_on(self._render_stream, ready.voice, ready.prompt)
         if ready.voice is not None:
             self._voices[ready.key] = ready.voice
             while len(self._voices) > PREPARED_VOICES:
@@ -747,3 +754,15 @@ def _awaits_first_audio(spec: StreamOpen, now_s: float) -> bool:
     """A live segment whose listener has been sent nothing yet (no playback report; without a listener clock, any
     segment): someone waits in silence for its first chunk (time to first audio)."""
     return spec.listener is None or spec.listener.buffered_s(now_s) is None
+
+
+def _used_on(stream: Any, *holders: object) -> None:
+    """`record_stream` every tensor in these (dataclasses of tensors and tuples of them): the caching allocator then
+    reuses a block freed later only once `stream` has passed that point."""
+    for holder in holders:
+        if isinstance(holder, torch.Tensor):
+            holder.record_stream(stream)
+        elif isinstance(holder, tuple):
+            _used_on(stream, *holder)
+        elif dataclasses.is_dataclass(holder) and not isinstance(holder, type):
+            _used_on(stream, *(getattr(holder, f.name) for f in dataclasses.fields(holder)))

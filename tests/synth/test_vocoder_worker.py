@@ -17,7 +17,16 @@ from synth.outlet import Outlet
 from synth.render_checkpoints import RenderInterrupted, stop_when
 from synth.tiny_s3gen import build_s3gen
 from synth.vocoder import Pcm, RenderJob, StreamingVocoder, VocoderStream, VocoderVoice
-from synth.vocoder_worker import JOB_TICK_MARGIN_FACTOR, ChunkPolicy, Feed, JobYield, Speech, StreamOpen, VocoderWorker
+from synth.vocoder_worker import (
+    JOB_TICK_MARGIN_FACTOR,
+    ChunkPolicy,
+    Feed,
+    JobYield,
+    Speech,
+    StreamOpen,
+    VocoderWorker,
+    _VoiceReady,
+)
 
 from tests.synth.conftest import Collector
 from tests.synth.test_vocoder import reference_wav, utterance
@@ -554,3 +563,23 @@ def test_a_job_render_stops_and_no_job_starts_while_a_live_turn_is_on_its_way_fr
     reference.job_yield = gpu_policy
     reference.turn_pending = lambda: True
     assert [speech.request_id for speech, _ in reference._due(time.monotonic())] == ["job"]
+
+
+def test_every_tensor_of_a_prepared_voice_and_its_prompt_cache_is_marked_used_on_the_render_stream(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A voice is prepared on the preparation thread's CUDA stream and read on the worker's: each of its tensors (the
+    prompt cache's nested ones included) gets `record_stream(worker stream)`, so that a block freed later is not
+    reused by the preparer while renders queued on the worker's stream still read it. (The CPU has no streams: the
+    walk is checked with record_stream recorded.)"""
+    marked: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: marked.append(id(tensor)))
+    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
+    prompt = setup.vocoder.prompt_cache(voice)
+    assert prompt is not None
+    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=2, on_sink_failed=lambda rid: None)
+    worker._render_stream = object()  # as on CUDA
+    worker._voice_ready(_VoiceReady(setup.voices[0].key, voice, prompt))
+    expected = [voice.prompt_tokens, voice.prompt_mels, voice.prompt_noise, voice.speaker, prompt.encoder.mu,
+                *prompt.encoder.layer_kv, *(key for step in prompt.steps for key in step.keys),
+                *(value for step in prompt.steps for value in step.values)]
+    assert {id(tensor) for tensor in expected} <= set(marked)
