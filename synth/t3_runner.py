@@ -316,7 +316,7 @@ class T3Runner:
     @torch.inference_mode()
     def text_embeds(self, text_ids: list[int]) -> torch.Tensor:
         """[n, dim]: token embeddings plus learned text positions (Llama)."""
-        ids = torch.tensor([text_ids], dtype=torch.long, device=self.device)  # [1, n]
+        (ids,) = self._upload(np.asarray([text_ids], dtype=np.int64))  # [1, n]
         emb = self.t3.text_emb(ids)
         if self.t3.hp.input_pos_emb == "learned":
             emb = emb + self.t3.text_pos_emb(ids)
@@ -549,8 +549,23 @@ class T3Runner:
 
     def place_logits(self, rows: list[int], logits: torch.Tensor) -> None:
         """Prefill logits [N, V] become the sampling input of `rows` (the step's other rows come from decode)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        (index,) = self._upload(np.asarray(rows, dtype=np.int64))
         self.logits.index_copy_(0, index, logits.float())
+
+    def _upload(self, *arrays: npt.NDArray[np.int64]) -> list[torch.Tensor]:
+        """int64 host arrays -> device tensors of their shapes, in one copy. On CUDA from pinned memory without
+        blocking: torch.tensor(list, device=cuda) copies from pageable memory, which waits for the stream's work
+        (with overlapped steps, the step in flight), and an admission's prefill builds several."""
+        flat = np.concatenate([a.ravel() for a in arrays]) if arrays else np.zeros(0, np.int64)
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(self.device, non_blocking=True)
+        out, start = [], 0
+        for a in arrays:
+            out.append(on_device[start:start + a.size].view(a.shape))
+            start += a.size
+        return out
 
     def step_shape(self, highest_row: int, longest_row_keys: int) -> tuple[int, int]:
         """(row bucket, key bucket) holding rows [0, highest_row] and `longest_row_keys` keys per row."""
@@ -835,10 +850,13 @@ class T3Runner:
         lengths = [e.shape[0] for _, _, e in items]
         total = sum(lengths)
         h = torch.cat([e for _, _, e in items]).to(self.dtype)[None]  # [1, T, dim]
-        item_of = torch.repeat_interleave(torch.arange(len(items), device=dev), torch.tensor(lengths, device=dev))
-        starts = torch.tensor([0, *lengths[:-1]], device=dev).cumsum(0)
-        local = torch.arange(total, device=dev) - starts[item_of]  # index within the item: [T]
-        pos = (torch.tensor([p for _, p, _ in items], device=dev)[item_of] + local)[None]  # [1, T]
+        # the index tensors are computed on the host and uploaded in one non-blocking copy (`_upload`)
+        lengths_np = np.asarray(lengths, dtype=np.int64)
+        item_of_np = np.repeat(np.arange(len(items), dtype=np.int64), lengths_np)  # the item of each new token: [T]
+        starts_np = np.concatenate([[0], np.cumsum(lengths_np)[:-1]]).astype(np.int64)
+        visible_np = np.asarray([p for _, p, _ in items], dtype=np.int64)
+        pos_np = visible_np[item_of_np] + np.arange(total, dtype=np.int64) - starts_np[item_of_np]  # [T]
+        starts = starts_np.tolist()
         # key columns: each distinct prefix once (as far as its items need), then the T new positions
         blocks: list[tuple[PrefixKV, int]] = []
         block_of_item: list[int] = []
@@ -852,23 +870,27 @@ class T3Runner:
                 index = len(blocks) - 1
             blocks[index] = (prefix, max(blocks[index][1], prefix_len))
             block_of_item.append(index)
-        col_block = torch.cat([torch.full((n,), b, device=dev) for b, (_, n) in enumerate(blocks)] or
-                              [torch.zeros(0, dtype=torch.long, device=dev)])
-        col_offset = torch.cat([torch.arange(n, device=dev) for _, n in blocks] or
-                               [torch.zeros(0, dtype=torch.long, device=dev)])
-        tok_block = torch.tensor(block_of_item, device=dev)[item_of]
-        tok_visible = torch.tensor([p for _, p, _ in items], device=dev)[item_of]
+        col_block_np = np.concatenate([np.full(n, b, dtype=np.int64) for b, (_, n) in enumerate(blocks)] or
+                                      [np.zeros(0, np.int64)])
+        col_offset_np = np.concatenate([np.arange(n, dtype=np.int64) for _, n in blocks] or [np.zeros(0, np.int64)])
+        tok_block_np = np.asarray(block_of_item, dtype=np.int64)[item_of_np]
+        row_of_tok_np = np.asarray(rows, dtype=np.int64)[item_of_np] if rows is not None else np.zeros(0, np.int64)
+        last_np = np.cumsum(lengths_np) - 1
+        item_of, pos_flat, col_block, col_offset, tok_block, tok_visible, row_of_tok_all, last = self._upload(
+            item_of_np, pos_np, col_block_np, col_offset_np, tok_block_np, visible_np[item_of_np], row_of_tok_np,
+            last_np)
+        pos = pos_flat[None]  # [1, T]
         sees_prefix = (col_block[None] == tok_block[:, None]) & (col_offset[None] < tok_visible[:, None])
         new = torch.arange(total, device=dev)
         sees_new = (item_of[None] == item_of[:, None]) & (new[None] <= new[:, None])
         mask = torch.cat([sees_prefix, sees_new], dim=1)[None, None]  # [1, 1, T, P_all + T]
         collected_k: list[torch.Tensor] = []
         collected_v: list[torch.Tensor] = []
-        row_of_tok = torch.tensor(rows, device=dev)[item_of] if rows is not None else None
+        row_of_tok = row_of_tok_all if rows is not None else None
         captured_heads = [(layer, head) for layer, head in self.capture_heads if capture]
         if capture:
             self.captured_prefill = {}
-            self.captured_layout = (sum(n for _, n in blocks), starts.tolist())
+            self.captured_layout = (sum(n for _, n in blocks), starts)
 
         # CPU, per item: the whole visible prefix, then causal over its own tokens ([n, seen + n])
         seen_of_item = [prefix_len if prefix is not None else 0 for prefix, prefix_len, _ in items]
@@ -881,7 +903,7 @@ class T3Runner:
             prefixes and tokens, and the CPU SDPA kernel's blocking follows that length (on an Intel Xeon with
             AMX a packed item's keys changed in the last bit: tests/synth/test_t3_runner.py)."""
             outs = []
-            for (prefix, _, _), seen, start, n, item_mask in zip(items, seen_of_item, starts.tolist(), lengths,
+            for (prefix, _, _), seen, start, n, item_mask in zip(items, seen_of_item, starts, lengths,
                                                                   item_masks, strict=True):
                 own_k, own_v = k[:, :, start:start + n], v[:, :, start:start + n]
                 if prefix is not None and seen:
@@ -912,7 +934,6 @@ class T3Runner:
         hidden = self._layers(h, pos, attend)
         if collect:
             return hidden.new_zeros(0), collected_k, collected_v
-        last = torch.tensor(lengths, device=dev).cumsum(0) - 1
         return self._lin(self.t3.speech_head, hidden[0, last]), collected_k, collected_v
 
     def _layers(self, h: torch.Tensor, pos: torch.Tensor, attend: Attend) -> torch.Tensor:
