@@ -367,17 +367,24 @@ def test_a_stopped_render_leaves_its_streams_as_they_were(setup: Setup) -> None:
         assert np.concatenate(have).tobytes() == np.concatenate(want).tobytes()
 
 
-def test_a_job_render_stops_when_a_live_turn_opens_or_a_live_listener_runs_low(setup: Setup) -> None:
-    """On a CPU a job tick's render stops at its next stage boundary once a live turn's stream is fed (the engine
-    thread's `feed`), or once a live listener holds less than JobYield.stop_below_s; nothing of it reaches the job's
-    outlet, and the job renders that chunk later. A live tick is never stopped."""
+def _worker_with_a_job(setup: Setup) -> tuple[VocoderWorker, Collector, VocoderVoice]:
+    """A worker (not started: the test drives it) holding one job segment's stream, its 40 tokens all in, ready to
+    render; its collector and the prepared voice."""
     worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
-    col, now = Collector(), time.monotonic()
+    col = Collector()
     worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
     worker._drain(block=False)
     voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
     worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
-    job_tick = worker._due(now)
+    return worker, col, voice
+
+
+def test_a_job_render_stops_when_a_live_turn_opens_or_a_live_listener_runs_low(setup: Setup) -> None:
+    """On a CPU a job tick's render stops at its next stage boundary once a live turn's stream is fed (the engine
+    thread's `feed`), or once a live listener holds less than JobYield.stop_below_s; nothing of it reaches the job's
+    outlet, and the job renders that chunk later. A live tick is never stopped."""
+    worker, col, voice = _worker_with_a_job(setup)
+    job_tick = worker._due(time.monotonic())
     assert [speech.request_id for speech, _ in job_tick] == ["job"]
     turn = ListenerClock()
     worker.feed([open_stream(setup, col, "turn", setup.voices[0], 9, turn, reproducible=False),
@@ -413,12 +420,7 @@ def test_a_job_render_stops_for_a_later_segment_whose_listener_runs_low(setup: S
     open with no chunk due yet; and a segment whose stream opens mid-render (fed by the engine thread) with its
     listener under the jobs' margin stops it too (had the worker known of it, the job tick would not have
     started)."""
-    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
-    col = Collector()
-    worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
-    worker._drain(block=False)
-    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
-    worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    worker, col, voice = _worker_with_a_job(setup)
     listener = ListenerClock()
     listener.report(sent_audio_s=3.0, started_monotonic_s=time.monotonic())  # the session's listener holds 3 s
     worker.feed([open_stream(setup, col, "second", setup.voices[0], 9, listener, reproducible=False),
@@ -526,12 +528,7 @@ def test_a_job_render_stops_and_no_job_starts_while_a_live_turn_is_on_its_way_fr
     render stops at its next stage boundary and no job chunk is due, so that the decode may borrow the idle vocoder's
     threads for the turn's prefill and first ids. Once nothing is pending the job renders that chunk, to the bits it
     renders never stopped."""
-    worker = VocoderWorker(setup.vocoder, POLICY, threads=1, max_batch=8, on_sink_failed=lambda rid: None)
-    col = Collector()
-    worker.feed([open_stream(setup, col, "job", setup.voices[0], 7, live=False), final("job", utterance(40, 7), 40)])
-    worker._drain(block=False)
-    voice = setup.vocoder.prepare_voice(setup.voices[0].s3gen_ref)
-    worker._start_stream(worker._speeches["job"], voice, setup.vocoder.prompt_cache(voice))
+    worker, col, voice = _worker_with_a_job(setup)
     job_tick = worker._due(time.monotonic())
     assert [speech.request_id for speech, _ in job_tick] == ["job"]
     asked = [0]

@@ -127,6 +127,13 @@ async def sqlite_store(directory: Path) -> AsyncIterator[JobStore]:
         await store.stop()
 
 
+def one_store(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> AbstractAsyncContextManager[JobStore]:
+    """A started store of `backend` ("redis": the real redis-server fixture; "sqlite": under tmp_path)."""
+    if backend == "redis":
+        return redis_store(request.getfixturevalue("redis"), fresh_prefix(), "w1")
+    return sqlite_store(tmp_path / "jobs")
+
+
 def sender(receiver: Receiver) -> WebhookSender:
     return WebhookSender(AllowList.parse(["127.0.0.0/8"]), lambda key_id: webhook_secret(ROOT, key_id))
 
@@ -335,12 +342,8 @@ def test_a_passing_store_fault_costs_the_job_time_not_the_job(backend: str, requ
         assert sorted(engine.rendered) == list(range(SEGMENTS))
 
     async def on_backend() -> None:
-        if backend == "redis":
-            async with redis_store(request.getfixturevalue("redis"), fresh_prefix(), "w1") as store:
-                await scenario(store)
-        else:
-            async with sqlite_store(tmp_path / "jobs") as store:
-                await scenario(store)
+        async with one_store(backend, request, tmp_path) as store:
+            await scenario(store)
 
     run(on_backend())
 
@@ -590,12 +593,8 @@ def test_a_runner_stopped_mid_attempt_gives_the_webhook_back_due_at_once(backend
     async def on_backend() -> None:
         await receiver.start()
         try:
-            if backend == "redis":
-                async with redis_store(request.getfixturevalue("redis"), fresh_prefix(), "w1") as store:
-                    await scenario(store)
-            else:
-                async with sqlite_store(tmp_path / "jobs") as store:
-                    await scenario(store)
+            async with one_store(backend, request, tmp_path) as store:
+                await scenario(store)
         finally:
             hold.set()
             await receiver.stop()
