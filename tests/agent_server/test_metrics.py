@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,9 @@ def test_metrics_count_the_traffic(tmp_path: Path) -> None:
     assert value(s, "tts_engine_decode_step_seconds_count") > 0
     assert value(s, "tts_engine_slot_steps_total") >= value(s, "tts_engine_decode_step_seconds_count")
     segments = sum(len(log.segments_started) for log in done)
-    assert segments + 1 <= value(s, "tts_engine_prefills_total") <= segments + len(doomed.segments_started)
+    # (+1 at most beside the doomed context's started segments: its next segment may be prefilled before the cancel
+    # and never reported started; a loaded machine made it so once)
+    assert segments + 1 <= value(s, "tts_engine_prefills_total") <= segments + len(doomed.segments_started) + 1
     assert value(s, "tts_engine_max_slots") == 4
     assert value(s, "tts_server_ready") == 1 and value(s, "tts_random_weights") == 1
     # low cardinality: no session or context ids anywhere, buckets sized to the real-time budget
@@ -273,14 +276,20 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
             assert all(set(snap) >= {"waiting", "contexts", "busy", "decode"} for snap in history)
 
             # an open dashboard does not hold up shutdown: the stream ends when the server drains
-            ended = threading.Event()
+            ended, streaming = threading.Event(), threading.Event()
+            events_read = [0]
+
+            def counted() -> None:
+                events_read[0] += 1
+                if events_read[0] >= 2:  # the hello and a sample
+                    streaming.set()
 
             def watch() -> None:
-                read_stream(server.http_url, until_end=True)
+                read_stream(server.http_url, until_end=True, on_event=counted)
                 ended.set()
 
             threading.Thread(target=watch, daemon=True).start()
-            time.sleep(0.3)
+            assert streaming.wait(10)  # the stream is open and sampling (a loaded machine: not a fixed sleep)
             t0_s = time.monotonic()
             server.stop(timeout_s=10)
             assert ended.wait(5) and time.monotonic() - t0_s < 5
@@ -292,8 +301,10 @@ def test_dashboard_stream_and_metrics_port(tmp_path: Path) -> None:
     assert m.hub.engine is None or not m.hub.engine.alive
 
 
-def read_stream(url: str, until_end: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The hello and the first sample of /dashboard/stream (with until_end: read on until the server ends it)."""
+def read_stream(url: str, until_end: bool = False,
+                on_event: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The hello and the first sample of /dashboard/stream (with until_end: read on until the server ends it);
+    `on_event` is called after each event read."""
     events: list[tuple[str, dict[str, Any]]] = []
     with httpx.stream("GET", url + "/dashboard/stream", timeout=10) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -303,6 +314,7 @@ def read_stream(url: str, until_end: bool = False) -> tuple[dict[str, Any], dict
                 kind = line[len("event: ") :]
             elif line.startswith("data: "):
                 events.append((kind, orjson.loads(line[len("data: ") :])))
+                on_event()
                 if not until_end and len(events) == 2:
                     break
     assert events[0][0] == "hello" and events[1][0] == "sample"
