@@ -405,13 +405,7 @@ class Scheduler:
         """A live segment holds rows here and its listener holds less than `held_s` seconds of audio (or has not
         reported any yet). One clock read per live segment (`ListenerClock`: the session writes it on its thread)."""
         now_s = time.monotonic()
-        for state in self.running:
-            listener = state.request.listener
-            if state.is_live and listener is not None:
-                held = listener.buffered_s(now_s)
-                if held is None or held < held_s:
-                    return True
-        return False
+        return any(state.is_live and _listener_short(state, held_s, now_s) for state in self.running)
 
     def turn_pending(self) -> bool:
         """A live segment someone waits for is on its way to the vocoder (waiting in the queue, or holding rows with
@@ -439,14 +433,7 @@ class Scheduler:
                                   & (table.n_valid == 0))
         coming = [s for _, _, s in self._waiting if s.status == Status.WAITING and s.is_live]
         coming += [owner for row in starting if (owner := self._row_owner.get(int(row))) is not None and owner.is_live]
-        for state in coming:
-            listener = state.request.listener
-            if listener is None:  # (no clock: as `live_listener_short`, it holds nothing back)
-                continue
-            held = listener.buffered_s(now_s)
-            if held is None or held < held_s:
-                return True
-        return False
+        return any(_listener_short(state, held_s, now_s) for state in coming)
 
     def first_turn_below(self, ids: int) -> bool:
         """A live turn's first segment holds rows here and has sampled fewer than `ids` valid ids."""
@@ -532,3 +519,13 @@ class SharedAdmissions:
             self._served[best] = next(self._admissions)
             counts[best] += 1
         return counts
+
+
+def _listener_short(state: SegmentState, held_s: float, now_s: float) -> bool:
+    """The segment's listener clock holds less than `held_s` seconds of audio, or has reported none; a segment
+    without a clock holds nothing back. One clock read (`ListenerClock`: the session writes it on its thread)."""
+    listener = state.request.listener
+    if listener is None:
+        return False
+    held = listener.buffered_s(now_s)
+    return held is None or held < held_s
